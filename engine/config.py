@@ -1,0 +1,284 @@
+"""One typed config tree, parsed once at the edge: a TOML file, then `--section.key=value` overrides, then the
+ZeroBand-compatible environment variables. Every rule is checked here, once; the rest of the engine trusts it.
+
+    cfg = load_config("configs/debug.toml", ["--optim.lr=1e-3"], environ=world_env)
+
+Errors are one line: `ConfigError: configs/debug.toml: optim.lr: Input should be a valid number`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the file and the key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    preset: Literal["debug", "15m", "150m", "1b"] = "debug"
+    # a local folder in transformers format (config.json, optionally weights); overrides the preset's shape
+    path: str | None = None
+    # None: taken from the tokenizer (byte-level: 258)
+    vocab_size: int | None = Field(default=None, gt=0)
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+class DataConfig(_Section):
+    fake: bool = False
+    # a file, folder or glob of .txt/.md/.jsonl files; required unless fake
+    path: str | None = None
+    text_field: str = "text"
+    # a local transformers tokenizer folder; None: the built-in byte-level tokenizer
+    tokenizer: str | None = None
+    seq_len: int = Field(default=256, gt=1)
+    # percent of documents (chosen by a hash of their text) held out for eval
+    eval_percent: float = Field(default=2.0, ge=0, lt=100)
+
+
+class TrainConfig(_Section):
+    micro_batch_size: int = Field(default=8, gt=0)  # sequences per device per forward
+    batch_size: int = Field(default=8, gt=0)  # sequences per optimizer step across this node's workers
+    max_steps: int = Field(default=100, gt=0)  # inner optimizer steps in total
+    seed: int = 1337
+    precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    log_interval: int = Field(default=1, gt=0)
+    eval_interval: int = Field(default=0, ge=0)  # 0: no periodic eval
+    eval_batches: int = Field(default=4, gt=0)
+
+
+class OptimConfig(_Section):
+    lr: float = Field(default=4e-4, gt=0)
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    warmup_steps: int = Field(default=10, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    clip_norm: float = Field(default=1.0, ge=0)  # 0: no clipping
+
+
+class InnerConfig(_Section):
+    strategy: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = "ddp"
+    # FSDP2: free unsharded parameters after forward (FULL_SHARD) or keep them (SHARD_GRAD_OP)
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy
+    offload_optimizer: bool = False  # DeepSpeed ZeRO
+    offload_params: bool = False  # DeepSpeed ZeRO-3
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class DilocoConfig(_Section):
+    enabled: bool = False
+    inner_steps: int = Field(default=50, gt=0)  # H
+    outer_optimizer: Literal["nesterov", "sgd", "average"] = "nesterov"
+    outer_lr: float = Field(default=0.7, gt=0)
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    compression: Literal["none", "bf16", "fp16", "int8"] = "none"
+    min_nodes: int = Field(default=1, gt=0)  # nodes the first outer step waits for (bounded by mesh.start_timeout)
+    allreduce_timeout: float = Field(default=30.0, gt=0)
+    max_attempts: int = Field(default=5, gt=0)  # redo an outer step at most this often after failures
+
+
+class MeshConfig(_Section):
+    store_addr: str = "127.0.0.1"
+    store_port: int = Field(default=29600, gt=0, lt=65536)
+    node_id: str | None = None  # None: hostname-pid
+    heartbeat_interval: float = Field(default=1.0, gt=0)
+    heartbeat_timeout: float = Field(default=6.0, gt=0)
+    store_timeout: float = Field(default=30.0, gt=0)  # connecting to and waiting on the store
+    polling_interval: float = Field(default=0.1, gt=0)
+    start_timeout: float = Field(default=60.0, gt=0)  # how long the first boundary waits for diloco.min_nodes
+    join_timeout: float = Field(default=600.0, gt=0)  # how long a joiner waits to be admitted
+    drain_file: str | None = None  # a file whose appearance requests a drain (for hosts without signals)
+
+    @model_validator(mode="after")
+    def _timeout_exceeds_interval(self) -> "MeshConfig":
+        if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
+            raise ValueError("heartbeat_timeout must exceed twice heartbeat_interval")
+        return self
+
+
+class CkptConfig(_Section):
+    dir: str | None = None  # None: <run.dir>/checkpoints
+    interval: int = Field(default=0, ge=0)  # steps; 0: only at the end
+    keep: int = Field(default=2, gt=0)
+    resume: str | None = None  # a checkpoint folder, or "latest"
+    export_dir: str | None = None  # transformers folder for the final weights; None: no export
+
+
+class TelemetryConfig(_Section):
+    resource_interval: float = Field(default=5.0, gt=0)
+    human: bool = True  # progress lines on stderr
+    all_ranks: bool = False  # JSON events from every rank, not only local rank 0
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    dir: str = "runs/run"
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    inner: InnerConfig = InnerConfig()
+    diloco: DilocoConfig = DilocoConfig()
+    mesh: MeshConfig = MeshConfig()
+    ckpt: CkptConfig = CkptConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+
+    @model_validator(mode="after")
+    def _cross_rules(self) -> "Config":
+        if not self.data.fake and not self.data.path:
+            raise ValueError("data.path is required unless data.fake = true")
+        if self.train.batch_size % self.train.micro_batch_size:
+            raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of "
+                             f"train.micro_batch_size ({self.train.micro_batch_size})")
+        if self.train.precision == "fp16-mixed" and self.inner.strategy == "fsdp":
+            raise ValueError("train.precision fp16-mixed is not supported with inner.strategy fsdp (use bf16-mixed)")
+        return self
+
+
+def grad_accum_steps(train: TrainConfig, local_world_size: int, source: str = "config") -> int:
+    """Micro-steps per optimizer step so that batch_size sequences are seen across this node's workers."""
+    per_round = train.micro_batch_size * local_world_size
+    if train.batch_size % per_round:
+        raise ConfigError(f"{source}: train.batch_size ({train.batch_size}) is not divisible by "
+                          f"train.micro_batch_size x workers ({train.micro_batch_size} x {local_world_size})")
+    return train.batch_size // per_round
+
+
+# ZeroBand-compatible environment variables and the config keys they set.
+ZERO_BAND_ENV = {
+    "ZERO_BAND_LOG_LEVEL": None,  # read by world.py, not a config key
+    "ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "mesh.store_timeout",
+    "ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS": "mesh.polling_interval",
+    "ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS": "mesh.heartbeat_interval",
+    "ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "mesh.heartbeat_timeout",
+}
+GLOBAL_ENV = {
+    "GLOBAL_ADDR": "mesh.store_addr",
+    "GLOBAL_PORT": "mesh.store_port",
+    "GLOBAL_UNIQUE_ID": "mesh.node_id",
+}
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    """Config keys set by the environment. An unknown ZERO_BAND_* variable is an error (likely a typo)."""
+    out: dict[str, str] = {}
+    for name, value in environ.items():
+        if name.startswith("ZERO_BAND_"):
+            if name not in ZERO_BAND_ENV:
+                known = ", ".join(sorted(ZERO_BAND_ENV))
+                raise ConfigError(f"environment: unknown variable {name} (known: {known})")
+            key = ZERO_BAND_ENV[name]
+            if key:
+                out[key] = value
+        elif name in GLOBAL_ENV:
+            out[GLOBAL_ENV[name]] = value
+    return out
+
+
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--section.key=value` or `--section.key value` -> {"section.key": "value"}."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"command line: expected --section.key=value, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:  # a bare flag means true
+            key, value = arg[2:], "true"
+        out[key] = value
+        i += 1
+    return out
+
+
+def _coerce(text: str) -> Any:
+    """A command-line value as TOML would read it (1e-3 -> float, true -> bool), else the plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    extra = f" ({len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}: {loc + ': ' if loc else ''}{msg}{extra}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, str] = (),
+                environ: Mapping[str, str] | None = None) -> Config:
+    """File, then environment, then command line (the command line wins)."""
+    source = str(path) if path is not None else "defaults"
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    for key, value in env_overrides(environ or {}).items():
+        _set_dotted(tree, key, _coerce(value), "environment")
+    pairs = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    for key, value in pairs.items():
+        _set_dotted(tree, key, _coerce(value) if isinstance(value, str) else value, "command line")
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None
+
+
+def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco")) -> str:
+    """A short hash of the parts of the config every node of one run must share."""
+    dumped = cfg.model_dump()
+    picked: dict[str, Any] = {}
+    for name in sections:
+        head, _, tail = name.partition(".")
+        picked[name] = dumped[head][tail] if tail else dumped[head]
+    # min_nodes and timeouts may differ between nodes without harm
+    if "diloco" in picked:
+        picked["diloco"] = {k: v for k, v in picked["diloco"].items()
+                            if k in ("enabled", "inner_steps", "outer_optimizer", "outer_lr",
+                                     "outer_momentum", "compression")}
+    blob = json.dumps(picked, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]

@@ -1,0 +1,180 @@
+"""The telemetry contract between the engine and the console: one JSON object per line.
+
+This module is imported by the console, so it must never import torch (or anything heavy).
+
+Every event carries the common fields
+
+    v     schema version (SCHEMA_VERSION); a reader rejects lines of a newer major version
+    type  one of EVENT_FIELDS
+    ts    unix time (float, seconds) on the emitting host
+    node  the node id (GLOBAL_UNIQUE_ID)
+    rank  the process rank inside its node (torchrun's RANK); -1 for node-level processes (the store)
+
+plus the fields listed for its type below. Extra fields are allowed (forward compatible); missing or
+mistyped required fields make a line malformed. Add a field: keep SCHEMA_VERSION. Remove or retype one: bump it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable, TextIO
+
+SCHEMA_VERSION = 1
+
+_num = (int, float)
+_opt_num = (int, float, type(None))
+
+# type -> {field: accepted python types}. The docs (docs/telemetry.md) list what each field means.
+EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    # a training process started: identity and the shape of the run
+    "run_start": {"pid": (int,), "host": (str,), "world_size": (int,), "config_digest": (str,),
+                  "strategy": (str,), "max_steps": (int,)},
+    # one optimizer step of the inner loop (logged every log_interval steps)
+    "step": {"step": (int,), "loss": _num, "lr": _num, "tokens_per_s": _num, "grad_norm": _opt_num},
+    # held-out loss
+    "eval": {"step": (int,), "loss": _num},
+    # a checkpoint was committed (path is the finished folder)
+    "checkpoint": {"step": (int,), "path": (str,), "seconds": _num},
+    # final weights exported in transformers format
+    "export": {"step": (int,), "path": (str,)},
+    # resource sample: device is "gpu" (NVML) or "cpu" (psutil); util in percent; memory in bytes
+    "resource": {"device": (str,), "util": _num, "mem_used": (int,), "mem_total": (int,)},
+    # node lifecycle as the node itself sees it: starting, joining, training, draining, left
+    "state": {"state": (str,)},
+    # one DiLoCo outer step committed
+    "outer_step": {"outer_step": (int,), "step": (int,), "generation": (int,), "members": (list,),
+                   "pgrad_norm": _num, "bytes_sent": (int,), "allreduce_s": _num, "checksum": (str,)},
+    # a membership change seen by this node: joined, drained, left, dead, leader
+    "membership": {"change": (str,), "subject": (str,), "generation": (int,), "members": (list,)},
+    # this node's heartbeat and its view of every peer's heartbeat age in seconds
+    "heartbeat": {"seq": (int,), "peers": (dict,)},
+    # the node finished draining: its last round was contributed and it is leaving
+    "drained": {"outer_step": (int,), "step": (int,)},
+    "warning": {"message": (str,)},
+    "error": {"message": (str,)},
+    # the process is about to exit; status is completed, drained, stopped or failed
+    "run_end": {"status": (str,), "step": (int,)},
+}
+
+NODE_STATES = ("starting", "joining", "training", "draining", "left")
+RUN_END_STATUSES = ("completed", "drained", "stopped", "failed")
+MEMBERSHIP_CHANGES = ("joined", "drained", "left", "dead", "leader", "rejected")
+
+
+class BadEvent(ValueError):
+    """A line on an event stream that is not a valid event of this schema."""
+
+
+def make_event(type_: str, node: str, rank: int, ts: float | None = None, **fields: Any) -> dict[str, Any]:
+    """Build an event dict; raises BadEvent if a required field is missing or mistyped."""
+    event = {"v": SCHEMA_VERSION, "type": type_, "ts": time.time() if ts is None else ts,
+             "node": node, "rank": rank, **fields}
+    validate(event)
+    return event
+
+
+def validate(event: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(event, dict):
+        raise BadEvent("event is not a JSON object")
+    version = event.get("v")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise BadEvent("missing schema version 'v'")
+    if version > SCHEMA_VERSION:
+        raise BadEvent(f"schema version {version} is newer than this reader's {SCHEMA_VERSION}")
+    type_ = event.get("type")
+    spec = EVENT_FIELDS.get(type_)  # type: ignore[arg-type]
+    if spec is None:
+        raise BadEvent(f"unknown event type {type_!r}")
+    if not isinstance(event.get("ts"), _num) or not isinstance(event.get("node"), str) \
+            or not isinstance(event.get("rank"), int):
+        raise BadEvent(f"{type_}: common fields ts/node/rank missing or mistyped")
+    for name, types in spec.items():
+        value = event.get(name, _MISSING)
+        if value is _MISSING:
+            raise BadEvent(f"{type_}: missing field {name!r}")
+        # bool is an int subclass; a bool where a number belongs is a producer bug
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
+    return event
+
+
+_MISSING = object()
+
+
+def encode(event: dict[str, Any]) -> str:
+    return json.dumps(event, separators=(",", ":"), allow_nan=False, default=str)
+
+
+def parse_line(line: str | bytes) -> dict[str, Any]:
+    """Parse and validate one line of an event stream. Raises BadEvent for anything else."""
+    try:
+        event = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadEvent(f"not JSON: {e}") from None
+    return validate(event)
+
+
+def format_human(event: dict[str, Any]) -> str | None:
+    """The one-line progress text for a person watching stderr; None for events not worth a line."""
+    t = event["type"]
+    who = f"[{event['node']}:{event['rank']}]"
+    if t == "step":
+        gn = event["grad_norm"]
+        gn_text = f" gnorm {gn:.3f}" if gn is not None else ""
+        return (f"{who} step {event['step']:>6} loss {event['loss']:.4f} lr {event['lr']:.2e}"
+                f" {event['tokens_per_s']:,.0f} tok/s{gn_text}")
+    if t == "eval":
+        return f"{who} eval  step {event['step']:>6} loss {event['loss']:.4f}"
+    if t == "outer_step":
+        return (f"{who} outer {event['outer_step']:>4} gen {event['generation']} members {len(event['members'])}"
+                f" pgrad {event['pgrad_norm']:.4f} allreduce {event['allreduce_s']:.2f}s sum {event['checksum']}")
+    if t == "membership":
+        return f"{who} membership {event['change']} {event['subject']} -> {len(event['members'])} members"
+    if t in ("checkpoint", "export"):
+        return f"{who} {t} step {event['step']} -> {event['path']}"
+    if t in ("warning", "error"):
+        return f"{who} {t.upper()}: {event['message']}"
+    if t == "run_start":
+        return f"{who} start pid {event['pid']} on {event['host']} ({event['strategy']}, {event['max_steps']} steps)"
+    if t == "run_end":
+        return f"{who} end {event['status']} at step {event['step']}"
+    if t in ("state", "drained"):
+        return f"{who} {t} {event.get('state', '')}".rstrip()
+    return None
+
+
+class Telemetry:
+    """Emits events to sinks: JSON lines on stdout (the contract) and a human line on stderr.
+
+    Thread-safe: the heartbeat and resource threads emit alongside the training loop.
+    """
+
+    def __init__(self, node: str, rank: int, *, json_out: TextIO | None = None, human_out: TextIO | None = None,
+                 enabled: bool = True, extra_sinks: Iterable[Callable[[dict[str, Any]], None]] = ()):
+        self.node = node
+        self.rank = rank
+        self.enabled = enabled
+        self._json_out = json_out if json_out is not None else sys.stdout
+        self._human_out = human_out
+        self._sinks = list(extra_sinks)
+        self._lock = threading.Lock()
+
+    def emit(self, type_: str, **fields: Any) -> dict[str, Any]:
+        event = make_event(type_, self.node, self.rank, **fields)
+        if not self.enabled:
+            return event
+        line = encode(event)
+        with self._lock:
+            self._json_out.write(line + "\n")
+            self._json_out.flush()
+            if self._human_out is not None:
+                text = format_human(event)
+                if text is not None:
+                    self._human_out.write(text + "\n")
+                    self._human_out.flush()
+            for sink in self._sinks:
+                sink(event)
+        return event
