@@ -1,0 +1,38 @@
+"""Fixtures shared by every test module: free ports, and processes that always end (by process group)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from procs import ProcessTracker, free_port  # noqa: E402
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+@pytest.fixture
+def procs():
+    """Start processes through this; every one still running at teardown is killed with its process group."""
+    tracker = ProcessTracker()
+    yield tracker
+    tracker.kill_all()
+
+
+@pytest.fixture(autouse=True)
+def _quiet_threads(monkeypatch):
+    # tiny models on 2 cores: more intra-op threads only add contention between test processes
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))

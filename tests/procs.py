@@ -1,0 +1,65 @@
+"""Process helpers for tests: every process gets its own process group, a timeout, and is killed by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_BAND_", "GLOBAL_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+class ProcessTracker:
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | str | None = None,
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text: bool = True) -> subprocess.Popen:
+        proc = subprocess.Popen(args, env=env or engine_env(), cwd=cwd or ROOT, stdout=stdout, stderr=stderr,
+                                text=text, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, args: list[str], *, timeout: float, **kw) -> subprocess.CompletedProcess:
+        """Run to completion; on timeout kill the whole process group and fail loudly with its output."""
+        proc = self.start(args, **kw)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc)
+            out, err = proc.communicate()
+            raise AssertionError(f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}")
+        return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            kill_group(proc)
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
