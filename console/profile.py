@@ -1,0 +1,374 @@
+"""Profiles: which hosts run the cluster, how to reach them, and what they train. TOML, read and written with tomlkit.
+
+    profile = load_profile("profiles/lab.toml")      # -> Profile, or ProfileError("profiles/lab.toml:14: hosts.node-b.port: ...")
+    add_host("profiles/lab.toml", "node-d", address="10.0.0.4")   # comments and layout of the file are kept
+
+Layout (profiles/lab.toml documents every option):
+
+    [run]       name, dir (relative to each host's workdir unless absolute)
+    [store]     host (the profile host that runs it), address (what engines dial), bind, port
+    [engine]    config (an engine TOML, relative to the workdir), overrides = { "train.max_steps" = 200 }
+    [console]   poll_interval, stop_timeout
+    [defaults]  any host option; each host inherits what it does not set ([defaults.env] merges per key)
+    [hosts.NAME] transport, address, port, user, identity_file, jump_host, ssh_alias, ssh_config, known_hosts,
+                accept_new_host_key, connect_timeout, python | venv, workdir, env, workers, rdzv_port, standby,
+                overrides
+
+A bad profile is one line naming the file, the line and the key; nothing starts from it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import tomlkit
+import tomlkit.exceptions
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_STORE_PORT = 29600
+
+
+class ProfileError(ValueError):
+    """A bad profile: `FILE:LINE: KEY: what is wrong`."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSpec(_Spec):
+    name: str = Field(default="run", min_length=1)
+    dir: str = "runs/run"
+
+
+class StoreSpec(_Spec):
+    host: str | None = None  # the profile host that runs the store; None: the first non-standby host
+    address: str | None = None  # what engines dial; None: that host's address (127.0.0.1 for a local host)
+    bind: str | None = None  # the store's listen address; None: the address
+    port: int = Field(default=DEFAULT_STORE_PORT, gt=0, lt=65536)
+
+
+class EngineSpec(_Spec):
+    config: str  # an engine TOML under configs/, relative to each host's workdir
+    overrides: dict[str, Any] = {}  # "section.key" -> value, as `--section.key=value` on the command line
+
+    @field_validator("overrides")
+    @classmethod
+    def _dotted(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if "." not in key:
+                raise ValueError(f"override {key!r} is not of the form section.key")
+            if isinstance(item, (dict, list)):
+                raise ValueError(f"override {key!r} must be a single value")
+        return value
+
+
+class ConsoleSpec(_Spec):
+    poll_interval: float = Field(default=1.0, gt=0)  # seconds between liveness checks of each engine
+    stop_timeout: float = Field(default=30.0, gt=0)  # how long stop() lets engines end before killing them
+
+
+class HostSpec(_Spec):
+    name: str
+    transport: Literal["local", "ssh"] = "ssh"
+    address: str | None = None  # None: the name itself (or the ssh_alias)
+    port: int | None = Field(default=None, gt=0, lt=65536)  # None: ~/.ssh/config or 22
+    user: str | None = None  # None: ~/.ssh/config or the local user
+    identity_file: str | None = None
+    jump_host: str | None = None  # [user@]host[:port], like ssh -J
+    ssh_alias: str | None = None  # a Host entry of ~/.ssh/config (HostName, Port, User, ProxyJump come from it)
+    ssh_config: str | None = None  # None: ~/.ssh/config when present
+    known_hosts: str | None = None  # None: ~/.ssh/known_hosts
+    accept_new_host_key: bool = False  # opt-in: trust (and record) the key of a host not yet in known_hosts
+    connect_timeout: float = Field(default=10.0, gt=0)
+    python: str = "python3"  # the interpreter on the host
+    venv: str | None = None  # a virtual environment on the host; wins over python (venv/bin/python)
+    workdir: str = "."  # the repository checkout on the host; run dirs and configs are relative to it
+    env: dict[str, str] = {}
+    workers: int = Field(default=1, gt=0)  # processes per host (torch.distributed.run when > 1)
+    rdzv_port: int | None = Field(default=None, gt=0, lt=65536)  # local rendezvous port when workers > 1
+    standby: bool = False  # in the profile, ready to be added, not started with the cluster
+    overrides: dict[str, Any] = {}  # engine overrides for this host only (e.g. inner.device)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        # the name becomes a directory under the run dir and the node id on the mesh
+        if not value or value in (".", "..") or "/" in value or "\n" in value or "\0" in value:
+            raise ValueError("a host name must be non-empty, not . or .., without / or newlines")
+        return value
+
+    @model_validator(mode="after")
+    def _reachable(self) -> "HostSpec":
+        if self.transport == "local" and (self.jump_host or self.ssh_alias):
+            raise ValueError("jump_host and ssh_alias need transport = \"ssh\"")
+        return self
+
+    @property
+    def python_path(self) -> str:
+        return f"{self.venv.rstrip('/')}/bin/python" if self.venv else self.python
+
+    @property
+    def target(self) -> str:
+        """What to connect to: the ssh alias, the address, or the name."""
+        return self.ssh_alias or self.address or self.name
+
+
+class Profile(_Spec):
+    path: str
+    run: RunSpec = RunSpec()
+    store: StoreSpec = StoreSpec()
+    engine: EngineSpec
+    console: ConsoleSpec = ConsoleSpec()
+    hosts: dict[str, HostSpec]
+
+    @property
+    def store_host(self) -> HostSpec:
+        if self.store.host is not None:
+            return self.hosts[self.store.host]
+        return next(h for h in self.hosts.values() if not h.standby)
+
+    @property
+    def store_address(self) -> str:
+        if self.store.address:
+            return self.store.address
+        host = self.store_host
+        return "127.0.0.1" if host.transport == "local" else (host.address or host.target)
+
+    @property
+    def store_bind(self) -> str:
+        return self.store.bind or self.store_address
+
+    def active_hosts(self) -> list[HostSpec]:
+        return [h for h in self.hosts.values() if not h.standby]
+
+    def standby_hosts(self) -> list[HostSpec]:
+        return [h for h in self.hosts.values() if h.standby]
+
+
+# ---- reading ---------------------------------------------------------------------------------------------
+def load_profile(path: str | os.PathLike) -> Profile:
+    """Read and validate a profile; every problem is a ProfileError naming file, line and key."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ProfileError(f"{source}: profile not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{source}: cannot read: {e}") from None
+    return parse_profile(text, source)
+
+
+def parse_profile(text: str, source: str = "<profile>") -> Profile:
+    try:
+        doc = tomlkit.parse(text).unwrap()
+    except tomlkit.exceptions.ParseError as e:
+        raise ProfileError(f"{source}:{e.line}: not valid TOML: {_parse_message(e)}") from None
+    lines = key_lines(text)
+    tree = _merge_defaults(doc, source, lines)
+    try:
+        profile = Profile.model_validate(tree)
+    except ValidationError as e:
+        raise ProfileError(_format_error(e, source, lines, tree)) from None
+    _check_hosts(profile, lines)
+    return profile
+
+
+def _check_hosts(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    """Rules across sections, each reported at the line it concerns."""
+    if not profile.hosts:
+        raise ProfileError(f"{profile.path}:{lines.get(('hosts',), 0)}: hosts: no hosts")
+    if profile.store.host is not None and profile.store.host not in profile.hosts:
+        raise ProfileError(f"{profile.path}:{lines.get(('store', 'host'), 0)}: store.host: "
+                           f"{profile.store.host!r} is not a host of this profile")
+    if not profile.active_hosts():
+        raise ProfileError(f"{profile.path}:{lines.get(('hosts',), 0)}: hosts: every host is standby, "
+                           "nothing would start")
+
+
+def _parse_message(err: tomlkit.exceptions.ParseError) -> str:
+    return re.sub(r" at line \d+ col \d+$", "", str(err))
+
+
+def _merge_defaults(doc: dict[str, Any], source: str, lines: dict[tuple[str, ...], int]) -> dict[str, Any]:
+    """Hosts inherit [defaults]; env and overrides merge key by key. The result is a plain tree for pydantic."""
+    tree = dict(doc)
+    defaults = tree.pop("defaults", {})
+    hosts = tree.get("hosts", {})
+    for section, value in (("defaults", defaults), ("hosts", hosts)):
+        if not isinstance(value, dict):
+            raise ProfileError(f"{source}:{lines.get((section,), 0)}: {section}: must be a table")
+    if "name" in defaults:
+        raise ProfileError(f"{source}:{lines.get(('defaults', 'name'), 0)}: defaults.name: unknown key")
+    merged: dict[str, Any] = {}
+    for name, host in hosts.items():
+        if not isinstance(host, dict):
+            raise ProfileError(f"{source}:{lines.get(('hosts', name), 0)}: hosts.{name}: must be a table")
+        entry = {**defaults, **host, "name": name}
+        for key in ("env", "overrides"):
+            if isinstance(defaults.get(key), dict) and isinstance(host.get(key), dict):
+                entry[key] = {**defaults[key], **host[key]}
+        merged[name] = entry
+    tree["hosts"] = merged
+    tree["path"] = source
+    tree.setdefault("engine", {})  # a missing [engine] is reported as engine.config: Field required
+    return tree
+
+
+def _format_error(err: ValidationError, source: str, lines: dict[tuple[str, ...], int], tree: dict) -> str:
+    first = err.errors()[0]
+    loc = tuple(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    line = _line_of(loc, lines, tree)
+    where = ".".join(loc)
+    more = f" ({len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+    return f"{source}:{line}: {where + ': ' if where else ''}{msg}{more}"
+
+
+def _line_of(loc: tuple[str, ...], lines: dict[tuple[str, ...], int], tree: dict) -> int:
+    """The line of the longest prefix of loc written in the file; a host key inherited from [defaults] points there."""
+    for end in range(len(loc), 0, -1):
+        if loc[:end] in lines:
+            return lines[loc[:end]]
+        if loc[0] == "hosts" and end >= 3 and ("defaults",) + loc[2:end] in lines:
+            return lines[("defaults",) + loc[2:end]]
+    return 0
+
+
+_HEADER = re.compile(r"^\s*\[\[?(?P<key>[^\]]+)\]\]?\s*(#.*)?$")
+
+
+def key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """Map every key path written in a TOML text to its 1-based line (first occurrence wins)."""
+    out: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    in_multiline: str | None = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if in_multiline:  # inside a multi-line string: no keys here
+            if raw.count(in_multiline) % 2 == 1:
+                in_multiline = None
+            continue
+        header = _HEADER.match(raw)
+        if header:
+            table = tuple(split_key(header.group("key")))
+            for end in range(1, len(table) + 1):
+                out.setdefault(table[:end], number)
+            continue
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#") or "=" not in stripped:
+            continue
+        key_text = _key_part(stripped)
+        if key_text is None:
+            continue
+        path = table + tuple(split_key(key_text))
+        for end in range(len(table) + 1, len(path) + 1):
+            out.setdefault(path[:end], number)
+        for quote in ('"""', "'''"):
+            if raw.count(quote) % 2 == 1:
+                in_multiline = quote
+    return out
+
+
+def _key_part(line: str) -> str | None:
+    """The key text before the first `=` that is not inside quotes."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "=":
+            return line[:i]
+    return None
+
+
+def split_key(text: str) -> list[str]:
+    """`a."b.c".'d'` -> ["a", "b.c", "d"]."""
+    parts: list[str] = []
+    buf = ""
+    quote = None
+    for ch in text.strip():
+        if quote:
+            if ch == quote:
+                quote = None
+            else:
+                buf += ch
+        elif ch in "\"'":
+            quote = ch
+        elif ch == ".":
+            parts.append(buf.strip())
+            buf = ""
+        else:
+            buf += ch
+    parts.append(buf.strip())
+    return parts
+
+
+# ---- writing ---------------------------------------------------------------------------------------------
+def add_host(path: str | os.PathLike, name: str, **fields: Any) -> Profile:
+    """Write a new [hosts.NAME] table into the profile file, keeping its comments and layout.
+
+    The profile as it would be after the write is validated first: a bad host never reaches the file.
+    """
+    source = str(path)
+    text = Path(path).read_text()
+    doc = tomlkit.parse(text)
+    hosts = doc.get("hosts")
+    if hosts is None:
+        hosts = tomlkit.table(is_super_table=True)
+        doc["hosts"] = hosts
+    if name in hosts:
+        raise ProfileError(f"{source}:{key_lines(text).get(('hosts', name), 0)}: hosts.{name}: already exists")
+    table = tomlkit.table()
+    for key, value in fields.items():
+        if value is not None:
+            table[key] = value
+    hosts[name] = table
+    new_text = tomlkit.dumps(doc)
+    profile = parse_profile(new_text, source)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(new_text)
+    tmp.replace(path)  # atomic: a crash mid-write leaves the old profile, never half of one
+    return profile
+
+
+# ---- the engine config -----------------------------------------------------------------------------------
+def engine_overrides(profile: Profile, host: HostSpec) -> dict[str, Any]:
+    """The profile's engine overrides with the host's own on top."""
+    return {**profile.engine.overrides, **host.overrides}
+
+
+def check_engine_config(profile: Profile) -> None:
+    """Load the engine config with each local host's overrides, as the engine will; a ProfileError if it fails.
+
+    Only hosts whose files are visible here (transport local) can be checked before start; a remote host's
+    config is checked by its engine, whose failure then shows on that node.
+    """
+    from engine.config import ConfigError, load_config  # the engine's own rules, not a copy of them
+
+    lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
+    for host in profile.hosts.values():
+        if host.transport != "local":
+            continue
+        config = Path(host.workdir) / profile.engine.config
+        overrides = engine_overrides(profile, host)
+        try:
+            load_config(config, overrides)
+        except ConfigError as e:
+            raise ProfileError(_engine_error(str(e), profile, host, lines)) from None
+
+
+def _engine_error(message: str, profile: Profile, host: HostSpec, lines: dict[tuple[str, ...], int]) -> str:
+    """Point at the override that broke the engine config when there is one, else at engine.config."""
+    for key in engine_overrides(profile, host):
+        if f": {key}:" in message:
+            where = ("hosts", host.name, "overrides") if key in host.overrides else ("engine", "overrides")
+            line = lines.get(where + (key,), lines.get(where, 0))
+            return f"{profile.path}:{line}: {'.'.join(where)}.{key}: {message}"
+    return f"{profile.path}:{lines.get(('engine', 'config'), 0)}: engine.config: {message}"

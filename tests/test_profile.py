@@ -1,0 +1,147 @@
+"""Profiles: the shipped ones validate, errors name file:line: key, add_host keeps comments and layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from console.profile import (ProfileError, add_host, check_engine_config, engine_overrides, key_lines,
+                             load_profile, parse_profile, split_key)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MINIMAL = """\
+# a comment at the top
+[run]
+name = "t"   # trailing comment
+dir = "runs/t"
+
+[engine]
+config = "configs/debug-diloco.toml"
+overrides = { "train.max_steps" = 20 }
+
+[defaults]
+transport = "local"
+env = { A = "1" }
+
+[hosts.node-a]
+env = { B = "2" }
+
+[hosts."node b"]
+standby = true
+"""
+
+
+def test_shipped_local_profile():
+    profile = load_profile(ROOT / "profiles" / "local.toml")
+    assert [h.name for h in profile.active_hosts()] == ["node-a", "node-b", "node-c"]
+    assert [h.name for h in profile.standby_hosts()] == ["node-d"]
+    assert all(h.transport == "local" and h.python_path == ".venv/bin/python" for h in profile.hosts.values())
+    assert profile.store_address == "127.0.0.1" and profile.store.port == 29610
+    assert profile.engine.config == "configs/debug-diloco.toml"
+
+
+def test_shipped_lab_profile_documents_every_option():
+    profile = load_profile(ROOT / "profiles" / "lab.toml")
+    b, c, d = profile.hosts["node-b"], profile.hosts["node-c"], profile.hosts["node-d"]
+    assert (b.port, b.user, b.workers) == (2222, "alice", 4)
+    assert b.env == {"NCCL_SOCKET_IFNAME": "eth0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # defaults merged
+    assert c.jump_host == "ops@bastion.example.org:22" and c.python_path == "/usr/bin/python3"
+    assert d.ssh_alias == "gpu-d" and d.target == "gpu-d"
+    assert engine_overrides(profile, d)["inner.device"] == "cuda"
+    assert profile.hosts["node-e"].standby and profile.store_address == "10.0.0.1"
+    text = (ROOT / "profiles" / "lab.toml").read_text()
+    # every host option appears in the documented example
+    for option in ("transport", "address", "port", "user", "identity_file", "jump_host", "ssh_alias", "ssh_config",
+                   "known_hosts", "accept_new_host_key", "connect_timeout", "python", "venv", "workdir", "env",
+                   "workers", "rdzv_port", "standby", "overrides"):
+        assert f"\n{option} = " in text or f"\n{option}=" in text or f"{option} = " in text, option
+
+
+def test_defaults_merge_and_inherit():
+    profile = parse_profile(MINIMAL, "p.toml")
+    assert profile.hosts["node-a"].env == {"A": "1", "B": "2"}
+    assert profile.hosts["node b"].env == {"A": "1"} and profile.hosts["node b"].standby
+    assert profile.store_host.name == "node-a"
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (('[hosts."node b"]\nstandby = true', '[hosts."node b"]\nstandby = true\nport = "x"'),
+     'p.toml:19: hosts.node b.port: Input should be a valid integer'),
+    (("[hosts.node-a]\n", "[hosts.node-a]\nwrkdir = 'x'\n"), "p.toml:15: hosts.node-a.wrkdir: unknown key"),
+    (('transport = "local"', 'transport = "telnet"'), "p.toml:11: hosts.node-a.transport: Input should be"),
+    (('name = "t"', 'name = ""'), "p.toml:3: run.name: String should have at least 1 character"),
+    (('overrides = { "train.max_steps" = 20 }', 'overrides = { "steps" = 20 }'),
+     "p.toml:8: engine.overrides: override 'steps' is not of the form section.key"),
+    (('config = "configs/debug-diloco.toml"', 'config = "configs/debug'), "p.toml:7: not valid TOML"),
+    (('[run]', '[store]\nhost = "node-z"\n[run]'), "p.toml:3: store.host: 'node-z' is not a host of this profile"),
+    (("standby = true", "standby = true\n[hosts.node-a.x]"), "p.toml:19: hosts.node-a.x: unknown key"),
+    (("[hosts.node-a]\nenv", "[hosts.node-a]\nstandby = true\nenv"), "p.toml:14: hosts: every host is standby"),
+    (('[engine]\nconfig = "configs/debug-diloco.toml"', '[engine]'), "p.toml:6: engine.config: Field required"),
+])
+def test_errors_name_file_line_and_key(edit, expected):
+    old, new = edit
+    assert old in MINIMAL
+    with pytest.raises(ProfileError) as info:
+        parse_profile(MINIMAL.replace(old, new, 1), "p.toml")
+    assert str(info.value).startswith(expected), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_inherited_bad_value_points_at_defaults():
+    text = MINIMAL.replace('transport = "local"', 'transport = "local"\nworkers = 0')
+    with pytest.raises(ProfileError, match=r"^p\.toml:12: hosts\.node-a\.workers: Input should be greater than 0"):
+        parse_profile(text, "p.toml")
+
+
+def test_missing_file_and_bad_engine_config(tmp_path):
+    with pytest.raises(ProfileError, match="nope.toml: profile not found"):
+        load_profile(tmp_path / "nope.toml")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "e.toml").write_text("[train]\nmax_steps = 5\n[data]\nfake = true\n")
+    text = MINIMAL.replace("configs/debug-diloco.toml", "configs/e.toml").replace(
+        '[defaults]\n', f'[defaults]\nworkdir = "{tmp_path}"\n')
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    check_engine_config(load_profile(path))  # good config + overrides: no error
+    path.write_text(text.replace('"train.max_steps" = 20', '"train.max_steps" = -1'))
+    with pytest.raises(ProfileError, match=r"p\.toml:8: engine\.overrides\.train\.max_steps: .*: Input should be"):
+        check_engine_config(load_profile(path))
+    path.write_text(text.replace("configs/e.toml", "configs/missing.toml"))
+    with pytest.raises(ProfileError, match=r"p\.toml:7: engine\.config: .*missing\.toml: config file not found"):
+        check_engine_config(load_profile(path))
+
+
+def test_add_host_round_trip_keeps_comments_and_layout(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text(MINIMAL)
+    profile = add_host(path, "node-$(x) 'q'", transport="ssh", address="10.0.0.9", port=2222, standby=True,
+                       env={"K": "v w"})
+    text = path.read_text()
+    assert text.startswith(MINIMAL)  # every byte of the old file, comments and blank lines included, kept
+    assert "# trailing comment" in text
+    host = profile.hosts["node-$(x) 'q'"]
+    assert (host.address, host.port, host.standby, host.env) == ("10.0.0.9", 2222, True, {"A": "1", "K": "v w"})
+    assert load_profile(path).hosts["node-$(x) 'q'"].port == 2222  # what was written reads back the same
+    with pytest.raises(ProfileError, match="already exists"):
+        add_host(path, "node-a")
+    with pytest.raises(ProfileError, match=r"hosts\.bad\.port: Input should be less than 65536"):
+        add_host(path, "bad", port=70000)
+    assert "bad" not in load_profile(path).hosts  # a bad host never reaches the file
+
+
+def test_add_host_to_the_shipped_profile_keeps_it(tmp_path):
+    path = tmp_path / "lab.toml"
+    original = (ROOT / "profiles" / "lab.toml").read_text()
+    path.write_text(original)
+    add_host(path, "node-f", address="10.0.0.6")
+    assert path.read_text().startswith(original.rstrip("\n"))
+    assert load_profile(path).hosts["node-f"].user == "trainer"  # inherits [defaults]
+
+
+def test_key_lines_and_split_key():
+    assert split_key('a."b.c".\'d\' ') == ["a", "b.c", "d"]
+    lines = key_lines(MINIMAL)
+    assert lines[("run", "name")] == 3 and lines[("hosts", "node b")] == 17
+    assert lines[("engine", "overrides")] == 8 and lines[("hosts", "node-a", "env")] == 15
