@@ -1,0 +1,235 @@
+"""`zeroband-console PROFILE`: the dashboard; `--headless` for a status line per interval; subcommands for shells.
+
+    zeroband-console profiles/local.toml                    # start the cluster and watch it
+    zeroband-console profiles/local.toml --attach           # re-attach to engines that are already running
+    zeroband-console profiles/local.toml --readonly         # watch only: no add, drain, kill, restart or stop
+    zeroband-console profiles/local.toml --headless         # no screen: a status line per interval, exit = outcome
+    zeroband-console profiles/local.toml status | drain NODE | kill NODE | add HOST | stop
+
+Exit codes: 0 the run completed (every node completed or drained) or the command succeeded; 1 a node failed or
+died, or the command failed; 2 bad usage or a bad profile (one line naming file:line: key; nothing started);
+3 the run was stopped before completing; 130 interrupted (training is left running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from typing import Any, Callable, Sequence, TextIO
+
+from console.fleet import Fleet, Node, NodeState
+from console.widgets import cells
+from console.widgets.panes import summary_text
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DEFAULT_HEARTBEAT_TIMEOUT = 6.0
+_RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
+                      NodeState.UNREACHABLE})  # unreachable: the engine may well still be training
+_SUCCESS_REASONS = frozenset({"completed", "drained"})
+
+COMMANDS = ("status", "drain", "kill", "add", "stop")
+
+
+# ---- pure pieces (unit-tested) ------------------------------------------------------------------------------
+def state_counts(nodes: Sequence[Node]) -> str:
+    counts: dict[str, int] = {}
+    for node in nodes:
+        counts[str(node.state)] = counts.get(str(node.state), 0) + 1
+    return " ".join(f"{state} {n}" for state, n in counts.items())
+
+
+def status_line(fleet: Fleet, now: float | None = None) -> str:
+    """One line for logs and shells: time, the header figures, then how many nodes are in each state."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
+    nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
+    return f"{stamp} {summary_text(fleet.summary())} | {state_counts(nodes) or 'no nodes'}"
+
+
+def node_line(node: Node, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> str:
+    """One node for `status`: the table's columns as plain text."""
+    util, mem = cells.device_cells(node.device, node.util, node.mem_used, node.mem_total)
+    age = cells.age_cell(node.heartbeat_age, heartbeat_timeout).plain
+    state = cells.state_cell(node.state, node.reason).plain
+    step = "-" if node.step is None else str(node.step)
+    return (f"{node.name:<14} {node.host:<16} {state:<28} {util.plain:<11} {mem.plain:<15} hb {age:<7} "
+            f"step {step:<7} loss {cells.loss_cell(node.loss):<8} {cells.num_cell(node.tokens_per_s)} tok/s")
+
+
+def run_outcome(fleet: Fleet) -> int | None:
+    """None while any started node still runs; then 0 if all completed/drained, 3 if stopped, else 1."""
+    nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
+    if not nodes or any(n.state in _RUNNING for n in nodes):
+        return None
+    if any(n.state in (NodeState.FAILED, NodeState.DEAD) for n in nodes):
+        return EXIT_FAILED
+    if all(n.state is NodeState.LEFT and n.reason in _SUCCESS_REASONS for n in nodes):
+        return EXIT_OK
+    return EXIT_STOPPED
+
+
+# ---- arguments ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroband-console", description="Start, watch and steer elastic DiLoCo training across hosts.",
+        epilog="exit codes: 0 completed/ok, 1 failed, 2 bad usage or profile, 3 stopped, 130 interrupted")
+    parser.add_argument("profile", help="a profile TOML, e.g. profiles/local.toml")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--headless", action="store_true", help="no screen: print a status line per interval")
+    mode.add_argument("--readonly", action="store_true", help="watch only: hide add, drain, kill, restart, stop")
+    parser.add_argument("--attach", action="store_true", help="re-attach to a running cluster instead of starting")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("status", help="print every node of the running cluster")
+    for name, what in (("drain", "finish the outer round and leave"), ("kill", "end the node's processes now")):
+        sub.add_parser(name, help=what).add_argument("node")
+    sub.add_parser("add", help="start a standby host (or a new address) and join it").add_argument("host")
+    sub.add_parser("stop", help="stop training on every node")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.interval <= 0:
+        raise SystemExit(_usage_error(f"--interval: must be positive, got {args.interval}"))
+    if args.command and (args.headless or args.readonly):
+        raise SystemExit(_usage_error(f"{args.command}: --headless and --readonly are for the dashboard"))
+    return args
+
+
+def _usage_error(message: str) -> int:
+    print(f"zeroband-console: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+# ---- wiring -------------------------------------------------------------------------------------------------
+def load(path: str) -> Any:
+    """The profile, or SystemExit(2) after one line naming file:line: key."""
+    from console.profile import ProfileError, load_profile
+
+    try:
+        return load_profile(path)
+    except ProfileError as e:
+        print(f"zeroband-console: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def heartbeat_timeout_of(profile: Any) -> float:
+    """The mesh's heartbeat timeout the ages are coloured against: the engine config with the profile's overrides."""
+    overrides = getattr(getattr(profile, "engine", None), "overrides", {}) or {}
+    value = overrides.get("mesh.heartbeat_timeout")
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    try:
+        from engine.config import load_config
+
+        return float(load_config(profile.engine.config, dict(overrides)).mesh.heartbeat_timeout)
+    except Exception:  # noqa: BLE001 -- a remote-only config is not readable here; the default is documented
+        return DEFAULT_HEARTBEAT_TIMEOUT
+
+
+async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: float, out: TextIO,
+                       heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
+    """Start (or attach), print a status line every `interval`, return the run's outcome.
+
+    Needs no terminal. SIGINT/SIGTERM leave training running (the engines outlive the console) and return 130.
+    """
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, interrupted.set)
+    try:
+        try:
+            await (cluster.attach() if attach else cluster.start())
+        except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1
+            print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        while True:
+            try:
+                await asyncio.wait_for(interrupted.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+            print(status_line(fleet), file=out, flush=True)
+            outcome = EXIT_INTERRUPTED if interrupted.is_set() else run_outcome(fleet)
+            if outcome is not None:
+                for node in fleet.nodes.values():
+                    print("  " + node_line(node, heartbeat_timeout), file=out, flush=True)
+                return outcome
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await _close(cluster)
+
+
+async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out: TextIO) -> int:
+    """One action on a running cluster: attach (catch up on the events files), act, report, detach."""
+    try:
+        await cluster.attach()
+        if args.command == "status":
+            await cluster.status()
+            print(status_line(fleet), file=out)
+            for node in fleet.nodes.values():
+                print("  " + node_line(node), file=out)
+            return EXIT_OK
+        if args.command in ("drain", "kill"):
+            if args.node not in fleet.nodes:
+                known = ", ".join(fleet.nodes) or "none"
+                print(f"zeroband-console: {args.command}: unknown node {args.node!r} (nodes: {known})",
+                      file=sys.stderr)
+                return EXIT_USAGE
+            await getattr(cluster, args.command)(args.node)
+            print(f"{args.command}: {args.node}", file=out)
+        elif args.command == "add":
+            await cluster.add(args.host)
+            print(f"add: {args.host}", file=out)
+        elif args.command == "stop":
+            await cluster.stop()
+            print("stop: every node", file=out)
+        return EXIT_OK
+    except Exception as e:  # noqa: BLE001 -- the boundary: one line, exit 1
+        print(f"zeroband-console: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        await _close(cluster)
+
+
+async def _close(cluster: Any) -> None:
+    """Stop watching (tails, connections); the engines keep running."""
+    close = getattr(cluster, "close", None)
+    if close is not None:
+        await close()
+
+
+def make_cluster(profile: Any, fleet: Fleet) -> Any:
+    from console.cluster import Cluster
+
+    return Cluster(profile, fleet)
+
+
+def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
+         out: TextIO | None = None) -> int:
+    args = parse_args(argv)
+    out = out or sys.stdout
+    try:
+        profile = load(args.profile)
+    except SystemExit as e:
+        return int(e.code or 0)
+    fleet = Fleet(run=profile.run.name)
+    cluster = cluster_factory(profile, fleet)
+    if args.command:
+        return asyncio.run(run_command(cluster, fleet, args, out))
+    if args.headless:
+        return asyncio.run(run_headless(cluster, fleet, attach=args.attach, interval=args.interval, out=out,
+                                        heartbeat_timeout=heartbeat_timeout_of(profile)))
+    from console.app import make_app
+
+    app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,
+                   heartbeat_timeout=heartbeat_timeout_of(profile))
+    return app.run() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The dashboard: header, node table, loss chart, membership timeline and the selected node's log.
+
+It renders what the app hands it and turns keys into requests to the app (which owns the cluster and its
+workers). It never does I/O and never reads the cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Input
+
+from console.widgets.loss_chart import LossChart
+from console.widgets.node_table import NodeTable, visible
+from console.widgets.panes import LogPane, RunHeader, Timeline
+
+# actions that change the cluster: hidden (and refused) in --readonly
+MUTATING = frozenset({"add", "drain", "kill", "restart"})
+
+
+class DashboardScreen(Screen[None]):
+    CSS_PATH = "dashboard.tcss"
+    BINDINGS = [
+        Binding("a", "add", "Add"),
+        Binding("d", "drain", "Drain"),
+        Binding("k", "kill", "Kill"),
+        Binding("r", "restart", "Restart"),
+        Binding("l", "logs", "Logs"),
+        Binding("slash", "filter", "Filter"),
+        Binding("space", "mark", "Mark"),
+        Binding("t", "trend", "Trend", show=False),
+        Binding("escape", "clear_filter", "Clear filter", show=False),
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, heartbeat_timeout: float, readonly: bool = False) -> None:
+        super().__init__()
+        self.heartbeat_timeout = heartbeat_timeout
+        self.readonly = readonly
+        self.filter_query = ""
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(id="header")
+        yield NodeTable(self.heartbeat_timeout, id="nodes")
+        with Horizontal(id="lower"):
+            yield LossChart(id="chart")
+            with Vertical(id="side"):
+                yield Timeline(id="timeline")
+                yield LogPane(id="log")
+        yield Input(placeholder="filter: name, host or state (enter keeps it, escape clears)", id="filter")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one(NodeTable).focus()
+
+    # ---- rendering (called by the app's 2 Hz tick) -------------------------------------------------------
+    @property
+    def table(self) -> NodeTable:
+        return self.query_one(NodeTable)
+
+    def render_fleet(self, fleet: Any) -> None:
+        nodes = visible(fleet.nodes.values(), self.filter_query)
+        self.query_one(RunHeader).show(fleet.summary(), self.readonly)
+        self.table.sync(nodes)
+        self.query_one(LossChart).show(nodes)
+        self.query_one(Timeline).show(fleet.timeline)
+        self.query_one(LogPane).show(fleet.nodes.get(self.table.selected_name() or ""))
+
+    def render_ages(self, fleet: Any) -> None:
+        """Heartbeat ages grow with the clock, not with events: refresh that one column."""
+        self.table.sync(visible(fleet.nodes.values(), self.filter_query), only=("hb",))
+
+    @on(DataTable.RowHighlighted, "#nodes")
+    def _selected(self, event: DataTable.RowHighlighted) -> None:
+        self.query_one(LogPane).show(self.app.fleet.nodes.get(event.row_key.value))  # type: ignore[attr-defined]
+
+    # ---- keys ---------------------------------------------------------------------------------------------
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if self.readonly and action in MUTATING:
+            return False  # hidden from the footer and refused
+        return True
+
+    def targets(self) -> list[str]:
+        """Marked nodes (among those shown) if any, else the node under the cursor."""
+        shown = self.table.names()
+        nodes = self.app.fleet.nodes  # type: ignore[attr-defined]
+        marked = [n for n in shown if n in nodes and nodes[n].marked]
+        if marked:
+            return marked
+        selected = self.table.selected_name()
+        return [selected] if selected else []
+
+    def action_add(self) -> None:
+        self.app.request_add()  # type: ignore[attr-defined]
+
+    def action_drain(self) -> None:
+        self.app.request("drain", self.targets())  # type: ignore[attr-defined]
+
+    def action_kill(self) -> None:
+        self.app.request("kill", self.targets())  # type: ignore[attr-defined]
+
+    def action_restart(self) -> None:
+        self.app.request("restart", self.targets())  # type: ignore[attr-defined]
+
+    def action_logs(self) -> None:
+        name = self.table.selected_name()
+        if name:
+            self.app.show_logs(name)  # type: ignore[attr-defined]
+
+    def action_mark(self) -> None:
+        name = self.table.selected_name()
+        node = self.app.fleet.nodes.get(name) if name else None  # type: ignore[attr-defined]
+        if node is None:
+            return
+        node.marked = not node.marked
+        self.table.sync(self._visible(), only=("mark",))
+        if self.table.cursor_row < self.table.row_count - 1:  # htop: space marks and moves down
+            self.table.move_cursor(row=self.table.cursor_row + 1)
+
+    def unmark(self, names: Iterable[str]) -> None:
+        for name in names:
+            node = self.app.fleet.nodes.get(name)  # type: ignore[attr-defined]
+            if node is not None:
+                node.marked = False
+        self.table.sync(self._visible(), only=("mark",))
+
+    def action_trend(self) -> None:
+        metric = self.table.toggle_trend()
+        self.table.sync(self._visible(), only=("trend",))
+        self.notify(f"sparkline: {metric}", timeout=2)
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    def action_clear_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.value = ""
+        box.display = False
+        self.set_filter("")
+        self.table.focus()
+
+    @on(Input.Changed, "#filter")
+    def _filter_changed(self, event: Input.Changed) -> None:
+        self.set_filter(event.value)
+
+    @on(Input.Submitted, "#filter")
+    def _filter_submitted(self, event: Input.Submitted) -> None:
+        if not event.value.strip():
+            event.input.display = False
+        self.table.focus()
+
+    def set_filter(self, query: str) -> None:
+        self.filter_query = query
+        self.render_fleet(self.app.fleet)  # type: ignore[attr-defined]
+
+    def action_help(self) -> None:
+        self.app.show_help()  # type: ignore[attr-defined]
+
+    def action_quit(self) -> None:
+        self.app.request_quit()  # type: ignore[attr-defined]
+
+    def _visible(self) -> list[Any]:
+        return visible(self.app.fleet.nodes.values(), self.filter_query)  # type: ignore[attr-defined]

@@ -1,0 +1,54 @@
+"""`?`: the keys, k9s-style, and where the rest lives (the command palette)."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Markdown
+
+KEYS = """\
+# ZeroBand Console
+
+| key | does |
+|---|---|
+| `↑` `↓` | select a node |
+| `space` | mark / unmark the node (actions apply to every marked node) |
+| `a` | add a node: a standby host from the profile, or a new address |
+| `d` | drain: the node finishes its outer round, hands off and leaves |
+| `k` | kill: the process group ends now; the mesh declares it dead |
+| `r` | restart a dead, failed or left node |
+| `l` | the selected node's full log |
+| `/` | filter nodes by name, host or state (`escape` clears) |
+| `t` | sparkline of tokens/s or loss |
+| `ctrl+p` | command palette: every action by name |
+| `?` | this help |
+| `q` | quit: leave training running, or stop it |
+
+Heartbeat ages turn yellow at a third of the mesh's heartbeat timeout and red past it.
+Without a GPU the util and memory columns show the engine process's CPU% and RSS.
+"""
+
+READONLY_NOTE = "\n**Read-only**: add, drain, kill, restart and stop are hidden.\n"
+
+
+class HelpScreen(ModalScreen[None]):
+    CSS_PATH = "modals.tcss"
+    BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; background: $background 60%; }
+    HelpScreen > VerticalScroll { width: 84; height: auto; max-height: 90%; border: thick $accent;
+                                  background: $surface; padding: 0 1; }
+    """
+
+    def __init__(self, readonly: bool = False) -> None:
+        super().__init__()
+        self.readonly = readonly
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Markdown(KEYS + (READONLY_NOTE if self.readonly else ""))
+
+    def action_close(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,152 @@
+"""The node table: one row per node, updated cell by cell from the fleet (never rebuilt per tick)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from rich.text import Text
+from textual.coordinate import Coordinate
+from textual.widgets import DataTable
+
+from console.widgets import cells
+
+# (key, label, width) -- fixed widths so an in-place update never re-measures the columns
+COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("mark", " ", 1),
+    ("name", "node", 14),
+    ("host", "host", 16),
+    ("state", "state", 26),
+    ("util", "util", 11),
+    ("mem", "memory", 15),
+    ("hb", "heartbeat", 9),
+    ("step", "step", 8),
+    ("loss", "loss", 8),
+    ("tps", "tok/s", 9),
+    ("trend", "trend", 16),
+)
+TREND_WIDTH = 16
+TREND_METRICS = ("tokens/s", "loss")
+
+
+def _key(value: Any) -> Any:
+    # rich's Text.__eq__ ignores the base style, so a colour change alone would be missed
+    if isinstance(value, Text):
+        return (value.plain, str(value.style), tuple(value.spans))
+    return value
+
+
+def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> dict[str, Any]:
+    """The cells of one node's row, by column key. Pure: tested without an app."""
+    util, mem = cells.device_cells(node.device, node.util, node.mem_used, node.mem_total)
+    history = node.loss_history if trend == "loss" else node.tps_history
+    spark_style = "cyan" if trend == "loss" else "green"
+    return {
+        "mark": Text("●", style="bold yellow") if node.marked else " ",
+        "name": Text(str(node.name), style="bold"),
+        "host": str(node.host),
+        "state": cells.state_cell(node.state, node.reason),
+        "util": util,
+        "mem": mem,
+        "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout),
+        "step": cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
+        "loss": cells.loss_cell(node.loss),
+        "tps": cells.num_cell(node.tokens_per_s),
+        "trend": Text(cells.sparkline((v for _, v in list(history)), TREND_WIDTH), style=spark_style),
+    }
+
+
+class NodeTable(DataTable):
+    """Rows keyed by node name; `sync` touches only the cells whose rendering changed."""
+
+    DEFAULT_CSS = """
+    NodeTable { height: 1fr; min-height: 6; }
+    """
+
+    def __init__(self, heartbeat_timeout: float, **kwargs: Any) -> None:
+        super().__init__(cursor_type="row", zebra_stripes=True, **kwargs)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.trend = TREND_METRICS[0]
+        self._shown: dict[str, dict[str, Any]] = {}  # row key -> column key -> _key(value) on screen
+        self.cell_updates = 0  # counted for the benchmark and the tests (proves updates are in place)
+
+    def on_mount(self) -> None:
+        for key, label, width in COLUMNS:
+            self.add_column(label, key=key, width=width)
+
+    def sync(self, nodes: Iterable[Any], only: Sequence[str] | None = None) -> None:
+        """Bring the table in line with `nodes` (in order); `only` limits the columns compared."""
+        wanted = list(nodes)
+        names = [str(n.name) for n in wanted]
+        if list(self._shown) != names[: len(self._shown)] or len(set(names)) != len(names):
+            # a node went away or the order changed (a filter): the one case where rows are rebuilt
+            self._rebuild(wanted)
+            return
+        for node in wanted:
+            name = str(node.name)
+            row = node_row(node, self.heartbeat_timeout, self.trend)
+            if name not in self._shown:
+                self.add_row(*(row[k] for k, _, _ in COLUMNS), key=name)
+                self._shown[name] = {k: _key(v) for k, v in row.items()}
+                continue
+            shown = self._shown[name]
+            for col in only or row.keys():
+                key = _key(row[col])
+                if shown.get(col) != key:
+                    self.update_cell(name, col, row[col])
+                    shown[col] = key
+                    self.cell_updates += 1
+
+    def _rebuild(self, nodes: list[Any]) -> None:
+        selected = self.selected_name()
+        self.clear()
+        self._shown.clear()
+        seen: set[str] = set()
+        for node in nodes:
+            name = str(node.name)
+            if name in seen:
+                continue
+            seen.add(name)
+            row = node_row(node, self.heartbeat_timeout, self.trend)
+            self.add_row(*(row[k] for k, _, _ in COLUMNS), key=name)
+            self._shown[name] = {k: _key(v) for k, v in row.items()}
+        if selected in self._shown:
+            self.move_cursor(row=self.get_row_index(selected))
+
+    def selected_name(self) -> str | None:
+        """The node under the cursor, or None when the table is empty."""
+        if not self.row_count:
+            return None
+        row = min(max(self.cursor_row, 0), self.row_count - 1)
+        return self.coordinate_to_cell_key(Coordinate(row, 0)).row_key.value
+
+    def cell_text(self, name: str, column: str) -> str:
+        """The plain text shown in one cell (for tests and the headless twin)."""
+        value = self.get_cell(name, column)
+        return value.plain if isinstance(value, Text) else str(value)
+
+    def toggle_trend(self) -> str:
+        self.trend = TREND_METRICS[(TREND_METRICS.index(self.trend) + 1) % len(TREND_METRICS)]
+        self.columns[self._column_key("trend")].label = Text(f"trend {self.trend}")
+        return self.trend
+
+    def _column_key(self, key: str):
+        for column_key in self.columns:
+            if column_key.value == key:
+                return column_key
+        raise KeyError(key)
+
+    def names(self) -> list[str]:
+        return list(self._shown)
+
+
+def visible(nodes: Iterable[Any], query: str, predicate: Callable[[Any, str], bool] | None = None) -> list[Any]:
+    """Nodes matching a filter query (k9s `/`): a substring of name, host or state, case-insensitive."""
+    query = query.strip().lower()
+    if not query:
+        return list(nodes)
+    match = predicate or _matches
+    return [n for n in nodes if match(n, query)]
+
+
+def _matches(node: Any, query: str) -> bool:
+    return any(query in s for s in (str(node.name).lower(), str(node.host).lower(), cells.state_name(node.state)))

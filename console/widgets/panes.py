@@ -1,0 +1,116 @@
+"""The run header, the selected node's log pane and the membership timeline: render only, fed by the app."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+from rich.text import Text
+from textual.widgets import Log, Static
+
+from console.widgets import cells
+
+LOG_TAIL = 300  # lines of the selected node shown in the pane (the fleet keeps 500)
+
+
+def summary_text(summary: Any) -> str:
+    """run, members, outer step, step/max, cluster tokens/s, loss and ETA: the header and the headless line."""
+    members = summary.members if isinstance(summary.members, int) else len(summary.members)
+    step = "-" if summary.step is None else str(summary.step)
+    if summary.max_steps:
+        step += f"/{summary.max_steps}"
+    outer = "-" if summary.outer_step is None else str(summary.outer_step)
+    return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
+            f"{cells.num_cell(summary.tokens_per_s)} tok/s | loss {cells.loss_cell(summary.loss)} | "
+            f"ETA {cells.eta_text(summary.eta_s)}")
+
+
+class RunHeader(Static):
+    DEFAULT_CSS = """
+    RunHeader { height: 1; background: $primary-background; color: $text; text-style: bold; padding: 0 1; }
+    """
+
+    def show(self, summary: Any, readonly: bool = False) -> None:
+        text = Text("ZeroBand ", style="bold")
+        text.append(summary_text(summary))
+        if readonly:
+            text.append("  [read-only]", style="bold yellow")
+        self.update(text)
+
+
+class LogPane(Log):
+    """The tail of one node's log; appends only the new lines when the same node stays selected."""
+
+    DEFAULT_CSS = """
+    LogPane { height: 1fr; border: round $secondary; }
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_lines=LOG_TAIL * 2, **kwargs)
+        self.node_name: str | None = None
+        self._tail: list[str] = []
+
+    def show(self, node: Any | None) -> None:
+        if node is None:
+            if self.node_name is not None:
+                self.node_name, self._tail = None, []
+                self.clear()
+                self.border_title = "log"
+            return
+        tail = list(node.log)[-LOG_TAIL:]
+        if node.name == self.node_name and tail == self._tail:
+            return
+        new = _new_lines(self._tail, tail) if node.name == self.node_name else None
+        if new is None:
+            self.clear()
+            new = tail
+        self.write_lines(new)
+        self.node_name, self._tail = node.name, tail
+        self.border_title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
+
+
+def _new_lines(old: list[str], new: list[str]) -> list[str] | None:
+    """The lines of `new` after the end of `old`, or None when they do not overlap (then redraw)."""
+    if not old:
+        return new
+    for shift in range(len(old)):  # old[shift:] must be a prefix of new
+        overlap = len(old) - shift
+        if overlap <= len(new) and old[shift:] == new[:overlap]:
+            return new[overlap:]
+    return None
+
+
+class Timeline(Static):
+    """Membership changes, newest last: who joined, drained, died, and the member count after it."""
+
+    DEFAULT_CSS = """
+    Timeline { height: 1fr; border: round $secondary; overflow-y: auto; }
+    """
+    SHOWN = 40
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.entries: list[str] = []
+        self.border_title = "membership"
+
+    def show(self, timeline: Iterable[Any]) -> None:
+        shown = list(timeline)[-self.SHOWN:]
+        entries = [timeline_line(e) for e in shown]
+        if entries == self.entries:
+            return
+        self.entries = entries
+        text = Text()
+        for entry, line in zip(shown, entries):
+            text.append(line + "\n", style=_BAD.get(str(entry.change), ""))
+        self.update(text)
+
+
+_BAD = {"dead": "bold red", "failed": "bold red", "unreachable": "magenta", "rejected": "yellow"}
+
+
+def timeline_line(entry: Any) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(entry.ts))
+    gen = "" if entry.generation is None else f" gen {entry.generation}"
+    members = f" -> {len(entry.members)} members" if entry.members else ""
+    reason = f" ({entry.reason})" if entry.reason else ""
+    return f"{when} {entry.subject} {entry.change}{gen}{members}{reason}"
