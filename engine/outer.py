@@ -1,0 +1,88 @@
+"""The outer loop's seam: `Progress`, the `Outer` protocol, `NoOuter` and `build_outer`.
+
+The outer loop wraps the inner loop; the inner loop never asks whether DiLoCo is on. Plain DDP/FSDP training is
+DiLoCo with a no-op boundary (`NoOuter`). Life cycle, called on every local rank in this order:
+
+    outer.start(progress)                   once, before the first inner step (a joiner may rewrite progress)
+    stop = outer.after_inner_step(progress) after every inner optimizer step; True: leave the loop ("drained")
+    outer.request_drain()                   any time from the training thread (signal or drain file seen)
+    outer.state_dict() / load_state_dict()  checkpointed with the inner state
+    outer.close(status)                     once, last; status is a run_end status
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from engine.config import Config, digest
+
+
+@dataclass
+class Progress:
+    step: int = 0  # inner optimizer steps completed
+    outer_step: int = 0  # outer steps committed (0 without DiLoCo)
+    tokens: int = 0  # tokens this node has trained on
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step, self.outer_step, self.tokens = int(state["step"]), int(state["outer_step"]), int(state["tokens"])
+
+
+@runtime_checkable
+class Outer(Protocol):
+    def start(self, progress: Progress) -> None: ...
+
+    def after_inner_step(self, progress: Progress) -> bool: ...
+
+    def request_drain(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def close(self, status: str) -> None: ...
+
+
+class NoOuter:
+    """No outer step. A drain request stops training at the next inner step (the caller reports "drained")."""
+
+    def __init__(self, telemetry=None) -> None:
+        self.telemetry = telemetry
+        self._drain = False
+
+    def start(self, progress: Progress) -> None:
+        pass
+
+    def after_inner_step(self, progress: Progress) -> bool:
+        if self._drain and self.telemetry is not None:
+            self.telemetry.emit("drained", outer_step=progress.outer_step, step=progress.step)
+        return self._drain
+
+    def request_drain(self) -> None:
+        self._drain = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self, status: str) -> None:
+        pass
+
+
+def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
+    """NoOuter unless diloco.enabled; then engine.diloco.DilocoOuter (imported only when asked for)."""
+    if not cfg.diloco.enabled:
+        return NoOuter(telemetry)
+    try:
+        from engine.diloco import DilocoOuter
+    except ModuleNotFoundError as e:
+        if e.name != "engine.diloco":
+            raise  # a missing dependency inside diloco.py is a crash, not bad input
+        raise ValueError("diloco.enabled: engine/diloco.py is not available in this checkout") from None
+    return DilocoOuter(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=digest(cfg),
+                       local_group=local_group)

@@ -1,0 +1,275 @@
+"""Headless training on one host: `python -m engine.train CONFIG.toml [--section.key=value ...]`.
+
+    python -m engine.train configs/debug.toml                                  # one process, CPU or one GPU
+    torchrun --nproc_per_node=2 -m engine.train configs/debug.toml --optim.lr=1e-3 --data.path=corpus/
+    python -m engine.train configs/150m.toml --ckpt.resume=latest              # continue a run
+
+The story: read the world and the config; build data, model, inner (DDP/FSDP2/ZeRO), outer (none or DiLoCo) and
+the checkpointer; restore a checkpoint if asked; run inner steps until max_steps, a stop signal, or a drain;
+save, export, and shut down cleanly.
+
+Telemetry: JSON events on stdout (local rank 0, or every rank with telemetry.all_ranks), a human line per event
+on stderr. Signals: SIGUSR1 or the appearance of mesh.drain_file -> drain (the outer loop decides when to stop);
+SIGTERM/SIGINT -> stop after the current step, checkpoint, run_end "stopped". All ranks of the node agree on a
+stop or drain through a tiny all-reduce after every step, so they leave the loop at the same step.
+
+Exit codes: 0 completed, drained or stopped; 2 bad input (`error: ...` on stderr plus an "error" event);
+1 crash (traceback on stderr, "error" event, run_end "failed").
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.checkpoint import Checkpointer, export
+from engine.config import Config, digest, grad_accum_steps, load_config
+from engine.data import Data, TokenStream, build_data
+from engine.model import build_model, count_params, model_config
+from engine.outer import Outer, Progress, build_outer
+from engine.parallel import build_inner, setup_distributed
+from engine.resources import ResourceMonitor
+from engine.telemetry import Telemetry
+from engine.world import World, read_world
+
+__all__ = ["Progress", "main", "cli", "train_step"]
+
+
+class Signals:
+    """Flags set by signal handlers (or the drain file) and agreed on by all ranks of the node."""
+
+    def __init__(self, drain_file: str | None):
+        self.drain_file = drain_file
+        self.stop = False
+        self.drain = False
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGUSR1, self._on_drain)
+
+    def _on_stop(self, signum, frame) -> None:
+        self.stop = True
+
+    def _on_drain(self, signum, frame) -> None:
+        self.drain = True
+
+    def poll(self, world: World, group) -> tuple[bool, bool]:
+        """(stop, drain), the same on every rank. A collective when the node has several ranks."""
+        drain = self.drain or bool(self.drain_file and os.path.exists(self.drain_file))
+        if world.world_size == 1:
+            return self.stop, drain
+        flags = torch.tensor([float(self.stop), float(drain)])  # CPU tensor: gloo (or NCCL's gloo side)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        return bool(flags[0]), bool(flags[1])
+
+
+@dataclass
+class Session:
+    cfg: Config
+    world: World
+    telemetry: Telemetry
+    device: torch.device
+    group: Any
+    data: Data
+    hf_config: Any
+    inner: Any
+    outer: Outer
+    ckpt: Checkpointer
+    signals: Signals
+    resources: ResourceMonitor | None
+    progress: Progress = field(default_factory=Progress)
+    accum: int = 1
+    draining: bool = False
+
+
+def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
+    node = (cfg.mesh.node_id if cfg is not None else None) or world.default_node_id()
+    speaks = world.rank == 0 or (cfg is not None and cfg.telemetry.all_ranks)
+    human = cfg is None or cfg.telemetry.human
+    return Telemetry(node, world.rank, enabled=speaks, human_out=sys.stderr if human else None)
+
+
+def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
+    telemetry.emit("state", state="starting")
+    device, group = setup_distributed(cfg.inner, world)
+    data = build_data(cfg.data, world, cfg.train.seed)
+    for note in data.notes:
+        telemetry.emit("warning", message=note)
+    hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
+    ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy, device, group)
+    resume_from = ckpt.check_start()  # before the expensive part: refuse bad folders early
+    model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
+    inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
+    outer = build_outer(cfg, world, inner, telemetry, local_group=group)
+    resources = None
+    if world.rank == 0 or cfg.telemetry.all_ranks:
+        gpus = list(range(world.world_size)) if device.type == "cuda" else []
+        resources = ResourceMonitor(lambda **f: telemetry.emit("resource", **f),
+                                    cfg.telemetry.resource_interval, gpus).start()
+    session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt,
+                      Signals(cfg.mesh.drain_file), resources,
+                      accum=grad_accum_steps(cfg.train, world.world_size))
+    if resume_from is not None:
+        step = ckpt.load(resume_from, inner, data, session.progress, outer)
+        telemetry.emit("warning", message=f"resumed from {resume_from} at step {step}")
+    telemetry.emit("state", state="starting", params=count_params(model), device=str(device),
+                   grad_accum=session.accum)
+    return session
+
+
+def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over `accum` micro-batches: (mean micro-batch loss, grad norm), both on device."""
+    losses = []
+    for i in range(accum):
+        input_ids, labels = stream.next_batch(micro_batch_size)
+        losses.append(inner.micro_step(input_ids, labels, last=i == accum - 1))
+    grad_norm = inner.optimizer_step()
+    return torch.stack(losses).mean(), grad_norm
+
+
+def node_mean(value: torch.Tensor | float, s: Session) -> float:
+    """The mean of a scalar over the node's ranks (a collective when there are several)."""
+    t = torch.as_tensor(value, dtype=torch.float32).detach().reshape(1).cpu()
+    if s.world.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=s.group)  # gloo has no AVG
+        t /= s.world.world_size
+    return float(t)
+
+
+def evaluate(s: Session) -> float | None:
+    """Held-out loss over train.eval_batches micro-batches from the start of the eval split (same every time)."""
+    if s.data.eval is None:
+        return None
+    s.data.eval.reset()
+    total = torch.zeros((), device=s.device)
+    for _ in range(s.cfg.train.eval_batches):
+        total += s.inner.eval_loss(*s.data.eval.next_batch(s.cfg.train.micro_batch_size)).float()
+    return node_mean(total / s.cfg.train.eval_batches, s)
+
+
+def save(s: Session) -> None:
+    if s.ckpt.last_saved_step == s.progress.step:
+        return
+    path, seconds = s.ckpt.save(s.progress.step, s.inner, s.data, s.progress, s.outer)
+    s.telemetry.emit("checkpoint", step=s.progress.step, path=str(path), seconds=seconds)
+
+
+def run(s: Session) -> str:
+    """The training loop. Returns the run_end status."""
+    cfg, progress = s.cfg, s.progress
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    s.outer.start(progress)
+    s.telemetry.emit("state", state="training")
+    status, last_log, last_log_step = "completed", time.monotonic(), progress.step
+    while progress.step < cfg.train.max_steps:
+        loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
+        progress.step += 1
+        progress.tokens += tokens_per_step
+        if progress.step % cfg.train.log_interval == 0 or progress.step == cfg.train.max_steps:
+            mean_loss = node_mean(loss, s)  # a device sync point: only at log steps
+            now = time.monotonic()
+            rate = tokens_per_step * (progress.step - last_log_step) / max(now - last_log, 1e-9)
+            s.telemetry.emit("step", step=progress.step, loss=mean_loss, lr=s.inner.current_lr(),
+                             tokens_per_s=rate, grad_norm=float(grad_norm), tokens=progress.tokens,
+                             outer_step=progress.outer_step)
+            last_log, last_log_step = now, progress.step
+        if cfg.train.eval_interval and progress.step % cfg.train.eval_interval == 0:
+            eval_loss = evaluate(s)
+            if eval_loss is not None:
+                s.telemetry.emit("eval", step=progress.step, loss=eval_loss)
+        stop, drain = s.signals.poll(s.world, s.group)
+        if drain and not s.draining:
+            s.draining = True
+            s.telemetry.emit("state", state="draining")
+            s.outer.request_drain()
+        if s.outer.after_inner_step(progress):
+            status = "drained"
+            break
+        if stop:
+            status = "stopped"
+            break
+        if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0:
+            save(s)
+    save(s)
+    if status == "completed" and cfg.ckpt.export_dir:
+        path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group)
+        s.telemetry.emit("export", step=progress.step, path=str(path))
+    return status
+
+
+def split_args(argv: list[str]) -> tuple[str, list[str]]:
+    if not argv or argv[0].startswith("--"):
+        raise ValueError("usage: python -m engine.train CONFIG.toml [--section.key=value ...]")
+    return argv[0], argv[1:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one training process; returns the exit code (0 completed/drained/stopped, 2 bad input, 1 crash)."""
+    world = read_world()
+    telemetry = make_telemetry(None, world)
+    session: Session | None = None
+    status, code = "failed", 1
+    try:
+        config_path, overrides = split_args(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(config_path, overrides, environ=world.env)
+        telemetry = make_telemetry(cfg, world)
+        telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
+                       config_digest=digest(cfg), strategy=cfg.inner.strategy, max_steps=cfg.train.max_steps,
+                       run=cfg.run.name, diloco=cfg.diloco.enabled)
+        session = build(cfg, world, telemetry)
+        status = run(session)
+        code = 0
+    except ValueError as e:  # bad input: config, files, data, checkpoint
+        code = 2
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        telemetry.emit("error", message=str(e))
+    except Exception as e:  # noqa: BLE001 - a crash: report it as an event too, then exit 1
+        traceback.print_exc()
+        telemetry.emit("error", message=f"{type(e).__name__}: {e}")
+    finally:
+        shutdown(session, telemetry, status, clean=code == 0)
+    return code
+
+
+def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: bool) -> None:
+    """Close the outer loop, report, then tear down in the order that avoids gloo's exit-time abort:
+    drop model/optimizer references, collect, barrier, destroy the process group, flush."""
+    step = session.progress.step if session else 0
+    if session is not None:
+        try:
+            session.outer.close(status)
+        finally:
+            if session.resources is not None:
+                session.resources.stop()
+    telemetry.emit("state", state="left")
+    telemetry.emit("run_end", status=status, step=step)
+    if session is not None:
+        session.inner = session.outer = None
+        del session
+    gc.collect()
+    if dist.is_initialized():
+        if clean and dist.get_world_size() > 1:
+            dist.barrier()  # only when every rank is healthy: after a failure a peer may never arrive
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def cli() -> None:
+    """Entry point: exit without running C++ static destructors, where gloo's exit-time abort lives."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    cli()
