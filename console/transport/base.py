@@ -1,0 +1,125 @@
+"""The transport interface: run a command, start one detached, follow a file, signal and probe processes.
+
+Every method is async and knows nothing of Textual or of the fleet. Failures of the host or the link surface as
+TransportError with a one-line reason, which the cluster turns into a node state; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import AsyncIterator, Mapping, Sequence
+
+from console.profile import HostSpec
+from console.transport import commands as C
+
+
+class TransportError(Exception):
+    """The host or the link failed; str() is the reason shown on the node."""
+
+
+class Tail(abc.ABC):
+    """An async iterator over the complete lines (bytes, without the newline) of a growing file.
+
+    `offset` is the byte offset just past the last line handed out: a new tail from it resumes exactly there.
+    Raises TransportError when the link fails; the caller re-tails from `offset`.
+    """
+
+    offset: int
+
+    def __aiter__(self) -> "Tail":
+        return self
+
+    @abc.abstractmethod
+    async def __anext__(self) -> bytes: ...
+
+    async def aclose(self) -> None:
+        return None
+
+
+class Transport(abc.ABC):
+    kind = "abstract"
+
+    def __init__(self, host: HostSpec):
+        self.host = host
+
+    @property
+    def workdir(self) -> str:
+        return self.host.workdir
+
+    @abc.abstractmethod
+    async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
+        """Run shell text on the host; (exit status, stdout, stderr). -1 when it died of a signal."""
+
+    @abc.abstractmethod
+    def tail(self, path: str, from_offset: int = 0) -> Tail:
+        """Follow path (relative to the workdir unless absolute) from a byte offset."""
+
+    async def connect(self) -> None:
+        """Make sure the host can be reached (a no-op where there is nothing to connect)."""
+
+    async def close(self) -> None:
+        """Drop connections. Detached processes keep running."""
+
+    # ---- built on run() ----------------------------------------------------------------------------------
+    async def start_detached(self, argv: Sequence[str], run_dir: str, env: Mapping[str, str] | None = None,
+                             append: bool = False) -> int:
+        """Start argv detached (setsid + nohup) with its output in run_dir; returns its pid (= its process group)."""
+        cmd = C.detached_command(argv, workdir=self.workdir, run_dir=run_dir, env=env, append=append)
+        rc, out, err = await self.run(cmd)
+        last = out.strip().splitlines()[-1:] if out.strip() else []
+        if rc != 0 or not last or not last[0].isdigit():
+            raise TransportError(f"could not start {argv[0]}: {(err or out).strip() or f'status {rc}'}")
+        return int(last[0])
+
+    async def signal(self, pid: int, sig: str = "TERM", group: bool = True) -> bool:
+        """Send sig to pid (group: to its whole process group) with `kill`; False if there was no such process."""
+        rc, _, _ = await self.run(C.kill_command(pid, sig, group))
+        return rc == 0
+
+    async def alive(self, pid: int) -> bool:
+        rc, _, _ = await self.run(C.alive_command(pid))
+        return rc == 0
+
+    async def read_text(self, path: str) -> str | None:
+        """A small file's text, or None if it is not there."""
+        rc, out, _ = await self.run(C.read_command(path, self.workdir))
+        return out if rc == 0 else None
+
+    async def last_lines(self, path: str, lines: int = 5) -> str:
+        rc, out, _ = await self.run(C.tail_lines_command(path, lines, self.workdir))
+        return out if rc == 0 else ""
+
+    async def touch(self, path: str) -> None:
+        rc, _, err = await self.run(C.touch_command(path, self.workdir))
+        if rc != 0:
+            raise TransportError(f"could not create {path}: {err.strip()}")
+
+    async def remove(self, path: str) -> None:
+        await self.run(C.remove_command(path, self.workdir))
+
+    async def preflight(self, config: str | None = None) -> str | None:
+        """None when the host can run the engine; else why not (missing workdir, python or config)."""
+        python = self.host.python_path
+        rc, _, err = await self.run(C.preflight_command(workdir=self.workdir, python=python, config=config))
+        reason = C.preflight_reason(rc, workdir=self.workdir, python=python, config=config)
+        return reason if rc in C.PREFLIGHT_REASONS or rc == 0 else f"{reason}: {err.strip()}"
+
+
+async def collect(tail: Tail, limit: int) -> list[bytes]:
+    """Read `limit` lines from a tail (tests and one-shot readers)."""
+    out: list[bytes] = []
+    async for line in tail:
+        out.append(line)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def lines_of(chunk: bytes, partial: bytes) -> tuple[list[bytes], bytes]:
+    """Split a chunk into complete lines, carrying an unfinished line over to the next chunk."""
+    data = partial + chunk
+    parts = data.split(b"\n")
+    return parts[:-1], parts[-1]
+
+
+AsyncLines = AsyncIterator[bytes]

@@ -1,0 +1,132 @@
+"""Shell command builders: pure functions from values to POSIX `sh` text. Every value goes through shlex.quote.
+
+The same text runs through a local `sh -c` and through an SSH channel, so local and remote behave alike.
+
+Detached start (what lets an engine outlive the console and the link):
+
+    cd WORKDIR && mkdir -p RUN && rm -f RUN/rc || exit 1;
+    setsid nohup sh -c 'rc=$1; shift; "$@"; echo $? > "$rc"' zeroband RUN/rc env K=V ... ARGV...
+        > RUN/events.jsonl 2> RUN/engine.log < /dev/null & echo $! > RUN/pid && echo $!
+
+setsid makes the wrapper shell the leader of a new session and process group (its pid is the group id), so
+`kill -- -PID` reaches the engine and everything it forked; nohup and the redirects cut it loose from the
+channel. The wrapper records the exit status in RUN/rc; a process killed with its group leaves no rc.
+"""
+
+from __future__ import annotations
+
+import shlex
+import signal
+from typing import Mapping, Sequence
+
+EVENTS = "events.jsonl"
+LOG = "engine.log"
+PID = "pid"
+RC = "rc"
+DRAIN = "drain"
+
+_WRAPPER = 'rc=$1; shift; "$@"; echo $? > "$rc"'
+_SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
+
+# preflight exit statuses -> what they mean
+PREFLIGHT_REASONS = {
+    3: "working directory {workdir} does not exist on the host",
+    4: "python not found on the host: {python}",
+    5: "engine config {config} not found in {workdir}",
+}
+
+
+def q(value: object) -> str:
+    return shlex.quote(str(value))
+
+
+def qpath(path: str) -> str:
+    """Quote a path but keep a leading ~ meaning the remote user's home (quoting would make it literal)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + q(path[2:])
+    return q(path)
+
+
+def join(run_dir: str, *names: str) -> str:
+    return "/".join([run_dir.rstrip("/") or "/", *names])
+
+
+def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, env: Mapping[str, str] | None = None,
+                     append: bool = False) -> str:
+    """Start argv detached in workdir; its output goes to run_dir; prints the pid (also written to run_dir/pid)."""
+    if not argv:
+        raise ValueError("detached_command: empty argv")
+    for key in env or {}:
+        if not key or "=" in key or not key.replace("_", "a").isalnum() or key[0].isdigit():
+            raise ValueError(f"detached_command: bad environment variable name {key!r}")
+    run = qpath(run_dir)
+    redirect = ">>" if append else ">"  # a restart appends, so a tail's offset stays valid
+    env_words = " ".join(q(f"{k}={v}") for k, v in (env or {}).items())
+    words = " ".join(q(a) for a in argv)
+    # `|| exit 1;` ends the first list: `a && b & c` would send cd and mkdir to the background too
+    return (f"cd {qpath(workdir)} && mkdir -p {run} && rm -f {run}/{RC} || exit 1; "
+            f"setsid nohup sh -c {q(_WRAPPER)} zeroband {run}/{RC} env {env_words}{' ' if env_words else ''}{words}"
+            f" {redirect} {run}/{EVENTS} 2{redirect} {run}/{LOG} < /dev/null & "
+            f"echo $! > {run}/{PID} && echo $!")
+
+
+def kill_command(pid: int, sig: str = "TERM", group: bool = True) -> str:
+    """`kill` by pid or by process group: OpenSSH delivers channel signals only to non-root sessions."""
+    sig = sig.upper().removeprefix("SIG")
+    if sig not in _SIGNALS:
+        raise ValueError(f"kill_command: unknown signal {sig!r}")
+    pid = _pid(pid)
+    return f"kill -s {sig} -- {'-' if group else ''}{pid}"
+
+
+def alive_command(pid: int) -> str:
+    """Exit 0 while pid is a live process (a zombie that nobody reaped is not alive)."""
+    pid = _pid(pid)
+    return (f"if [ -d /proc/self ]; then [ -d /proc/{pid} ] && ! grep -qs '^State:[[:space:]]*Z' /proc/{pid}/status;"
+            f" else kill -0 {pid} 2>/dev/null; fi")
+
+
+def tail_command(path: str, offset: int = 0) -> str:
+    """Follow a file from a byte offset (waits for it to appear; follows it if it is replaced)."""
+    if offset < 0:
+        raise ValueError("tail_command: negative offset")
+    return f"exec tail -c +{int(offset) + 1} -F {qpath(path)} 2>/dev/null"
+
+
+def read_command(path: str, workdir: str = ".") -> str:
+    """Print a small file; exit 1 (and print nothing) if it is not there."""
+    return f"cd {qpath(workdir)} && cat {qpath(path)} 2>/dev/null"
+
+
+def tail_lines_command(path: str, lines: int = 5, workdir: str = ".") -> str:
+    return f"cd {qpath(workdir)} && tail -n {int(lines)} {qpath(path)} 2>/dev/null"
+
+
+def touch_command(path: str, workdir: str = ".") -> str:
+    return f"cd {qpath(workdir)} && touch {qpath(path)}"
+
+
+def remove_command(path: str, workdir: str = ".") -> str:
+    return f"cd {qpath(workdir)} && rm -f {qpath(path)}"
+
+
+def preflight_command(*, workdir: str, python: str, config: str | None = None) -> str:
+    """Check a host before starting on it; the exit status keys PREFLIGHT_REASONS."""
+    check_config = f" && {{ [ -f {qpath(config)} ] || exit 5; }}" if config else ""
+    return (f"{{ cd {qpath(workdir)} 2>/dev/null || exit 3; }}"
+            f" && {{ command -v {qpath(python)} >/dev/null 2>&1 || exit 4; }}{check_config}")
+
+
+def preflight_reason(rc: int, *, workdir: str, python: str, config: str | None = None) -> str | None:
+    if rc == 0:
+        return None
+    template = PREFLIGHT_REASONS.get(rc, "host check failed with status {rc}")
+    return template.format(workdir=workdir, python=python, config=config, rc=rc)
+
+
+def _pid(pid: int) -> int:
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 1:
+        raise ValueError(f"not a process id: {pid!r}")  # kill -- -1 would signal every process we may
+    return pid

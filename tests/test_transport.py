@@ -1,0 +1,169 @@
+"""Command builders (pure, quoted) and the LocalTransport: start detached, tail, resume, signal, alive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from console.profile import HostSpec
+from console.transport import LocalTransport, TransportError, make_transport
+from console.transport import commands as C
+from console.transport.base import collect
+
+NASTY = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "; touch PWNED;", "x|y&z", "~", "*", "\\n",
+         "$HOME", "--flag=1"]
+
+
+def sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=30)
+
+
+def local_host(workdir: Path, **kw) -> HostSpec:
+    return HostSpec(name="n", transport="local", workdir=str(workdir), **kw)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+# ---- pure builders -------------------------------------------------------------------------------------------
+def test_detached_command_quotes_every_value(tmp_path):
+    workdir = tmp_path / "work dir 'q' $(x)"
+    workdir.mkdir()
+    run_dir = "run; $(touch PWNED) 'n'/node \"b\""
+    argv = [sys.executable, "-c", "import json,os,sys; print(json.dumps([sys.argv[1:], os.environ['ZB_V']]))", *NASTY]
+    cmd = C.detached_command(argv, workdir=str(workdir), run_dir=run_dir, env={"ZB_V": "v $(x) 'y'"})
+    done = sh(cmd, tmp_path)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.strip())
+    out = workdir / run_dir
+    wait_until(lambda: (out / "rc").exists())
+    assert json.loads((out / "events.jsonl").read_text()) == [NASTY, "v $(x) 'y'"]
+    assert (out / "pid").read_text().strip() == str(pid) and (out / "rc").read_text().strip() == "0"
+    assert not list(tmp_path.rglob("PWNED")), "a value reached the shell unquoted"
+
+
+def test_builders_are_pure_and_reject_bad_values():
+    assert C.kill_command(1234, "KILL") == "kill -s KILL -- -1234"
+    assert C.kill_command(1234, "sigterm", group=False) == "kill -s TERM -- 1234"
+    assert C.tail_command("r/a b.jsonl", 10) == "exec tail -c +11 -F 'r/a b.jsonl' 2>/dev/null"
+    assert C.qpath("~/x y") == "\"$HOME\"/'x y'" and C.qpath("~") == '"$HOME"' and C.qpath("a~b") == "'a~b'"
+    assert C.read_command("p'id", "w") == "cd w && cat 'p'\"'\"'id' 2>/dev/null"
+    for bad in (0, 1, -5, "12; rm -rf /", True, 3.5):
+        with pytest.raises(ValueError, match="not a process id"):
+            C.kill_command(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown signal"):
+        C.kill_command(42, "TERM; reboot")
+    with pytest.raises(ValueError, match="bad environment variable name"):
+        C.detached_command(["x"], workdir=".", run_dir="r", env={"A;B": "1"})
+    with pytest.raises(ValueError, match="empty argv"):
+        C.detached_command([], workdir=".", run_dir="r")
+
+
+def test_preflight_reasons(tmp_path):
+    (tmp_path / "c.toml").write_text("")
+    assert sh(C.preflight_command(workdir=str(tmp_path), python="sh", config="c.toml"), tmp_path).returncode == 0
+    cases = [({"workdir": str(tmp_path / "nope"), "python": "sh"}, 3, "working directory"),
+             ({"workdir": str(tmp_path), "python": "/no/python 'x'"}, 4, "python not found on the host: /no/python"),
+             ({"workdir": str(tmp_path), "python": "sh", "config": "missing.toml"}, 5, "engine config missing.toml")]
+    for kw, rc, text in cases:
+        assert sh(C.preflight_command(**kw), tmp_path).returncode == rc
+        assert text in C.preflight_reason(rc, **kw)  # type: ignore[operator]
+
+
+def test_alive_command_sees_through_zombies(tmp_path):
+    proc = subprocess.Popen(["sleep", "0"])
+    wait_until(lambda: "Z" in Path(f"/proc/{proc.pid}/status").read_text().split("State:")[1][:4])
+    assert sh(C.alive_command(proc.pid), tmp_path).returncode == 1  # exited, not yet reaped: not alive
+    proc.wait()
+    assert sh(C.alive_command(os.getpid()), tmp_path).returncode == 0
+
+
+# ---- LocalTransport ------------------------------------------------------------------------------------------
+WRITER = ("import sys, time\n"
+          "for i in range(int(sys.argv[1])):\n"
+          "    print('{\"i\": %d}' % i, flush=True); time.sleep(float(sys.argv[2]))\n"
+          "time.sleep(float(sys.argv[3]))\n")
+
+
+async def test_local_start_tail_resume_kill(tmp_path):
+    t = make_transport(local_host(tmp_path))
+    assert isinstance(t, LocalTransport)
+    (tmp_path / "w.py").write_text(WRITER)
+    pid = await t.start_detached([sys.executable, "w.py", "6", "0.05", "60"], "run/it's a node")
+    assert await t.alive(pid)
+    tail = t.tail("run/it's a node/events.jsonl")
+    first = await asyncio.wait_for(collect(tail, 3), 10)
+    assert first == [b'{"i": 0}', b'{"i": 1}', b'{"i": 2}']
+    offset = tail.offset
+    assert offset == sum(len(x) + 1 for x in first)
+    await tail.aclose()
+    resumed = t.tail("run/it's a node/events.jsonl", offset)  # a new tail picks up exactly where the old stopped
+    assert await asyncio.wait_for(collect(resumed, 3), 10) == [b'{"i": 3}', b'{"i": 4}', b'{"i": 5}']
+    assert await t.read_text("run/it's a node/pid") == f"{pid}\n"
+    assert await t.signal(pid, "KILL")  # the whole process group
+    await asyncio.sleep(0.2)
+    assert not await t.alive(pid)
+    assert await t.read_text("run/it's a node/rc") is None  # killed with its group: no exit status written
+
+
+async def test_local_tail_waits_for_the_file_and_skips_partial_lines(tmp_path):
+    t = LocalTransport(local_host(tmp_path))
+    tail = t.tail("later.jsonl")
+    reader = asyncio.ensure_future(collect(tail, 2))
+    await asyncio.sleep(0.3)
+    assert not reader.done()
+    path = tmp_path / "later.jsonl"
+    with open(path, "wb") as f:
+        f.write(b"one\ntw")
+        f.flush()
+        await asyncio.sleep(0.3)
+        assert not reader.done()  # "tw" is not a line yet
+        f.write(b"o\nthr")
+        f.flush()
+        assert await asyncio.wait_for(reader, 5) == [b"one", b"two"]
+    assert tail.offset == 8
+    path.write_bytes(b"new\n")  # truncated and rewritten (a fresh start): read from the top
+    assert await asyncio.wait_for(collect(tail, 1), 5) == [b"new"]
+
+
+async def test_local_run_exit_status_timeout_and_exit_code(tmp_path):
+    t = LocalTransport(local_host(tmp_path))
+    assert await t.run("echo out; echo err >&2; exit 3") == (3, "out\n", "err\n")
+    started = time.monotonic()
+    with pytest.raises(TransportError, match="timed out after 0.5s"):
+        await t.run("sleep 30", timeout=0.5)
+    assert time.monotonic() - started < 5
+    pid = await t.start_detached(["sh", "-c", "echo boom >&2; exit 7"], "r")
+    await asyncio.sleep(0.5)
+    assert not await t.alive(pid)
+    assert (await t.read_text("r/rc")).strip() == "7"
+    assert "boom" in await t.last_lines("r/engine.log")
+    await t.touch("r/drain")
+    assert (tmp_path / "r" / "drain").exists()
+    assert await t.preflight() is None
+    missing = LocalTransport(local_host(tmp_path, python="/nowhere/python3"))
+    assert await missing.preflight() == "python not found on the host: /nowhere/python3"
+
+
+async def test_detached_survives_its_starter(tmp_path):
+    """The engine must outlive the console: start it from a shell that then exits, and it keeps running."""
+    t = LocalTransport(local_host(tmp_path))
+    (tmp_path / "w.py").write_text(WRITER)
+    pid = await t.start_detached([sys.executable, "w.py", "1", "0", "60"], "r")
+    try:
+        wait_until(lambda: os.getsid(pid) == pid)  # setsid runs a moment after the starting shell forked it
+        assert os.getpgid(pid) == pid  # its own session and process group: `kill -- -PID` reaches all of it
+        assert os.getsid(pid) != os.getsid(os.getpid())
+    finally:
+        await t.signal(pid, "KILL")
