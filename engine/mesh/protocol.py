@@ -1,0 +1,237 @@
+"""The pure part of the membership protocol: store keys, plans, liveness from counters, plan and decision rules.
+
+No I/O and no clock here: every function takes what it needs (a snapshot, `now`) as arguments, so the rules are
+unit-tested directly and the node (engine/mesh/node.py) only gathers snapshots and writes results. docs/mesh.md
+describes the protocol as a whole; the key layout is in `Keys`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+NODE_STATES = ("starting", "joining", "training", "draining", "left", "dead")
+LEAVE_REASONS = ("drained", "completed", "failed")
+COMMIT, ABORT = "commit", "abort"
+
+
+class MeshError(RuntimeError):
+    """The mesh cannot go on for this node: the message says what happened and what to do."""
+
+
+class Excluded(Exception):
+    """This node is not in the plan it waited for (it arrived late): re-join with Mesh.wait_admission()."""
+
+
+class Keys:
+    """Every key of the protocol (docs/mesh.md explains each). Per-boundary keys live under the run epoch
+    `r/<epoch>/`, so a run re-formed after every node died never reads the previous life's plans."""
+
+    PREFIX = "zb/"
+
+    def __init__(self, prefix: str = PREFIX) -> None:
+        self.p = prefix
+
+    # run-wide
+    def digest(self) -> str: return f"{self.p}digest"
+    def leader(self) -> str: return f"{self.p}leader"
+    def reg_count(self) -> str: return f"{self.p}reg/count"
+    def reg(self, n: int) -> str: return f"{self.p}reg/{n}"
+    def latest(self) -> str: return f"{self.p}plan/latest"
+    # per node
+    def info(self, node: str) -> str: return f"{self.p}info/{node}"
+    def hb(self, node: str) -> str: return f"{self.p}hb/{node}"
+    def bye(self, node: str) -> str: return f"{self.p}bye/{node}"
+    def state(self, node: str) -> str: return f"{self.p}state/{node}"
+    def join(self, node: str) -> str: return f"{self.p}join/{node}"
+    # per boundary (epoch, outer step, attempt)
+    def arrive(self, e: int, k: int, a: int, node: str) -> str: return f"{self.p}r/{e}/arrive/{k}/{a}/{node}"
+    def plan(self, e: int, k: int, a: int) -> str: return f"{self.p}r/{e}/plan/{k}/{a}"
+    def ok(self, e: int, k: int, a: int, node: str) -> str: return f"{self.p}r/{e}/ok/{k}/{a}/{node}"
+    def decision(self, e: int, k: int, a: int) -> str: return f"{self.p}r/{e}/decision/{k}/{a}"
+
+    def group_prefix(self, generation: int, local_rank: int) -> str:
+        """The process group of one generation, one per local rank (FSDP shard i talks to shard i elsewhere)."""
+        return f"{self.p}pg/{generation}/{local_rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who takes part in one outer step (one attempt). members are sorted; their order is the group rank.
+
+    joiners: members that contribute nothing (weight 0) and receive the state from `source` first.
+    leaving: draining members that contribute this time and leave after the commit.
+    contributors: members whose pseudo-gradient counts (not joiners, arrived with contributing=True);
+    the mean divides by len(contributors). epoch: the run's life (see Keys); generation names the group.
+    """
+
+    generation: int
+    outer_step: int
+    attempt: int
+    members: tuple[str, ...]
+    joiners: tuple[str, ...] = ()
+    source: str | None = None
+    leaving: tuple[str, ...] = ()
+    contributors: tuple[str, ...] = ()
+    epoch: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, node_id: str) -> int:
+        try:
+            return self.members.index(node_id)
+        except ValueError:
+            raise Excluded(f"node {node_id} is not a member of generation {self.generation}") from None
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "outer_step": self.outer_step, "attempt": self.attempt,
+                           "members": list(self.members), "joiners": list(self.joiners), "source": self.source,
+                           "leaving": list(self.leaving), "contributors": list(self.contributors),
+                           "epoch": self.epoch}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Plan":
+        d = json.loads(text)
+        return cls(generation=d["generation"], outer_step=d["outer_step"], attempt=d["attempt"],
+                   members=tuple(d["members"]), joiners=tuple(d["joiners"]), source=d["source"],
+                   leaving=tuple(d["leaving"]), contributors=tuple(d.get("contributors", ())),
+                   epoch=d.get("epoch", 0))
+
+
+@dataclass(frozen=True)
+class Arrival:
+    contributing: bool = True
+    draining: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps({"contributing": self.contributing, "draining": self.draining})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Arrival":
+        d = json.loads(text)
+        return cls(contributing=bool(d["contributing"]), draining=bool(d["draining"]))
+
+
+class Liveness:
+    """Clock-independent liveness: a peer is alive while its heartbeat counter keeps changing.
+
+    Observers record, on their own monotonic clock, when they last saw a peer's counter change; wall clocks of
+    different hosts are never compared. A peer first seen now gets a full timeout of grace. A `bye` is final
+    until the counter is seen again after the bye was withdrawn (a node that restarted with the same id).
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._last: dict[str, tuple[int, float]] = {}  # node -> (counter, local time it last changed)
+        self._first: dict[str, int] = {}  # node -> the counter when first observed
+        self._gone: set[str] = set()
+
+    def observe(self, node: str, counter: int, now: float, *, gone: bool = False) -> None:
+        prev = self._last.get(node)
+        self._first.setdefault(node, counter)
+        if prev is None or prev[0] != counter:
+            self._last[node] = (counter, now)
+        if gone:
+            self._gone.add(node)
+        else:
+            self._gone.discard(node)
+
+    def known(self) -> list[str]:
+        return list(self._last)
+
+    def moved(self, node: str) -> bool:
+        """The counter changed since this observer first saw it: the node is beating right now."""
+        seen = self._last.get(node)
+        return seen is not None and seen[0] != self._first[node]
+
+    def is_gone(self, node: str) -> bool:
+        return node in self._gone
+
+    def age(self, node: str, now: float) -> float | None:
+        seen = self._last.get(node)
+        return None if seen is None else max(0.0, now - seen[1])
+
+    def is_dead(self, node: str, now: float) -> bool:
+        """Left (bye) or silent past the timeout. A node never observed is not (yet) dead."""
+        if node in self._gone:
+            return True
+        seen = self._last.get(node)
+        return seen is not None and now - seen[1] > self.timeout
+
+    def dead(self, nodes: Iterable[str], now: float) -> frozenset[str]:
+        return frozenset(n for n in nodes if self.is_dead(n, now))
+
+
+@dataclass(frozen=True)
+class BoundaryView:
+    """What the planner saw of one boundary (epoch, outer_step, attempt) in the store."""
+
+    epoch: int
+    outer_step: int
+    attempt: int
+    prev: Plan | None  # the latest plan of this epoch; None: the run (re)forms here
+    prev_committed: bool  # whether prev ended in "commit"
+    arrived: Mapping[str, Arrival] = field(default_factory=dict)
+    dead: frozenset[str] = frozenset()  # dead or left, among every node the planner knows
+    joining: frozenset[str] = frozenset()  # nodes with a join request
+    starting: frozenset[str] = frozenset()  # nodes in state "starting" (formation candidates)
+    min_nodes: int = 1
+    timed_out: bool = False  # the planner's wait for this boundary is over: plan with whoever arrived
+    base_generation: int = 0  # first generation of a (re)formed run is base_generation + 1
+
+
+def compute_plan(v: BoundaryView) -> Plan | None:
+    """The plan for a boundary, or None while it is still worth waiting. Raises MeshError when a forming run
+    timed out below min_nodes. Pure: the same view always gives the same plan."""
+    joiners = set(v.joining) - set(v.dead)
+    if v.prev is None:
+        core = {n for n in v.arrived if n not in v.dead and n not in joiners}
+        waiting_for = (set(v.starting) - set(v.dead) - joiners) - core
+        if not v.timed_out and (len(core) < v.min_nodes or waiting_for):
+            return None
+        if len(core) < v.min_nodes:
+            raise MeshError(f"only {len(core)} of diloco.min_nodes={v.min_nodes} nodes arrived at the first "
+                            f"outer step within mesh.start_timeout ({sorted(core)})")
+        generation = v.base_generation + 1
+    else:
+        prev = v.prev
+        if v.prev_committed:
+            joiners -= set(prev.members)  # admitted by a commit: full members now
+            gone_clean = set(prev.leaving)  # drained: excluded at once, no heartbeat wait
+        else:
+            gone_clean = set()
+        # joiners need not arrive: the planner admits them from their join request
+        expected = set(prev.members) - gone_clean - set(v.dead) - joiners
+        if not v.timed_out and expected - set(v.arrived):
+            return None
+        core = expected & set(v.arrived)
+        members_now = tuple(sorted(core | joiners))
+        changed = (members_now != prev.members or v.attempt > 0 or not v.prev_committed
+                   or prev.outer_step >= v.outer_step)
+        generation = prev.generation + (1 if changed else 0)
+    members = tuple(sorted(core | joiners))
+    leaving = tuple(sorted(n for n in core if v.arrived[n].draining))
+    contributors = tuple(sorted(n for n in core if n not in joiners and v.arrived[n].contributing))
+    holders = sorted(n for n in core if n not in joiners)
+    staying = [n for n in holders if n not in leaving]
+    source = (staying or holders or [None])[0]
+    return Plan(generation=generation, outer_step=v.outer_step, attempt=v.attempt, members=members,
+                joiners=tuple(sorted(joiners)), source=source, leaving=leaving, contributors=contributors,
+                epoch=v.epoch)
+
+
+def decide(members: Iterable[str], posted: Mapping[str, bool], dead: Iterable[str]) -> str | None:
+    """The commit rule: commit iff every member posted ok; abort as soon as one posted fail or one is dead
+    without having posted; None while it is still open."""
+    members = list(members)
+    dead = set(dead)
+    if any(posted.get(m) is False for m in members):
+        return ABORT
+    if any(m in dead and m not in posted for m in members):
+        return ABORT
+    if all(posted.get(m) is True for m in members):
+        return COMMIT
+    return None

@@ -1,0 +1,73 @@
+"""The membership store as its own small process, so that no training node is special:
+
+    python -m engine.store --host 0.0.0.0 --port 29600
+
+Runs a torch.distributed TCPStore server and nothing else. Prints one telemetry line (type "state", state "ready",
+node "store", rank -1, with host, port and pid) when it accepts clients, and one (state "stopped") on SIGTERM or
+SIGINT, then exits 0. A port in use or a bad address is one line on stderr and exit status 2. The store holds only
+membership keys (docs/mesh.md): if it is restarted, the nodes fail cleanly and a restarted run re-forms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+from datetime import timedelta
+
+from engine.telemetry import encode, make_event
+
+
+def _port_free(host: str, port: int) -> str | None:
+    """None if the port can be bound (as TCPStore binds it), else the reason."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("" if host in ("0.0.0.0", "") else host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.store", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="0.0.0.0", help="address to announce and bind (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=29600)
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        print(f"engine.store: --port {args.port}: not a TCP port", file=sys.stderr)
+        return 2
+    reason = _port_free(args.host, args.port)
+    if reason is not None:
+        print(f"engine.store: cannot listen on {args.host}:{args.port}: {reason} (another store running? "
+              f"choose another --port)", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    import torch.distributed as dist  # after the cheap checks: importing torch takes seconds
+
+    client_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+    try:
+        # is_master: this process is the server; wait_for_workers=False: clients come and go for the whole run
+        store = dist.TCPStore(client_host, args.port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"engine.store: cannot listen on {args.host}:{args.port}: {first}", file=sys.stderr)
+        return 2
+    ready = make_event("state", "store", -1, state="ready", host=args.host, port=args.port, pid=os.getpid())
+    print(encode(ready), flush=True)
+    while not stop.wait(1.0):  # signal handlers run in the main thread between waits
+        pass
+    del store
+    print(encode(make_event("state", "store", -1, state="stopped", host=args.host, port=args.port,
+                            pid=os.getpid())), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
