@@ -1,0 +1,77 @@
+"""Config units: unknown keys, wrong types, batch arithmetic, command-line overrides, ZERO_BAND_* variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_configs_load(repo_root):
+    for name in ("debug", "debug-diloco", "15m", "150m", "1b"):
+        cfg = load_config(repo_root / "configs" / f"{name}.toml")
+        assert cfg.model.preset == name.removesuffix("-diloco")
+    diloco = load_config(repo_root / "configs" / "debug-diloco.toml")
+    assert diloco.diloco.enabled and diloco.diloco.inner_steps == 5
+
+
+def test_unknown_key_names_file_and_key(tmp_path):
+    path = write(tmp_path, "[optim]\nlrr = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"c\.toml: optim\.lrr: unknown key"):
+        load_config(path, ["--data.fake=true"])
+
+
+def test_wrong_type_is_rejected(tmp_path):
+    path = write(tmp_path, '[data]\nfake = true\n[train]\nmax_steps = "many"\n')
+    with pytest.raises(ConfigError, match=r"train\.max_steps"):
+        load_config(path)
+
+
+def test_batch_arithmetic(tmp_path):
+    path = write(tmp_path, "[data]\nfake = true\n[train]\nmicro_batch_size = 4\nbatch_size = 16\n")
+    cfg = load_config(path)
+    assert grad_accum_steps(cfg.train, 1) == 4
+    assert grad_accum_steps(cfg.train, 2) == 2
+    assert grad_accum_steps(cfg.train, 4) == 1
+    with pytest.raises(ConfigError, match="not divisible"):
+        grad_accum_steps(cfg.train, 3)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        load_config(path, ["--train.batch_size=6"])
+
+
+def test_overrides_win_and_are_typed(tmp_path):
+    path = write(tmp_path, "[data]\nfake = true\n[optim]\nlr = 1e-2\n")
+    cfg = load_config(path, ["--optim.lr=1e-3", "--train.max_steps", "7", "--train.compile"])
+    assert cfg.optim.lr == pytest.approx(1e-3) and cfg.train.max_steps == 7 and cfg.train.compile is True
+    assert parse_overrides(["--a.b=c=d"]) == {"a.b": "c=d"}
+    with pytest.raises(ConfigError, match="expected --section.key=value"):
+        parse_overrides(["lr=3"])
+
+
+def test_data_path_required_unless_fake(tmp_path):
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config(write(tmp_path, "[train]\nmax_steps = 3\n"))
+
+
+def test_zero_band_environment(tmp_path):
+    path = write(tmp_path, "[data]\nfake = true\n")
+    env = {"ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "12", "GLOBAL_UNIQUE_ID": "node-a", "GLOBAL_PORT": "29700"}
+    cfg = load_config(path, [], environ=env)
+    assert cfg.mesh.store_timeout == 12 and cfg.mesh.node_id == "node-a" and cfg.mesh.store_port == 29700
+    # the command line beats the environment
+    assert load_config(path, ["--mesh.node_id=b"], environ=env).mesh.node_id == "b"
+    with pytest.raises(ConfigError, match="unknown variable ZERO_BAND_TYPO"):
+        load_config(path, [], environ={"ZERO_BAND_TYPO": "1"})
+
+
+def test_digest_ignores_per_node_knobs(tmp_path):
+    path = write(tmp_path, "[data]\nfake = true\n")
+    base = digest(load_config(path))
+    assert digest(load_config(path, ["--optim.lr=1e-2", "--diloco.min_nodes=3"])) == base
+    assert digest(load_config(path, ["--data.seq_len=64"])) != base

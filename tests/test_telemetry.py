@@ -1,0 +1,62 @@
+"""Telemetry schema: events round-trip through the JSON-lines encoding; malformed lines are rejected."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from engine.telemetry import SCHEMA_VERSION, BadEvent, Telemetry, encode, make_event, parse_line
+
+
+def test_round_trip_every_engine_event():
+    samples = {
+        "run_start": dict(pid=1, host="h", world_size=2, config_digest="abc", strategy="ddp", max_steps=10),
+        "state": dict(state="training"),
+        "step": dict(step=3, loss=2.5, lr=1e-3, tokens_per_s=1000.0, grad_norm=None),
+        "eval": dict(step=3, loss=2.4),
+        "checkpoint": dict(step=3, path="/x", seconds=0.1),
+        "export": dict(step=3, path="/y"),
+        "resource": dict(device="cpu", util=12.5, mem_used=1, mem_total=2),
+        "warning": dict(message="w"), "error": dict(message="e"),
+        "drained": dict(outer_step=0, step=3),
+        "run_end": dict(status="completed", step=3),
+    }
+    for type_, fields in samples.items():
+        event = make_event(type_, "node-a", 0, ts=1.0, **fields, extra_field=[1, 2])
+        assert parse_line(encode(event)) == event
+
+
+def test_emitter_writes_json_and_human_lines():
+    out, human = io.StringIO(), io.StringIO()
+    tele = Telemetry("n", 1, json_out=out, human_out=human)
+    tele.emit("step", step=5, loss=1.25, lr=1e-3, tokens_per_s=10.0, grad_norm=0.5)
+    event = parse_line(out.getvalue().splitlines()[0])
+    assert event["v"] == SCHEMA_VERSION and event["node"] == "n" and event["rank"] == 1 and event["loss"] == 1.25
+    assert "step      5 loss 1.2500" in human.getvalue()
+    silent = io.StringIO()
+    Telemetry("n", 1, json_out=silent, enabled=False).emit("state", state="left")
+    assert silent.getvalue() == ""
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("not json", "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"type": "step"}', "schema version"),
+    ('{"v": 99, "type": "step"}', "newer"),
+    ('{"v": 1, "type": "nope", "ts": 1, "node": "n", "rank": 0}', "unknown event type"),
+    ('{"v": 1, "type": "eval", "ts": 1, "node": "n", "rank": 0, "step": 1}', "missing field 'loss'"),
+    ('{"v": 1, "type": "eval", "ts": 1, "node": "n", "rank": 0, "step": "1", "loss": 2}', "field 'step'"),
+    ('{"v": 1, "type": "eval", "ts": 1, "node": "n", "rank": 0, "step": true, "loss": 2}', "field 'step'"),
+    ('{"v": 1, "type": "eval", "ts": "x", "node": "n", "rank": 0, "step": 1, "loss": 2}', "common fields"),
+])
+def test_malformed_lines_are_rejected(line, reason):
+    with pytest.raises(BadEvent, match=reason):
+        parse_line(line)
+
+
+def test_make_event_refuses_a_bad_producer_value():
+    with pytest.raises(BadEvent):
+        make_event("run_end", "n", 0, status="completed", step=1.5)
+    assert json.loads(encode(make_event("run_end", "n", 0, status="completed", step=1)))["step"] == 1
