@@ -1,0 +1,391 @@
+"""DiLoCo numerics: outer-optimizer arithmetic by hand, the compressed weighted mean over real gloo groups
+(3 spawned processes), rollback of an aborted outer step, the joiner hand-off, and H=1/lr=1/momentum=0 equal
+to plain training. The mesh is replaced by scripted fakes here; tests/test_diloco_e2e.py uses the real one."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import compression
+from engine.config import DilocoConfig, MeshConfig
+from engine.diloco import DilocoOuter, OuterOptimizer, flat_params
+from engine.outer import Progress
+from engine.telemetry import Telemetry
+
+SIZE = 3
+NUMEL = 10_007  # not a multiple of the group size: exercises the padding
+
+
+# ------------------------------------------------------------------------------------------ pure arithmetic
+
+def test_nesterov_two_steps_match_hand_computation():
+    opt = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    s = torch.tensor([1.0, 2.0])
+    g1 = torch.tensor([0.1, -0.2])
+    p1 = opt.propose(s, g1)
+    # step 1: buf = g1; update = g1 + 0.9 * g1 = 1.9 g1; p = s - 0.7 * 1.9 * g1
+    assert torch.allclose(p1.params, torch.tensor([1.0 - 0.133, 2.0 + 0.266]), atol=1e-6)
+    opt.commit(p1)
+    g2 = torch.tensor([0.3, 0.0])
+    p2 = opt.propose(p1.params, g2)
+    # step 2: buf = 0.9 * g1 + g2 = [0.39, -0.18]; update = g2 + 0.9 * buf = [0.651, -0.162]
+    assert torch.allclose(p2.momentum, torch.tensor([0.39, -0.18]), atol=1e-6)
+    assert torch.allclose(p2.params, p1.params - 0.7 * torch.tensor([0.651, -0.162]), atol=1e-6)
+
+
+def test_sgd_momentum_and_average_by_hand():
+    sgd = OuterOptimizer("sgd", lr=0.5, momentum=0.5)
+    s, g = torch.tensor([1.0]), torch.tensor([0.2])
+    sgd.commit(sgd.propose(s, g))
+    p = sgd.propose(s, g)  # buf = 0.5 * 0.2 + 0.2 = 0.3; p = 1 - 0.5 * 0.3
+    assert torch.allclose(p.params, torch.tensor([0.85]))
+    plain = OuterOptimizer("sgd", lr=0.5, momentum=0.0)
+    assert plain.propose(s, g).momentum is None and torch.allclose(plain.propose(s, g).params, torch.tensor([0.9]))
+    avg = OuterOptimizer("average", lr=0.7, momentum=0.9)  # lr and momentum are ignored: p = s - g
+    assert torch.allclose(avg.propose(s, g).params, torch.tensor([0.8]))
+
+
+def test_propose_leaves_state_untouched_until_commit():
+    opt = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    s, g = torch.randn(5), torch.randn(5)
+    opt.commit(opt.propose(s, g))
+    before = opt.momentum.clone()
+    s_before = s.clone()
+    opt.propose(s, torch.randn(5))  # computed, never committed: an aborted outer step
+    assert torch.equal(opt.momentum, before) and torch.equal(s, s_before)
+
+
+def test_unknown_names_are_one_line_errors():
+    with pytest.raises(ValueError, match="diloco.outer_optimizer: unknown 'adam'"):
+        OuterOptimizer("adam", 0.7, 0.9)
+    with pytest.raises(ValueError, match="compression: unknown 'int4'"):
+        compression.weighted_mean(torch.zeros(3), 1.0, None, "int4")
+
+
+def test_int8_codec_roundtrip_bound_and_constant_chunks():
+    rows = torch.randn(4, 1000)
+    rows[2] = 3.25  # a constant chunk decodes exactly
+    payload, meta = compression.encode(rows, "int8")
+    assert payload.dtype == torch.uint8 and payload.shape == (4, 1000)
+    back = compression.decode(payload, meta, "int8")
+    scale = (rows.amax(1) - rows.amin(1)) / 255
+    assert torch.all((back - rows).abs().amax(1) <= scale / 2 + 1e-6)
+    assert torch.equal(back[2], rows[2])
+
+
+# ------------------------------------------------------------------------------------------ fakes
+
+@dataclass
+class FakePlan:
+    generation: int
+    outer_step: int
+    attempt: int
+    members: list[str]
+    joiners: list[str] = field(default_factory=list)
+    source: str = ""
+    leaving: list[str] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, node: str) -> int:
+        return sorted(self.members).index(node)
+
+
+class FakeMesh:
+    """Scripted: boundary() returns the next plan; commit() returns the next decision (and records votes)."""
+
+    def __init__(self, plans: list[FakePlan], decisions: list[bool], joiner: bool = False):
+        self.plans, self.decisions, self.joiner = list(plans), list(decisions), joiner
+        self.votes: list[bool] = []
+        self.left: str | None = None
+
+    def start(self) -> bool:
+        return self.joiner
+
+    def wait_admission(self) -> FakePlan:
+        return self.plans.pop(0)
+
+    def boundary(self, outer_step, attempt, *, contributing, draining) -> FakePlan:
+        plan = self.plans.pop(0)
+        assert (plan.outer_step, plan.attempt) == (outer_step, attempt)
+        return plan
+
+    def commit(self, plan, succeeded: bool) -> bool:
+        self.votes.append(succeeded)
+        return self.decisions.pop(0) and succeeded
+
+    def leave(self, reason: str) -> None:
+        self.left = reason
+
+    def close(self) -> None:
+        pass
+
+
+class TinyInner:
+    """The Inner surface DiLoCo uses, over a linear model trained by plain SGD."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.model = torch.nn.Linear(8, 4)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.updates = 0
+
+    def train_step(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+        loss = torch.nn.functional.mse_loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def outer_params(self):
+        return [p.detach() for p in self.model.parameters()]
+
+    def after_outer_update(self) -> None:
+        self.updates += 1
+
+
+def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, **diloco):
+    world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
+    sink = [] if events is None else events
+    tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
+    return DilocoOuter(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
+                       config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
+
+
+class _Null:
+    def write(self, _):
+        pass
+
+    def flush(self):
+        pass
+
+
+# ------------------------------------------------------------------------------------------ one node
+
+def test_h1_lr1_no_momentum_equals_plain_training():
+    plain, outer_inner = TinyInner(0), TinyInner(0)
+    steps = 6
+    mesh = FakeMesh([FakePlan(1, k, 0, ["a"], source="a") for k in range(1, steps + 1)], [True] * steps)
+    outer = make_outer(outer_inner, mesh, inner_steps=1, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+    progress = Progress()
+    outer.start(progress)
+    for step in range(1, steps + 1):
+        plain.train_step(step)
+        outer_inner.train_step(step)
+        progress.step = step
+        assert outer.after_inner_step(progress) is False
+    assert progress.outer_step == steps and outer_inner.updates == steps
+    # s - (s - c) rounds in fp32: equal to a few ulps, not bit for bit
+    for p, q in zip(plain.model.parameters(), outer_inner.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_aborted_outer_step_rolls_back_then_retries_same_pgrad():
+    inner = TinyInner(1)
+    plans = [FakePlan(1, 1, 0, ["a"], source="a"), FakePlan(2, 1, 1, ["a"], source="a")]
+    mesh = FakeMesh(plans, [False, True])
+    events: list[dict] = []
+    outer = make_outer(inner, mesh, events=events, inner_steps=2)
+    progress = Progress()
+    outer.start(progress)
+    start = flat_params(inner.outer_params())
+    for step in (1, 2):
+        inner.train_step(step)
+        progress.step = step
+        trained = start - flat_params(inner.outer_params())
+        outer.after_inner_step(progress)
+    # the first decision was abort: the committed update is exactly one Nesterov step of the same pgrad
+    expected = start - 0.7 * (trained + 0.9 * trained)
+    torch.testing.assert_close(flat_params(inner.outer_params()), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(outer.opt.momentum, trained, rtol=0, atol=1e-7)
+    assert mesh.votes == [True, True] and progress.outer_step == 1 and inner.updates == 1
+    kinds = [e["type"] for e in events]
+    assert kinds.count("warning") == 1 and "aborted" in events[kinds.index("warning")]["message"]
+    assert kinds.count("outer_step") == 1
+
+
+def test_drain_contributes_then_leaves():
+    inner = TinyInner(2)
+    mesh = FakeMesh([FakePlan(1, 1, 0, ["a"], source="a")], [True])
+    events: list[dict] = []
+    outer = make_outer(inner, mesh, events=events, inner_steps=2)
+    progress = Progress()
+    outer.start(progress)
+    inner.train_step(1)
+    progress.step = 1
+    outer.request_drain()
+    assert outer.after_inner_step(progress) is False  # finishes its inner round first
+    inner.train_step(2)
+    progress.step = 2
+    assert outer.after_inner_step(progress) is True
+    assert mesh.left == "drained" and progress.outer_step == 1
+    states = [e["state"] for e in events if e["type"] == "state"]
+    assert states == ["training", "draining", "left"]
+    assert [e["outer_step"] for e in events if e["type"] == "drained"] == [1]
+
+
+# ------------------------------------------------------------------------------------------ 3 real processes
+
+def _group(store, rank: int, size: int, prefix: str) -> dist.ProcessGroup:
+    prefixed = dist.PrefixStore(prefix, store)
+    pg = dist.ProcessGroup(prefixed, rank, size)
+    backend = dist.ProcessGroupGloo(prefixed, rank, size, datetime.timedelta(seconds=20))
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 + rank)) * (rank + 1)
+
+
+def _reduce_checks(pg, rank: int) -> dict:
+    out = {}
+    weights = [1.0, 2.0, 0.0]  # rank 2 is a joiner
+    for name in compression.COMPRESSIONS:
+        mean, stats = compression.weighted_mean(_inputs(rank), weights[rank], pg, name)
+        out[name] = (mean, stats.bytes_sent, stats.total_weight)
+    return out
+
+
+def _handoff_checks(store, rank: int) -> dict:
+    """Nodes a, b are members (same start, different training); c joins with other weights at outer step 4."""
+    node = "abc"[rank]
+    inner = TinyInner(0 if node != "c" else 99)
+    joiner = node == "c"
+    plan = FakePlan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
+    mesh = FakeMesh([plan], [True], joiner=joiner)
+    outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8",
+                       group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "gen7/"))
+    progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
+    if not joiner:
+        outer.opt.momentum = torch.full((36,), 0.01)  # as if 3 outer steps were done
+    outer.start(progress)
+    if not joiner:
+        inner.train_step(10 + rank)
+        progress.step = 12
+        outer.after_inner_step(progress)
+    return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
+            "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step}
+
+
+def _group_worker(rank: int, port: int, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, SIZE, rank == 0, timeout=datetime.timedelta(seconds=30))
+        result = {"reduce": _reduce_checks(_group(store, rank, SIZE, "reduce/"), rank),
+                  "handoff": _handoff_checks(store, rank)}
+        # a peer that dies mid-collective: the others get the backend's error at once, not a hang
+        pg = _group(store, rank, SIZE, "death/")
+        if rank == 2:
+            queue.put((rank, pickle.dumps(result)))
+            queue.close()
+            queue.join_thread()  # flush before dying without cleanup
+            import os
+            os._exit(0)
+        import time
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        try:
+            compression.weighted_mean(torch.ones(100), 1.0, pg, "int8")
+            result["death"] = ("no error", 0.0)
+        except RuntimeError as e:
+            result["death"] = (str(e).splitlines()[0], time.monotonic() - t0)
+        # plain pickle: torch's queue reducers would share tensors through a server that dies with the child
+        queue.put((rank, pickle.dumps(result)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def group_results():
+    from procs import free_port
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    workers = [ctx.Process(target=_group_worker, args=(r, port, queue)) for r in range(SIZE)]
+    for w in workers:
+        w.start()
+    try:
+        results = dict(queue.get(timeout=60) for _ in range(SIZE))
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    for rank, r in results.items():
+        assert isinstance(r, bytes), f"rank {rank} failed:\n{r}"
+    return {rank: pickle.loads(r) for rank, r in results.items()}
+
+
+def _exact_mean() -> torch.Tensor:
+    return (1.0 * _inputs(0) + 2.0 * _inputs(1)) / 3.0
+
+
+def test_weighted_mean_ignores_weight_zero_joiner_and_is_identical_everywhere(group_results):
+    exact = _exact_mean()
+    for name in compression.COMPRESSIONS:
+        got = [group_results[r]["reduce"][name][0] for r in range(SIZE)]
+        assert all(torch.equal(got[0], g) for g in got[1:]), f"{name}: ranks disagree"
+        assert group_results[0]["reduce"][name][2] == 3.0
+    torch.testing.assert_close(group_results[0]["reduce"]["none"][0], exact, rtol=1e-6, atol=1e-6)
+
+
+def test_bytes_sent_match_ring_cost_and_int8_is_a_quarter(group_results):
+    sent = {name: group_results[0]["reduce"][name][1] for name in compression.COMPRESSIONS}
+    chunk = -(-NUMEL // SIZE)
+    # 2 * (size-1) chunks each way, plus the weights (4 bytes to each peer) and int8's scale/offset
+    assert sent["none"] == 2 * (SIZE - 1) * chunk * 4 + 4 * (SIZE - 1)
+    assert sent["bf16"] == sent["fp16"] == 2 * (SIZE - 1) * chunk * 2 + 4 * (SIZE - 1)
+    assert sent["int8"] == 2 * (SIZE - 1) * (chunk + 8) + 4 * (SIZE - 1)
+    assert sent["int8"] / sent["none"] < 0.26
+
+
+def test_int8_error_bound(group_results):
+    """Two uniform quantizations, each off by at most half a bin: the senders' chunks (sum_i range_i / 510,
+    divided by the total weight) and the reduced chunk (its range, at most sum_i range_i / total, over 510).
+    So |error| <= sum_i range(w_i x_i) / (255 * sum_i w_i) per element. Relative L2 error of Gaussian
+    pseudo-gradients: asserted < 2%."""
+    exact = _exact_mean()
+    got = group_results[0]["reduce"]["int8"][0]
+    ranges = sum(float((w * _inputs(r)).max() - (w * _inputs(r)).min()) for r, w in ((0, 1.0), (1, 2.0)))
+    assert float((got - exact).abs().max()) <= ranges / (255 * 3.0) + 1e-6
+    rel = float((got - exact).norm() / exact.norm())
+    print(f"int8 relative L2 error {rel:.4f}")
+    assert rel < 0.02, rel
+
+
+def test_half_precision_error_bounds(group_results):
+    exact = _exact_mean()
+    for name, bound in (("bf16", 2 ** -7), ("fp16", 2 ** -10)):
+        got = group_results[0]["reduce"][name][0]
+        rel = float((got - exact).norm() / exact.norm())
+        assert rel < bound, (name, rel)
+
+
+def test_joiner_receives_weights_momentum_and_progress(group_results):
+    h = [group_results[r]["handoff"] for r in range(SIZE)]
+    assert torch.equal(h[0]["params"], h[1]["params"]) and torch.equal(h[0]["params"], h[2]["params"])
+    assert torch.equal(h[0]["momentum"], h[2]["momentum"])
+    assert h[0]["progress"] == h[2]["progress"] == (12, 4, 12345)
+    assert h[0]["checksum"]["checksum"] == h[1]["checksum"]["checksum"] == h[2]["checksum"]["checksum"]
+    assert h[0]["checksum"]["members"] == ["a", "b", "c"]
+
+
+def test_dead_peer_fails_the_collective_fast(group_results):
+    for rank in (0, 1):
+        message, seconds = group_results[rank]["death"]
+        assert "Connection closed by peer" in message or "Connection reset" in message, message
+        assert seconds < 5
