@@ -1,0 +1,236 @@
+"""SshTransport: one asyncssh connection per host, shared by every channel, bounded below OpenSSH's MaxSessions.
+
+* connect timeout and keepalive (1 s x 3): asyncssh has neither by default, and without them an unreachable host
+  hangs ~130 s and a dead link is never noticed;
+* reconnect on demand with exponential backoff: between failed attempts, calls fail fast with the last reason;
+* host keys checked strictly against known_hosts; `accept_new_host_key` (an explicit profile opt-in) trusts and
+  records the key of a host that has no entry yet. A CHANGED key is always refused;
+* ~/.ssh/config honoured (aliases, HostName, Port, User, IdentityFile, ProxyJump); jump hosts like `ssh -J`;
+* signals are `kill` commands (OpenSSH delivers channel signals only to non-root sessions).
+
+(OSError, asyncssh.Error) are caught here, at the boundary, and become TransportError with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import asyncssh
+
+from console.profile import HostSpec
+from console.transport import commands as C
+from console.transport.base import Tail, Transport, TransportError
+
+MAX_CHANNELS = 8  # OpenSSH MaxSessions is 10 per connection; keep headroom
+KEEPALIVE_S = 1.0
+KEEPALIVE_COUNT = 3
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+
+
+class _Client(asyncssh.SSHClient):
+    """Tracks the link and implements accept-new host keys (called only for keys not in known_hosts)."""
+
+    def __init__(self, owner: "SshTransport"):
+        self._owner = owner
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._owner._link_lost(exc)
+
+    def validate_host_public_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        return self._owner._accept_new_key(host, addr, port, key)
+
+
+class SshTransport(Transport):
+    kind = "ssh"
+
+    def __init__(self, host: HostSpec):
+        super().__init__(host)
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._lock = asyncio.Lock()
+        self._channels = asyncio.Semaphore(MAX_CHANNELS)
+        self._failures = 0
+        self._retry_at = 0.0
+        self._last_error: str | None = None
+        self.lost_reason: str | None = None  # why the last link went down
+        self.accepted_key: str | None = None  # the known_hosts line written under accept_new_host_key
+
+    # ---- the connection ------------------------------------------------------------------------------------
+    @property
+    def known_hosts_path(self) -> str:
+        return os.path.expanduser(self.host.known_hosts or "~/.ssh/known_hosts")
+
+    async def connect(self) -> None:
+        await self._connection()
+
+    async def _connection(self) -> asyncssh.SSHClientConnection:
+        async with self._lock:
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn
+            now = time.monotonic()
+            if self._last_error and now < self._retry_at:  # back off: do not hammer a host that just failed
+                raise TransportError(f"{self._last_error} (retrying in {self._retry_at - now:.1f}s)")
+            try:
+                self._conn = await self._open()
+            except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
+                self._conn = None
+                self._last_error = self._describe(e)
+                self._retry_at = time.monotonic() + BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
+                self._failures += 1
+                raise TransportError(self._last_error) from None
+            self._failures, self._last_error, self.lost_reason = 0, None, None
+            return self._conn
+
+    async def _open(self) -> asyncssh.SSHClientConnection:
+        h = self.host
+        kh = self.known_hosts_path
+        options = dict(
+            known_hosts=kh if os.path.exists(kh) else asyncssh.import_known_hosts(""),
+            connect_timeout=h.connect_timeout, login_timeout=h.connect_timeout,
+            keepalive_interval=KEEPALIVE_S, keepalive_count_max=KEEPALIVE_COUNT,
+            client_factory=lambda: _Client(self),
+        )
+        if h.port is not None:
+            options["port"] = h.port
+        if h.user is not None:
+            options["username"] = h.user
+        if h.identity_file:
+            options["client_keys"] = [os.path.expanduser(h.identity_file)]
+        if h.jump_host:
+            options["tunnel"] = h.jump_host
+        if h.ssh_config:
+            options["config"] = [os.path.expanduser(h.ssh_config)]
+        # connect_timeout covers TCP + handshake; wait_for bounds a stuck jump host too
+        return await asyncio.wait_for(asyncssh.connect(h.target, **options), h.connect_timeout * 2)
+
+    def _link_lost(self, exc: Exception | None) -> None:
+        self.lost_reason = f"link lost: {exc}" if exc else "link closed"
+
+    def _accept_new_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
+        """Opt-in trust on first use: only for a host with no key at all in known_hosts."""
+        if not self.host.accept_new_host_key or self._has_known_key(host, addr, port):
+            return False
+        pattern = host if port == 22 else f"[{host}]:{port}"
+        algorithm, blob = key.export_public_key("openssh").decode().split()[:2]  # drop the key's comment
+        line = f"{pattern} {algorithm} {blob}\n"
+        os.makedirs(os.path.dirname(self.known_hosts_path) or ".", exist_ok=True)
+        with open(self.known_hosts_path, "a") as f:
+            f.write(line)
+        self.accepted_key = line.strip()
+        return True
+
+    def _has_known_key(self, host: str, addr: str | None, port: int | None) -> bool:
+        if not os.path.exists(self.known_hosts_path):
+            return False
+        try:
+            trusted = asyncssh.match_known_hosts(self.known_hosts_path, host, addr or "",
+                                                 None if port in (None, 22) else port)
+        except (OSError, ValueError):
+            return False
+        return bool(trusted[0] or trusted[1])
+
+    def _describe(self, e: BaseException) -> str:
+        h = self.host
+        where = f"{h.user + '@' if h.user else ''}{h.target}{':' + str(h.port) if h.port else ''}"
+        if isinstance(e, asyncssh.HostKeyNotVerifiable):
+            if self._has_known_key(h.address or h.target, None, h.port):
+                return (f"host key CHANGED for {where}: it does not match {self.known_hosts_path}; refusing to "
+                        "connect (if the host was reinstalled, remove its old line from known_hosts)")
+            return (f"host key of {where} is unknown: not in {self.known_hosts_path}; add it (ssh-keyscan) or set "
+                    "accept_new_host_key = true in the profile")
+        if isinstance(e, asyncssh.PermissionDenied):
+            return f"authentication failed for {where}: wrong user or key ({e.reason})"
+        if isinstance(e, asyncio.TimeoutError):
+            return f"connect to {where} timed out after {h.connect_timeout:g}s"
+        if isinstance(e, ConnectionRefusedError):
+            return f"connection refused by {where} (no sshd on that port?)"
+        if isinstance(e, socket.gaierror):
+            return f"unknown host {h.target}: {e.strerror}"
+        if isinstance(e, asyncssh.Error):
+            return f"ssh to {where} failed: {e.reason}"
+        return f"cannot reach {where}: {getattr(e, 'strerror', None) or e}"
+
+    async def close(self) -> None:
+        async with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5)
+            except (asyncio.TimeoutError, OSError, asyncssh.Error):
+                pass
+
+    # ---- channels --------------------------------------------------------------------------------------------
+    async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
+        conn = await self._connection()
+        async with self._channels:
+            try:
+                # wait for the full channel close before the slot is free: sshd counts a session until then
+                async with conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None) as proc:
+                    result = await proc.wait(check=False, timeout=timeout)
+            except asyncssh.TimeoutError:
+                raise TransportError(f"command timed out after {timeout}s on {self.host.name}") from None
+            except (OSError, asyncssh.Error) as e:
+                raise TransportError(self.lost_reason or self._describe(e)) from None
+        rc = result.exit_status if result.exit_status is not None and result.exit_status >= 0 else -1
+        return rc, _text(result.stdout), _text(result.stderr)
+
+    def tail(self, path: str, from_offset: int = 0) -> Tail:
+        return SshTail(self, path, from_offset)
+
+
+class SshTail(Tail):
+    """Follows a remote file with `tail -c +OFFSET -F` on one channel; a broken link raises TransportError."""
+
+    def __init__(self, transport: SshTransport, path: str, offset: int = 0):
+        self.transport = transport
+        self.path = path if path.startswith(("/", "~")) else f"{transport.workdir.rstrip('/')}/{path}"
+        self.offset = offset
+        self._proc: asyncssh.SSHClientProcess | None = None
+        self._held = False
+
+    async def __anext__(self) -> bytes:
+        if self._proc is None:
+            await self._open()
+        assert self._proc is not None
+        try:
+            line = await self._proc.stdout.readline()
+        except (OSError, asyncssh.Error) as e:
+            await self.aclose()
+            raise TransportError(self.transport.lost_reason or f"tail of {self.path} failed: {e}") from None
+        if not line.endswith(b"\n"):  # EOF: the channel or the link went away; a partial line is not ours yet
+            await self.aclose()
+            raise TransportError(self.transport.lost_reason or f"tail of {self.path} ended")
+        self.offset += len(line)
+        return line[:-1]
+
+    async def _open(self) -> None:
+        conn = await self.transport._connection()
+        await self.transport._channels.acquire()
+        self._held = True
+        try:
+            self._proc = await conn.create_process(C.tail_command(self.path, self.offset), encoding=None,
+                                                   stdin=asyncssh.DEVNULL)
+        except (OSError, asyncssh.Error) as e:
+            await self.aclose()
+            raise TransportError(self.transport.lost_reason or f"cannot tail {self.path}: {e}") from None
+
+    async def aclose(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.close()
+            try:  # sshd counts the session until the close completes; bounded, the link may be dead
+                await asyncio.wait_for(proc.wait_closed(), 2)
+            except (asyncio.TimeoutError, OSError, asyncssh.Error):
+                pass
+        if self._held:
+            self._held = False
+            self.transport._channels.release()
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)

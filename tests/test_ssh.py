@@ -1,0 +1,209 @@
+"""SshTransport against a real OpenSSH sshd on loopback (tests/sshd.py): commands, detached start + tail, host
+keys (strict, changed, opt-in accept-new), unreachable hosts, wrong credentials, dropped and frozen links."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from console.transport import TransportError, make_transport
+from console.transport import commands as C
+from console.transport.base import collect
+from console.transport.ssh import MAX_CHANNELS, SshTransport
+from procs import free_port
+from sshd import Sshd
+
+WRITER = ("import sys, time\n"
+          "for i in range(int(sys.argv[1])):\n"
+          "    print('{\"i\": %d}' % i, flush=True); time.sleep(float(sys.argv[2]))\n"
+          "time.sleep(60)\n")
+NASTY_DIR = "run 'x' $(touch PWNED) \"q\"/node; b"
+
+
+@pytest.fixture
+def sshd():
+    server = Sshd.start_new()
+    server.trust()
+    yield server
+    server.close()
+
+
+def writer(sshd: Sshd) -> str:
+    path = sshd.home / "w.py"
+    path.write_text(WRITER)
+    return str(path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return "Z" not in Path(f"/proc/{pid}/status").read_text().split("State:")[1][:4]
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+async def test_run_commands_as_the_remote_user(sshd):
+    t = make_transport(sshd.host_spec("node a"))
+    assert isinstance(t, SshTransport)
+    try:
+        rc, out, err = await t.run("id -un; echo err >&2; exit 4")
+        assert (rc, out, err) == (4, f"{sshd.user}\n", "err\n")
+        nasty = "it's \"$(touch PWNED)\"; `x` | & ~ $HOME"
+        assert (await t.run(f"printf %s {C.q(nasty)}"))[1] == nasty
+        # more commands at once than OpenSSH's MaxSessions (10): the channel bound queues them, none fails
+        results = await asyncio.gather(*(t.run(f"sleep 0.2; echo {i}") for i in range(3 * MAX_CHANNELS)))
+        assert [r[1] for r in results] == [f"{i}\n" for i in range(3 * MAX_CHANNELS)]
+        assert not list(sshd.home.rglob("PWNED"))
+    finally:
+        await t.close()
+
+
+async def test_start_detached_tail_and_kill_with_metacharacters(sshd):
+    t = make_transport(sshd.host_spec("node 'b' $(x)"))
+    try:
+        pid = await t.start_detached([sshd.user_python(), writer(sshd), "5", "0.05"], NASTY_DIR,
+                                     env={"ZB_X": "a 'b' $(c)"})
+        assert await t.alive(pid)
+        tail = t.tail(f"{NASTY_DIR}/events.jsonl")
+        assert await asyncio.wait_for(collect(tail, 5), 20) == [b'{"i": %d}' % i for i in range(5)]
+        await tail.aclose()
+        assert (await t.read_text(f"{NASTY_DIR}/pid")).strip() == str(pid)  # type: ignore[union-attr]
+        owner = Path(f"/proc/{pid}").stat().st_uid
+        assert owner != 0  # it runs as the non-root user...
+        assert await t.signal(pid, "KILL")  # ...and `kill` by process group over the link reaches it
+        await asyncio.sleep(0.3)
+        assert not await t.alive(pid) and not pid_alive(pid)
+        assert not list(sshd.home.rglob("PWNED"))
+        assert (sshd.home / NASTY_DIR / "events.jsonl").exists()
+    finally:
+        await t.close()
+
+
+async def test_changed_host_key_is_refused_clearly(sshd):
+    t = make_transport(sshd.host_spec("n", accept_new_host_key=True))  # even with the opt-in: changed != new
+    await t.connect()
+    await t.close()
+    sshd.stop()
+    sshd.start(new_host_key=True)
+    t = make_transport(sshd.host_spec("n", accept_new_host_key=True))
+    with pytest.raises(TransportError) as info:
+        await t.connect()
+    reason = str(info.value)
+    assert "host key CHANGED" in reason and f"127.0.0.1:{sshd.port}" in reason and "known_hosts" in reason
+    assert sshd.known_hosts.read_text() != sshd.known_hosts_line()  # nothing was written over the old key
+
+
+async def test_unknown_host_key_strict_by_default_and_opt_in(sshd):
+    empty = sshd.root / "empty_known_hosts"
+    strict = make_transport(sshd.host_spec("n", known_hosts=str(empty)))
+    with pytest.raises(TransportError, match=r"host key of .* is unknown: not in .*accept_new_host_key = true"):
+        await strict.connect()
+    assert not empty.exists()
+    trusting = make_transport(sshd.host_spec("n", known_hosts=str(empty), accept_new_host_key=True))
+    try:
+        assert (await trusting.run("echo ok"))[1] == "ok\n"
+    finally:
+        await trusting.close()
+    assert empty.read_text() == sshd.known_hosts_line()  # recorded as `[127.0.0.1]:PORT alg key`
+    again = make_transport(sshd.host_spec("n", known_hosts=str(empty)))  # now strict mode trusts it
+    try:
+        assert (await again.run("echo ok"))[0] == 0
+    finally:
+        await again.close()
+
+
+async def test_unreachable_host_fails_fast_and_backs_off():
+    from console.profile import HostSpec
+
+    port = free_port()  # nothing listens there
+    t = make_transport(HostSpec(name="n", address="127.0.0.1", port=port, user="nobody", connect_timeout=5))
+    started = time.monotonic()
+    with pytest.raises(TransportError, match=f"connection refused by nobody@127.0.0.1:{port}"):
+        await t.run("true")
+    with pytest.raises(TransportError, match=r"retrying in \d"):  # backoff: no new attempt right away
+        await t.run("true")
+    assert time.monotonic() - started < 3
+    unknown = make_transport(HostSpec(name="n", address="no-such-host.invalid", connect_timeout=5))
+    with pytest.raises(TransportError, match="unknown host no-such-host.invalid"):
+        await unknown.connect()
+
+
+async def test_wrong_credentials(sshd):
+    from sshd import keygen
+
+    keygen(sshd.root / "other_key", "stranger")
+    t = make_transport(sshd.host_spec("n", identity_file=str(sshd.root / "other_key")))
+    with pytest.raises(TransportError, match=f"authentication failed for {sshd.user}@127.0.0.1"):
+        await t.connect()
+    t = make_transport(sshd.host_spec("n", user="nosuchuser"))
+    with pytest.raises(TransportError, match="authentication failed for nosuchuser@"):
+        await t.connect()
+
+
+async def test_missing_python_on_the_host(sshd):
+    t = make_transport(sshd.host_spec("n", python="/opt/none/bin/python3"))
+    try:
+        assert await t.preflight() == "python not found on the host: /opt/none/bin/python3"
+        assert await make_transport(sshd.host_spec("n", python=sshd.user_python())).preflight() is None
+    finally:
+        await t.close()
+
+
+async def test_dropped_link_detached_process_lives_and_tail_catches_up(sshd):
+    t = make_transport(sshd.host_spec("n"))
+    pid = await t.start_detached([sshd.user_python(), writer(sshd), "60", "0.05"], "run/n")
+    try:
+        tail = t.tail("run/n/events.jsonl")
+        seen = await asyncio.wait_for(collect(tail, 5), 20)
+        sshd.stop()  # every connection process killed and the server down: an outage
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(collect(tail, 1000), 20)
+        with pytest.raises(TransportError):
+            await t.run("true")  # no server: the transport says so instead of hanging
+        await asyncio.sleep(1.0)
+        assert pid_alive(pid)  # the engine outlives the link
+        sshd.start()  # the same server (same host key) is back
+        deadline = time.monotonic() + 30
+        while True:  # reconnect (the transport's backoff spaces the attempts)
+            try:
+                await t.connect()
+                break
+            except TransportError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.5)
+        resumed = t.tail("run/n/events.jsonl", tail.offset)
+        seen += await asyncio.wait_for(collect(resumed, 60 - len(seen)), 30)
+        assert seen == [b'{"i": %d}' % i for i in range(60)]  # caught up: no gap, no duplicate
+        await resumed.aclose()
+    finally:
+        os.killpg(pid, signal.SIGKILL)
+        await t.close()
+
+
+async def test_frozen_link_is_noticed_by_keepalive(sshd):
+    """A link that goes silent (no FIN, no RST) is noticed by keepalive (1 s x 3), not after minutes."""
+    t = make_transport(sshd.host_spec("n"))
+    try:
+        await t.run("true")
+        tail = t.tail("never.jsonl")
+        reader = asyncio.ensure_future(collect(tail, 1))
+        await asyncio.sleep(0.5)
+        frozen = sshd.connection_pids()
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="link lost|link closed|tail of"):
+            await asyncio.wait_for(reader, 20)
+        assert time.monotonic() - started < 10
+    finally:
+        for pid in sshd.connection_pids():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        await t.close()
