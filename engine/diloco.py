@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compression
+from engine.mesh.protocol import Excluded
 
 _GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
 
@@ -138,7 +139,6 @@ class DilocoOuter:
         self._mesh_factory, self._group_factory = mesh_factory, group_factory
         self._groups: dict[int, dist.ProcessGroup] = {}
         self._drain = threading.Event()
-        self._draining_said = False
         self._left = False
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
 
@@ -162,6 +162,8 @@ class DilocoOuter:
         if self._leader:
             try:
                 out = ("ok", fn())
+            except Excluded as e:
+                out = ("excluded", str(e), e)
             except Exception as e:  # handed to the other ranks, then raised on every rank below
                 out = ("error", f"{what}: {type(e).__name__}: {e}", e)
         shared = self._share(out if out is None or out[0] == "ok" else out[:2])
@@ -169,7 +171,7 @@ class DilocoOuter:
             return shared[1]
         if self._leader:
             raise out[2]
-        raise _Failed(shared[1])
+        raise Excluded(shared[1]) if shared[0] == "excluded" else _Failed(shared[1])
 
     def _local_any(self, flag: bool) -> bool:
         if self.local_group is None:
@@ -245,7 +247,6 @@ class DilocoOuter:
             self._emit("state", state="joining")
             plan = self._on_leader("mesh admission", self.mesh.wait_admission)
             self._round(progress, plan=plan, draining=False)
-        self._emit("state", state="training")
 
     def _connect_everywhere(self) -> None:
         err: str | None = None
@@ -268,9 +269,6 @@ class DilocoOuter:
         self._drain.set()
 
     def after_inner_step(self, progress: Any) -> bool:
-        if self._drain.is_set() and not self._draining_said:
-            self._draining_said = True
-            self._emit("state", state="draining")
         if progress.step % self.cfg.inner_steps:
             return False
         draining = self._local_any(self._drain.is_set())
@@ -281,19 +279,21 @@ class DilocoOuter:
             self.mesh.leave("drained")
         self._left = True
         self._emit("drained", outer_step=progress.outer_step, step=progress.step)
-        self._emit("state", state="left")
         return True
 
     def close(self, status: str) -> None:
+        """Say goodbye (peers drop this node at once instead of waiting a heartbeat timeout)."""
         self._groups.clear()
+        if self._group_factory is None:
+            from engine.mesh import forget_groups
+            forget_groups()
         if self.mesh is not None:
             if not self._left:
-                self.mesh.leave(status)
+                # run_end statuses -> mesh leave reasons; a stop is not a completion
+                self.mesh.leave({"completed": "completed", "drained": "drained"}.get(status, "failed"))
             self.mesh.close()
             self.mesh = None
-        if not self._left:
-            self._left = True
-            self._emit("state", state="left")
+        self._left = True
 
     def state_dict(self) -> dict[str, Any]:
         return {"snapshot": self.snapshot, "outer_optimizer": self.opt.state_dict()}
@@ -305,7 +305,8 @@ class DilocoOuter:
     # ------------------------------------------------------------------ one outer step, with retries
 
     def _round(self, progress: Any, *, plan: Any, draining: bool) -> None:
-        """One outer step. plan is given for a joiner (its admission); members ask the mesh for it."""
+        """One outer step. plan is given for a joiner (its admission); members ask the mesh for it. A member the
+        mesh left out (it arrived late, Excluded) re-joins: its pseudo-gradient is stale, it takes the state."""
         joining = plan is not None
         index = plan.outer_step if joining else progress.outer_step + 1
         attempt = plan.attempt if joining else 0
@@ -315,8 +316,14 @@ class DilocoOuter:
             pgrad = self.snapshot - flat_params(self.inner.outer_params())
         for _ in range(self.cfg.max_attempts):
             if plan is None:
-                plan = self._on_leader("mesh boundary", lambda: self.mesh.boundary(
-                    index, attempt, contributing=not joining, draining=draining))
+                try:
+                    plan = self._on_leader("mesh boundary", lambda: self.mesh.boundary(
+                        index, attempt, contributing=not joining, draining=draining))
+                except Excluded as e:
+                    self._emit("warning", message=f"{e}")
+                    self._emit("state", state="joining")
+                    plan = self._on_leader("mesh admission", self.mesh.wait_admission)
+                    joining, index = True, plan.outer_step
             if self._attempt(plan, pgrad, progress):
                 return
             attempt, plan = plan.attempt + 1, None
@@ -327,16 +334,21 @@ class DilocoOuter:
         joiner = self.node_id in plan.joiners
         assert joiner or pgrad is not None, "a member without a pseudo-gradient"
         assert self.snapshot is not None
-        send = torch.zeros_like(self.snapshot) if joiner else pgrad
+        # the mesh's contributors: members that are not joiners and arrived with a pseudo-gradient
+        weight = 1.0 if self.node_id in plan.contributors and not joiner else 0.0
+        send = pgrad if weight else torch.zeros_like(self.snapshot)
         mean, proposal, stats, reason = None, None, None, ""
         try:
             group = self._group(plan)
-            mean, stats = compression.weighted_mean(send, 0.0 if joiner else 1.0, group, self.cfg.compression)
+            mean, stats = compression.weighted_mean(send, weight, group, self.cfg.compression)
             if not joiner:
                 proposal = self.opt.propose(self.snapshot, mean)
         except _GROUP_ERRORS as e:
             reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            self._groups.pop(plan.generation, None)
+            self._groups.pop(plan.generation, None)  # a group whose collective failed is never reused
+            if self._group_factory is None:
+                from engine.mesh import forget_groups
+                forget_groups()
         sq = float(mean.double().pow(2).sum()) if mean is not None else 0.0
         ok, nbytes, sq = self._local_stats(stats is not None, stats.bytes_sent if stats else 0, sq)
         if not self._on_leader("mesh commit", lambda: self.mesh.commit(plan, ok)):
