@@ -1,0 +1,309 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 as an `Inner` (the interface of engine/parallel.py, docs/architecture.md).
+
+    inner = build_zero_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)   # inner.strategy zero1/2/3
+
+What ZeRO partitions, and what DiLoCo therefore works on (`outer_params()`):
+
+    stage 1   optimizer state                       -> the rank's fp32 master partition (one flat tensor per group)
+    stage 2   + gradients                           -> the same
+    stage 3   + parameters                          -> the rank's fp32 partition of the parameters
+
+Each rank hands DiLoCo its own fp32 master partition, so pseudo-gradients are taken per rank (as with FSDP2's
+local shards) and the partitions of one local rank line up across nodes that share a layout. After the outer
+step wrote into them, `after_outer_update()` pushes the masters into the working (bf16/fp16/fp32) weights that
+forward reads, all-gathering them where the stage keeps full copies (1 and 2).
+
+The optimizer is always a torch AdamW handed to `deepspeed.initialize` (no "optimizer" section in the DeepSpeed
+config): naming the optimizer in the config JIT-builds DeepSpeed's fused CPU Adam (~60 s on a first run). With
+optimizer offload on a GPU run, DeepSpeedCPUAdam is used instead (it is what makes offload fast there).
+
+The LR schedule, the loss and the batch arithmetic are the same as the other strategies': train.batch_size and
+train.micro_batch_size give DeepSpeed's gradient_accumulation_steps (engine.config.grad_accum_steps), and the
+engine, not DeepSpeed's counter, says which micro-step is the last one.
+
+DeepSpeed is an optional extra (`pip install 'zeroband-console[deepspeed]'`); it is imported only here, and only
+when a ZeRO strategy is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
+from engine.model import causal_lm_loss
+from engine.parallel import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer
+from engine.world import World
+
+INSTALL_HINT = "pip install 'zeroband-console[deepspeed]'"
+STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def zero_stage(strategy: str) -> int:
+    if strategy not in STAGES:
+        raise ValueError(f"inner.strategy: {strategy!r} is not a ZeRO strategy (one of {', '.join(STAGES)})")
+    return STAGES[strategy]
+
+
+def deepspeed_config(stage: int, *, micro_batch_size: int, grad_accum: int, precision: str, clip_norm: float,
+                     offload_optimizer: bool = False, offload_params: bool = False,
+                     pin_memory: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON config the engine passes to deepspeed.initialize (and `engine.setup deepspeed` writes).
+
+    No "optimizer"/"scheduler" sections: the engine hands DeepSpeed a torch optimizer and its own LR schedule.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"zero stage: {stage} is not 1, 2 or 3")
+    if offload_params and stage != 3:
+        raise ValueError(f"inner.offload_params: parameter offload needs ZeRO stage 3 (inner.strategy=zero3), "
+                         f"not stage {stage}")
+    zero: dict[str, Any] = {"stage": stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    if stage == 3:
+        # gather whole parameters for the export and for the transformers-format state dict at the end
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": float(clip_norm),  # 0.0: no clipping
+        "zero_optimization": zero,
+        # a torch AdamW is fine with offload on CPU hosts; DeepSpeed would otherwise insist on DeepSpeedCPUAdam
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # progress is the engine's telemetry, not DeepSpeed's log lines
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16-mixed":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16-mixed":
+        # dynamic loss scaling: loss_scale 0 means "dynamic" in DeepSpeed
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    elif precision != "fp32":
+        raise ValueError(f"train.precision: {precision!r} is not fp32, bf16-mixed or fp16-mixed")
+    return config
+
+
+def import_deepspeed(strategy: str, device: torch.device) -> Any:
+    """Import DeepSpeed for a ZeRO run, with the CPU accelerator when the run is on CPU.
+
+    DeepSpeed chooses its accelerator once, from DS_ACCELERATOR, the first time it is asked; a CPU run on a host
+    with a GPU must still get the CPU one. So a CPU run sets DS_ACCELERATOR=cpu here, before the import: the
+    engine's only write to os.environ (it is read only in engine/world.py), and it only tells DeepSpeed what
+    inner.device already said.
+    """
+    if device.type == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        import deepspeed
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+    except ImportError:
+        raise ValueError(f"inner.strategy={strategy} needs DeepSpeed, which is not installed: {INSTALL_HINT}") from None
+    accel = get_accelerator().device_name()
+    if (device.type == "cpu") != (accel == "cpu"):
+        raise ValueError(f"inner.device: the run is on {device.type} but DeepSpeed was already set up for {accel} "
+                         f"in this process (DS_ACCELERATOR)")
+    # The shared-memory kernel serves only DeepSpeed's inference all-reduce, and building it is a ~35 s JIT
+    # compile inside init_distributed on a first CPU run. Training all-reduces go through gloo/NCCL anyway.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _build_optimizer(model: torch.nn.Module, inner: InnerConfig, optim: OptimConfig,
+                     device: torch.device) -> torch.optim.Optimizer:
+    optimizer = make_optimizer(model, optim)  # the same AdamW and weight-decay split as every strategy
+    if inner.offload_optimizer and device.type == "cuda":
+        # the optimizer steps on the host: DeepSpeed's vectorised CPU Adam is what makes offload fast there
+        # (JIT-built once per machine)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+        return DeepSpeedCPUAdam(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                                adamw_mode=True)
+    return optimizer
+
+
+def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainConfig, optim: OptimConfig,
+                     world: World, device: torch.device | str) -> "ZeroInner":
+    """Wrap a plain fp32 model in a DeepSpeed engine at the ZeRO stage inner.strategy names."""
+    device = torch.device(device)
+    stage = zero_stage(inner.strategy)
+    accum = grad_accum_steps(train, world.world_size)
+    config = deepspeed_config(stage, micro_batch_size=train.micro_batch_size, grad_accum=accum,
+                              precision=train.precision, clip_norm=optim.clip_norm,
+                              offload_optimizer=inner.offload_optimizer, offload_params=inner.offload_params,
+                              pin_memory=device.type == "cuda")
+    deepspeed = import_deepspeed(inner.strategy, device)
+    if train.precision == "fp16-mixed":
+        from deepspeed.accelerator import get_accelerator
+        if not get_accelerator().is_fp16_supported():
+            raise ValueError(f"train.precision: fp16-mixed is not supported by DeepSpeed on this {device.type} "
+                             f"(use bf16-mixed)")
+    assert dist.is_initialized(), "engine.parallel.setup_distributed creates the process group first"
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if train.compile:
+        if stage == 3:
+            raise ValueError("train.compile: not supported with inner.strategy=zero3 (DeepSpeed gathers each "
+                             "parameter in module hooks); use zero1/zero2 or compile=false")
+        apply_compile(model)
+    optimizer = _build_optimizer(model, inner, optim, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, train.max_steps))
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                      config=config, dist_init_required=False)
+    return ZeroInner(engine, ds_optimizer, optimizer, scheduler, stage, world, device)
+
+
+class ZeroInner:
+    """A DeepSpeed engine behind the Inner interface. See the module docstring for what each stage partitions."""
+
+    def __init__(self, engine: Any, ds_optimizer: Any, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, stage: int, world: World,
+                 device: torch.device) -> None:
+        self.strategy = f"zero{stage}"
+        self.device = device
+        self.engine = engine
+        self.model = engine.module
+        self.ds_optimizer = ds_optimizer  # DeepSpeed's ZeRO wrapper around `optimizer`
+        self.optimizer = optimizer  # the torch optimizer that steps the fp32 master partitions
+        self.scheduler = scheduler
+        self.stage = stage
+        self.world = world
+        self._init_optimizer_state()
+
+    # -- the inner loop ------------------------------------------------------------------------------------
+
+    def micro_step(self, input_ids: torch.Tensor, labels: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward and backward of one micro-batch; gradients are reduced only when `last`. Returns the loss."""
+        # the engine, not DeepSpeed's micro-step counter, says where the accumulation boundary is; backward
+        # scales the loss by 1/gradient_accumulation_steps like the other strategies
+        self.engine.set_gradient_accumulation_boundary(last)
+        loss = causal_lm_loss(self.engine, input_ids.to(self.device, non_blocking=True),
+                              labels.to(self.device, non_blocking=True))
+        self.engine.backward(loss)
+        return loss.detach()
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, step, zero grads, advance the schedule (skipped by DeepSpeed on an fp16 overflow).
+        Returns the pre-clip global grad norm as a 0-dim tensor (NaN where DeepSpeed computed none)."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else norm).detach()
+
+    @torch.no_grad()
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.engine.eval()
+        try:  # through the engine: stage 3 gathers the parameters in its forward hooks
+            return causal_lm_loss(self.engine, input_ids.to(self.device), labels.to(self.device))
+        finally:
+            self.engine.train()
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # -- DiLoCo --------------------------------------------------------------------------------------------
+
+    def outer_params(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partitions (flat, padded to DeepSpeed's alignment; padding stays zero)."""
+        if self.stage == 3:
+            return list(self.ds_optimizer.fp32_partitioned_groups_flat)
+        return list(self.ds_optimizer.single_partition_of_fp32_groups)
+
+    @torch.no_grad()
+    def after_outer_update(self) -> None:
+        """Push the fp32 masters DiLoCo wrote into the working weights forward reads (collective in stage 1/2)."""
+        if self.stage == 3:
+            # what DeepSpeed's own step (stage3.py step/_post_step) does around updating the masters: release
+            # the gathered parameters, copy each master into its working partition and re-point the parameters'
+            # partitions at it, then re-gather the small parameters that stay whole ("persistent", below
+            # stage3_param_persistence_threshold)
+            opt = self.ds_optimizer
+            opt._partition_all_parameters()  # drop gathered copies, so the re-gather below is not skipped
+            for sub_group in range(len(opt.fp32_partitioned_groups_flat)):
+                assert opt.fp16_partitioned_groups_flat[sub_group] is not None, "NVMe swapping is not offered"
+                opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+            if opt.persistent_parameters:
+                opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+            opt.invalidate_secondary_tensor()
+        else:
+            self.ds_optimizer.update_lp_params()  # copy into the bit16 partition, then all-gather the full copies
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+
+    def _init_optimizer_state(self) -> None:
+        """Create AdamW's state now (zeros, step 0: exactly what its first step would create) so that a
+        checkpoint template built before the first step already holds every tensor DCP must fill."""
+        if not isinstance(self.optimizer, torch.optim.AdamW):
+            return
+        for p in self.outer_params():  # the tensors the torch optimizer steps, keyed by identity
+            if not self.optimizer.state[p]:
+                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                           "exp_avg_sq": torch.zeros_like(p)}
+
+    @contextlib.contextmanager
+    def _optimizer_groups(self):
+        """Stage 3 hands its partitions to the torch optimizer only while stepping; show them for (de)serialising."""
+        if self.stage != 3:
+            yield
+            return
+        self.ds_optimizer._set_fp32_optimizer_param_groups()
+        try:
+            yield
+        finally:
+            self.ds_optimizer._clear_fp32_optimizer_param_groups()
+
+    def _rank_key(self) -> str:
+        # DCP keeps one copy of a plain tensor saved under the same key by several ranks (it assumes replicas);
+        # partitions differ per rank, so each rank saves under its own key. Resuming needs the same layout.
+        return f"zero{self.stage}_rank{self.world.rank}_of_{self.world.world_size}"
+
+    def state_dict(self) -> dict[str, Any]:
+        with self._optimizer_groups():
+            opt = self.optimizer.state_dict()
+        return {self._rank_key(): {
+            "master": {str(i): t for i, t in enumerate(self.outer_params())},
+            "optim_state": {str(k): v for k, v in opt["state"].items()},
+            "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
+            "scheduler": self.scheduler.state_dict(),
+            "engine": {"global_steps": self.engine.global_steps, "global_samples": self.engine.global_samples,
+                       "loss_scale": float(getattr(self.ds_optimizer, "cur_scale", 1.0))},
+        }}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        key = self._rank_key()
+        if key not in sd:
+            raise ValueError(f"checkpoint: no ZeRO state for {key} (found {', '.join(sorted(sd)) or 'nothing'}); "
+                             f"resume with the same inner.strategy and workers per node")
+        part = sd[key]
+        for i, master in enumerate(self.outer_params()):
+            saved = part["master"][str(i)]
+            if saved is not master:
+                master.copy_(saved)
+        with self._optimizer_groups():
+            opt = self.optimizer.state_dict()
+            opt["state"] = {int(k): v for k, v in part["optim_state"].items()}
+            for group, saved in zip(opt["param_groups"], part["optim_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            self.optimizer.load_state_dict(opt)
+        self.scheduler.load_state_dict(part["scheduler"])
+        self.engine.global_steps = int(part["engine"]["global_steps"])
+        self.engine.global_samples = int(part["engine"]["global_samples"])
+        if hasattr(self.ds_optimizer, "cur_scale"):
+            self.ds_optimizer.cur_scale = part["engine"]["loss_scale"]
+        self.after_outer_update()
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Whole fp32 parameters by name, on CPU, on every rank (a collective in stage 3): for export."""
+        from deepspeed.utils import safe_get_full_fp32_param
+        out = {}
+        for name, p in self.model.named_parameters():
+            full = safe_get_full_fp32_param(p)
+            out[name] = (full if full is not None else p.detach()).float().cpu().clone()
+        return out
