@@ -167,3 +167,25 @@ async def test_detached_survives_its_starter(tmp_path):
         assert os.getsid(pid) != os.getsid(os.getpid())
     finally:
         await t.signal(pid, "KILL")
+
+
+async def test_read_from_offset_alive_tag_and_rc_after_term(tmp_path):
+    t = LocalTransport(local_host(tmp_path))
+    (tmp_path / "f.jsonl").write_bytes(b"a\nbb\n\xff\xfe garbage\nparti")
+    lines, offset = await t.read_from("f.jsonl", 2)
+    assert lines == [b"bb", b"\xff\xfe garbage"] and offset == 16  # bytes kept exact; the partial line waits
+    assert await t.read_from("f.jsonl", offset) == ([], 16)
+    assert await t.read_from("missing.jsonl", 0) == ([], 0)
+    # a TERM to the whole group (stop) still lets the wrapper record the engine's exit status
+    script = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\ntime.sleep(60)\n"
+    pid = await t.start_detached([sys.executable, "-c", script], "r")
+    await asyncio.sleep(0.5)
+    assert await t.alive(pid, tag=C.TAG)
+    assert not await t.alive(os.getpid(), tag=C.TAG)  # alive, but not one of ours (a reused pid)
+    assert await t.signal(pid, "TERM")
+    for _ in range(100):
+        if await t.read_text("r/rc"):
+            break
+        await asyncio.sleep(0.05)
+    assert (await t.read_text("r/rc")) == "0\n"
+    assert not await t.alive(pid, tag=C.TAG)

@@ -46,9 +46,14 @@ class Transport(abc.ABC):
     def workdir(self) -> str:
         return self.host.workdir
 
-    @abc.abstractmethod
     async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
         """Run shell text on the host; (exit status, stdout, stderr). -1 when it died of a signal."""
+        rc, out, err = await self.run_bytes(cmd, timeout)
+        return rc, out.decode(errors="replace"), err
+
+    @abc.abstractmethod
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
+        """run() with stdout as bytes: event files are read byte-exact, so offsets stay true."""
 
     @abc.abstractmethod
     def tail(self, path: str, from_offset: int = 0) -> Tail:
@@ -76,9 +81,18 @@ class Transport(abc.ABC):
         rc, _, _ = await self.run(C.kill_command(pid, sig, group))
         return rc == 0
 
-    async def alive(self, pid: int) -> bool:
-        rc, _, _ = await self.run(C.alive_command(pid))
+    async def alive(self, pid: int, tag: str | None = None) -> bool:
+        """Whether pid runs (and, with tag, is ours: its command line contains the tag)."""
+        rc, _, _ = await self.run(C.alive_command(pid, tag))
         return rc == 0
+
+    async def read_from(self, path: str, offset: int) -> tuple[list[bytes], int]:
+        """The complete lines of a file from offset to its current end, and the offset after them."""
+        rc, out, _ = await self.run_bytes(C.read_from_command(path, offset, self.workdir))
+        if rc != 0 or not out:
+            return [], offset
+        lines, partial = lines_of(out, b"")
+        return lines, offset + len(out) - len(partial)
 
     async def read_text(self, path: str) -> str | None:
         """A small file's text, or None if it is not there."""

@@ -5,7 +5,7 @@ The same text runs through a local `sh -c` and through an SSH channel, so local 
 Detached start (what lets an engine outlive the console and the link):
 
     cd WORKDIR && mkdir -p RUN && rm -f RUN/rc || exit 1;
-    setsid nohup sh -c 'rc=$1; shift; "$@"; echo $? > "$rc"' zeroband RUN/rc env K=V ... ARGV...
+    setsid nohup sh -c 'trap : TERM ...; rc=$1; shift; "$@"; echo $? > "$rc"' zeroband RUN/rc env K=V ... ARGV...
         > RUN/events.jsonl 2> RUN/engine.log < /dev/null & echo $! > RUN/pid && echo $!
 
 setsid makes the wrapper shell the leader of a new session and process group (its pid is the group id), so
@@ -25,7 +25,10 @@ PID = "pid"
 RC = "rc"
 DRAIN = "drain"
 
-_WRAPPER = 'rc=$1; shift; "$@"; echo $? > "$rc"'
+# The trap keeps the wrapper alive through a TERM/INT/HUP/USR1 sent to the whole group (stop, drain), so it can
+# still record the exit status; a trap with a command (unlike an ignored signal) is reset for the child it runs.
+_WRAPPER = 'trap : TERM INT HUP USR1 USR2; rc=$1; shift; "$@"; echo $? > "$rc"'
+TAG = "zeroband"  # the wrapper's $0: marks our processes, so a reused pid is not taken for an engine
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
 
 # preflight exit statuses -> what they mean
@@ -67,7 +70,7 @@ def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, env: Ma
     words = " ".join(q(a) for a in argv)
     # `|| exit 1;` ends the first list: `a && b & c` would send cd and mkdir to the background too
     return (f"cd {qpath(workdir)} && mkdir -p {run} && rm -f {run}/{RC} || exit 1; "
-            f"setsid nohup sh -c {q(_WRAPPER)} zeroband {run}/{RC} env {env_words}{' ' if env_words else ''}{words}"
+            f"setsid nohup sh -c {q(_WRAPPER)} {TAG} {run}/{RC} env {env_words}{' ' if env_words else ''}{words}"
             f" {redirect} {run}/{EVENTS} 2{redirect} {run}/{LOG} < /dev/null & "
             f"echo $! > {run}/{PID} && echo $!")
 
@@ -81,11 +84,12 @@ def kill_command(pid: int, sig: str = "TERM", group: bool = True) -> str:
     return f"kill -s {sig} -- {'-' if group else ''}{pid}"
 
 
-def alive_command(pid: int) -> str:
-    """Exit 0 while pid is a live process (a zombie that nobody reaped is not alive)."""
+def alive_command(pid: int, tag: str | None = None) -> str:
+    """Exit 0 while pid is a live process (a zombie is not alive); with tag, only if its command line has it."""
     pid = _pid(pid)
-    return (f"if [ -d /proc/self ]; then [ -d /proc/{pid} ] && ! grep -qs '^State:[[:space:]]*Z' /proc/{pid}/status;"
-            f" else kill -0 {pid} 2>/dev/null; fi")
+    check_tag = f" && grep -qaF {q(tag)} /proc/{pid}/cmdline" if tag else ""
+    return (f"if [ -d /proc/self ]; then [ -d /proc/{pid} ] && ! grep -qs '^State:[[:space:]]*Z' /proc/{pid}/status"
+            f"{check_tag}; else kill -0 {pid} 2>/dev/null; fi")
 
 
 def tail_command(path: str, offset: int = 0) -> str:
@@ -93,6 +97,13 @@ def tail_command(path: str, offset: int = 0) -> str:
     if offset < 0:
         raise ValueError("tail_command: negative offset")
     return f"exec tail -c +{int(offset) + 1} -F {qpath(path)} 2>/dev/null"
+
+
+def read_from_command(path: str, offset: int, workdir: str = ".") -> str:
+    """Print a file from a byte offset to its current end (exit 1 if it is not there)."""
+    if offset < 0:
+        raise ValueError("read_from_command: negative offset")
+    return f"cd {qpath(workdir)} && tail -c +{int(offset) + 1} {qpath(path)} 2>/dev/null"
 
 
 def read_command(path: str, workdir: str = ".") -> str:

@@ -18,7 +18,7 @@ _CHUNK = 1 << 16
 class LocalTransport(Transport):
     kind = "local"
 
-    async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
         try:
             proc = await asyncio.create_subprocess_shell(
                 cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
@@ -34,7 +34,7 @@ class LocalTransport(Transport):
                 raise
             raise TransportError(f"command timed out after {timeout}s") from None
         rc = proc.returncode if proc.returncode is not None and proc.returncode >= 0 else -1
-        return rc, out.decode(errors="replace"), err.decode(errors="replace")
+        return rc, out, err.decode(errors="replace")
 
     def tail(self, path: str, from_offset: int = 0) -> Tail:
         return LocalTail(self.resolve(path), from_offset)

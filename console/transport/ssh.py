@@ -27,6 +27,7 @@ from console.transport.base import Tail, Transport, TransportError
 MAX_CHANNELS = 8  # OpenSSH MaxSessions is 10 per connection; keep headroom
 KEEPALIVE_S = 1.0
 KEEPALIVE_COUNT = 3
+CHANNEL_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 
 
@@ -163,19 +164,31 @@ class SshTransport(Transport):
                 pass
 
     # ---- channels --------------------------------------------------------------------------------------------
-    async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
         conn = await self._connection()
         async with self._channels:
             try:
                 # wait for the full channel close before the slot is free: sshd counts a session until then
-                async with conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None) as proc:
+                async with await self._open_channel(conn, cmd) as proc:
                     result = await proc.wait(check=False, timeout=timeout)
             except asyncssh.TimeoutError:
                 raise TransportError(f"command timed out after {timeout}s on {self.host.name}") from None
             except (OSError, asyncssh.Error) as e:
                 raise TransportError(self.lost_reason or self._describe(e)) from None
         rc = result.exit_status if result.exit_status is not None and result.exit_status >= 0 else -1
-        return rc, _text(result.stdout), _text(result.stderr)
+        out = result.stdout if isinstance(result.stdout, bytes) else b""
+        return rc, out, _text(result.stderr)
+
+    @staticmethod
+    async def _open_channel(conn: asyncssh.SSHClientConnection, cmd: str) -> asyncssh.SSHClientProcess:
+        """Open a session channel, retrying briefly when sshd still counts recently closed sessions against
+        MaxSessions (seen here: ten sessions open on the server while the client had eight)."""
+        for delay in CHANNEL_RETRY_S:
+            try:
+                return await conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None)
+            except asyncssh.ChannelOpenError:
+                await asyncio.sleep(delay)
+        return await conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None)
 
     def tail(self, path: str, from_offset: int = 0) -> Tail:
         return SshTail(self, path, from_offset)
@@ -211,8 +224,7 @@ class SshTail(Tail):
         await self.transport._channels.acquire()
         self._held = True
         try:
-            self._proc = await conn.create_process(C.tail_command(self.path, self.offset), encoding=None,
-                                                   stdin=asyncssh.DEVNULL)
+            self._proc = await self.transport._open_channel(conn, C.tail_command(self.path, self.offset))
         except (OSError, asyncssh.Error) as e:
             await self.aclose()
             raise TransportError(self.transport.lost_reason or f"cannot tail {self.path}: {e}") from None
