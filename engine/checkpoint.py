@@ -30,12 +30,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from engine.config import CkptConfig
 from engine.world import World
 
 POINTER = "latest"
 META = "meta.json"
+EXTRA_KEYS = {"scheduler", "scaler", "data", "progress", "rng", "outer"}
 
 
 def _step_name(step: int) -> str:
@@ -72,6 +74,14 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     np.random.set_state(state["numpy"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _reason(e: BaseException) -> str:
+    """The underlying error in one short line (DCP wraps each rank's exception with its traceback)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:200]}"
 
 
 class Checkpointer:
@@ -181,12 +191,13 @@ class Checkpointer:
             extras = torch.load(rank_file, weights_only=False, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - unreadable/truncated file of any kind: report, don't crash
             raise ValueError(f"ckpt.resume: {rank_file} is missing or corrupt ({type(e).__name__})") from None
+        if not isinstance(extras, dict) or not EXTRA_KEYS <= extras.keys():
+            raise ValueError(f"ckpt.resume: {rank_file} is corrupt (expected keys {sorted(EXTRA_KEYS)})")
         state = inner.state_dict()
         try:
             dcp.load({"model": state["model"], "optim": state["optim"]}, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures; all mean a bad checkpoint
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"ckpt.resume: {path}: cannot load model/optimizer: {first[:300]}") from None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - any failure here means a bad checkpoint
+            raise ValueError(f"ckpt.resume: {path}: cannot load model/optimizer: {_reason(e)}") from None
         state["scheduler"], state["scaler"] = extras["scheduler"], extras["scaler"]
         inner.load_state_dict(state)
         data.train.load_state_dict(extras["data"])

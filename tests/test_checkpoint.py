@@ -1,0 +1,149 @@
+"""Checkpoints: exact resume parity, the latest pointer survives a crash during save, keep-last-K, clear errors
+for corrupt or mismatched checkpoints, and no accidental overwrite of data on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.checkpoint import Checkpointer
+from engine.config import CkptConfig, DataConfig, InnerConfig, ModelConfig, OptimConfig, TrainConfig
+from engine.data import build_data
+from engine.model import build_model
+from engine.outer import NoOuter, Progress
+from engine.parallel import build_inner
+from engine.world import World
+from test_train import run_engine
+
+WORLD = World(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
+
+
+def test_resumed_run_logs_the_same_losses(procs, tmp_path):
+    """8 steps straight through vs. 4 steps, then a new process resuming from the step-4 checkpoint."""
+    common = ["--train.max_steps=8", "--train.eval_interval=2", "--data.eval_percent=20"]
+    full = run_engine(procs, tmp_path / "full", *common, "--ckpt.interval=4", "--ckpt.keep=3")
+    assert full.rc == 0, full.stderr[-3000:]
+    assert [e["step"] for e in full.of("checkpoint")] == [4, 8]
+    step4 = tmp_path / "full" / "checkpoints" / "step-00000004"
+    resumed = run_engine(procs, tmp_path / "resumed", *common, f"--ckpt.resume={step4}")
+    assert resumed.rc == 0, resumed.stderr[-3000:]
+    a, b = full.losses(), resumed.losses()
+    assert sorted(b) == [5, 6, 7, 8]
+    assert all(abs(a[s] - b[s]) < 1e-6 for s in b), (a, b)
+    evals_a = {e["step"]: e["loss"] for e in full.of("eval")}
+    evals_b = {e["step"]: e["loss"] for e in resumed.of("eval")}
+    assert all(abs(evals_a[s] - evals_b[s]) < 1e-6 for s in evals_b) and sorted(evals_b) == [6, 8]
+    assert resumed.of("step")[-1]["tokens"] == full.of("step")[-1]["tokens"]
+
+
+def parts(tmp_path: Path, **ckpt):
+    torch.manual_seed(0)
+    tcfg = TrainConfig(micro_batch_size=2, batch_size=2, max_steps=10)
+    data = build_data(DataConfig(fake=True, seq_len=16), WORLD, seed=0)
+    model = build_model(ModelConfig(), data.vocab_size, 16, seed=0)
+    inner = build_inner(model, InnerConfig(), tcfg, OptimConfig(), WORLD, torch.device("cpu"))
+    cfg = CkptConfig(dir=str(tmp_path / "ck"), **ckpt)
+    return Checkpointer(cfg, "unused", WORLD, "digest1", "ddp", torch.device("cpu")), inner, data
+
+
+def step(inner, data, progress):
+    x, y = data.train.next_batch(2)
+    inner.micro_step(x, y, last=True)
+    inner.optimizer_step()
+    progress.step += 1
+
+
+def test_crash_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path, monkeypatch):
+    ck, inner, data = parts(tmp_path, keep=2)
+    progress, outer = Progress(), NoOuter()
+    step(inner, data, progress)
+    ck.save(1, inner, data, progress, outer)
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("engine.checkpoint.dcp.save", crash)
+    step(inner, data, progress)
+    with pytest.raises(OSError):
+        ck.save(2, inner, data, progress, outer)
+    assert (ck.dir / "latest").read_text().strip() == "step-00000001"
+    assert ck.steps_on_disk() == [1] and (ck.dir / ".step-00000002.tmp").is_dir()
+    monkeypatch.undo()
+    for n in (2, 3, 4):  # the stale tmp folder is replaced; keep=2 prunes the oldest
+        if n > 2:
+            step(inner, data, progress)
+        ck.save(n, inner, data, progress, outer)
+    assert ck.steps_on_disk() == [3, 4] and (ck.dir / "latest").read_text().strip() == "step-00000004"
+    assert not (ck.dir / ".step-00000002.tmp").exists()
+    with pytest.raises(ValueError, match="already exists"):
+        ck.save(4, inner, data, progress, outer)
+
+
+def test_load_restores_weights_optimizer_data_and_progress(tmp_path):
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    for _ in range(3):
+        step(inner, data, progress)
+    progress.tokens = 96
+    ck.save(3, inner, data, progress, NoOuter())
+    expected_next = data.train.next_batch(2)
+    weights = [p.detach().clone() for p in inner.model.parameters()]
+    ck2, inner2, data2 = parts(tmp_path, resume="latest")
+    path = ck2.check_start()
+    progress2 = Progress()
+    assert ck2.load(path, inner2, data2, progress2, NoOuter()) == 3
+    assert progress2 == Progress(step=3, outer_step=0, tokens=96)
+    assert all(torch.equal(a, b) for a, b in zip(weights, inner2.model.parameters()))
+    assert inner2.scheduler.last_epoch == 3 and inner2.current_lr() == inner.current_lr()
+    assert torch.equal(data2.train.next_batch(2)[0], expected_next[0])
+    state = inner2.optimizer.state[next(inner2.model.parameters())]
+    assert float(state["step"]) == 3
+
+
+def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    step(inner, data, progress)
+    folder, _ = ck.save(1, inner, data, progress, NoOuter())
+    (folder / "rank-0.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"rank-0\.pt is missing or corrupt"):
+        ck.load(folder, inner, data, Progress(), NoOuter())
+    torch.save({}, folder / "rank-0.pt")
+    with pytest.raises(ValueError, match=r"rank-0\.pt is corrupt \(expected keys"):
+        ck.load(folder, inner, data, Progress(), NoOuter())
+    ck.save(2, inner, data, progress, NoOuter())  # a good rank file again, then break the tensor shards
+    folder = ck.dir / "step-00000002"
+    for f in folder.glob("*.distcp"):
+        f.write_bytes(b"\0" * 10)
+    with pytest.raises(ValueError, match="cannot load model/optimizer"):
+        ck.load(folder, inner, data, Progress(), NoOuter())
+    other = Checkpointer(ck.cfg, "unused", WORLD, "digest2", "ddp", torch.device("cpu"))
+    with pytest.raises(ValueError, match="different model/data/diloco config"):
+        other.read_meta(folder)
+    fsdp = Checkpointer(ck.cfg, "unused", WORLD, "digest1", "fsdp", torch.device("cpu"))
+    with pytest.raises(ValueError, match="inner.strategy ddp"):
+        fsdp.read_meta(folder)
+    (folder / "meta.json").write_text("{")
+    with pytest.raises(ValueError, match="meta.json is corrupt"):
+        ck.read_meta(folder)
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        ck.read_meta(tmp_path)
+
+
+def test_nothing_on_disk_is_overwritten_by_accident(tmp_path):
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    step(inner, data, progress)
+    ck.save(1, inner, data, progress, NoOuter())
+    fresh, _, _ = parts(tmp_path)  # a new run pointed at a folder that holds another run's checkpoints
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        fresh.check_start()
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "keep.txt").write_text("precious")
+    exporting, _, _ = parts(tmp_path, resume="latest", export_dir=str(export))
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        exporting.check_start()
+    assert (export / "keep.txt").read_text() == "precious"
