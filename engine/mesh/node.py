@@ -47,6 +47,7 @@ class Mesh:
         self._base_generation = 0
         self._forming = True
         self._plan: Plan | None = None  # the last plan this node accepted
+        self._recent: frozenset[str] = frozenset()  # members of the last two accepted plans (for death reports)
         self._committed: Plan | None = None  # the last plan this node saw committed
         self._lock = threading.Lock()
         self._liveness = Liveness(cfg.heartbeat_timeout)
@@ -129,6 +130,7 @@ class Mesh:
                     self.epoch = plan.epoch
                     self._forming = False
                     self._plan = plan
+                    self._recent = frozenset(plan.members)
                     return plan
                 if self.clock() > deadline:
                     raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
@@ -277,12 +279,14 @@ class Mesh:
         return False
 
     def _must_join(self) -> bool:
-        """Join a running run, or (re)form one: the latter when there is no plan yet or all its members are gone."""
+        """Join a running run, or (re)form one: the latter when there is no plan yet or all its members are gone.
+        Decided on evidence only: a member's counter moving (join) or every member dead or left (re-form)."""
         latest = self._read_plan(self.keys.latest())
         if latest is None:
             return False
         others = [m for m in latest.members if m != self.node_id]
-        deadline = self.clock() + self.cfg.heartbeat_timeout + 2 * self.cfg.heartbeat_interval
+        limit = 2 * self.cfg.heartbeat_timeout + self.cfg.store_timeout
+        deadline = self.clock() + limit
         while True:
             with self._lock:
                 now = self.clock()
@@ -290,10 +294,13 @@ class Mesh:
                     self.epoch = latest.epoch
                     return True
                 all_gone = all(self._liveness.is_dead(m, now) for m in others)
-            if all_gone or self.clock() > deadline:
+            if all_gone:
                 # every member of the last plan is gone: this node (re)forms the run in a new epoch
                 self.epoch = self._base_generation = latest.generation
                 return False
+            if self.clock() > deadline:
+                raise MeshError(f"node {self.node_id}: could not tell within {limit:g}s whether the run's members "
+                                f"{others} are alive (their heartbeats were not observed)")
             self._idle()
 
     # ---- planning ---------------------------------------------------------------------------------------------
@@ -354,6 +361,7 @@ class Mesh:
             self._release_lease()
             raise Excluded(f"node {self.node_id}: left out of outer step {plan.outer_step} attempt {plan.attempt} "
                            f"(generation {plan.generation}, members {list(plan.members)}): re-join as a joiner")
+        self._recent = frozenset(plan.members) | frozenset(self._plan.members if self._plan else ())
         self._plan = plan
         self._forming = False
         if self.node_id not in plan.joiners:
@@ -408,12 +416,12 @@ class Mesh:
             self._report_peer(node, dead, gone)
 
     def _report_peer(self, node: str, dead: bool, gone: bool) -> None:
-        """Emit a peer's death once, if it was a member of this node's current plan."""
+        """Emit a peer's death once, if it was a member of one of this node's last two plans."""
         if not dead:
             self._reported.discard(node)
             return
         plan = self._plan
-        if node in self._reported or plan is None or node not in plan.members:
+        if node in self._reported or plan is None or node not in self._recent:
             return
         self._reported.add(node)
         if not gone:  # a clean exit is reported by its plan (drained) or by the node itself

@@ -1,0 +1,73 @@
+"""`python -m engine.store` as a process, and the clear errors around the store: port in use, unreachable, lost."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from engine.mesh import MeshError, connect_store
+from engine.telemetry import parse_line
+from test_mesh_live import start_node, start_store, wait_for
+
+
+def _ready(proc: subprocess.Popen, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            return parse_line(line)
+    raise AssertionError("store printed no ready line")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_store_serves_then_exits_cleanly_on_signal(procs, port, sig):
+    proc = procs.start([sys.executable, "-m", "engine.store", "--host", "127.0.0.1", "--port", str(port)])
+    ready = _ready(proc)
+    assert ready["type"] == "state" and ready["state"] == "ready" and ready["port"] == port and ready["rank"] == -1
+    client = connect_store("127.0.0.1", port, 5.0)
+    client.set("zb/x", "1")
+    assert client.add("zb/n", 2) == 2 and client.get("zb/x") == b"1"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["state"] == "stopped"
+
+
+def test_port_in_use_is_one_clear_line_and_exit_2(procs, port):
+    first = procs.start([sys.executable, "-m", "engine.store", "--port", str(port)])
+    _ready(first)
+    t0 = time.monotonic()
+    second = procs.run([sys.executable, "-m", "engine.store", "--port", str(port)], timeout=30)
+    assert second.returncode == 2 and time.monotonic() - t0 < 30
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 0.0.0.0:{port}: Address already in use" in lines[0]
+    assert first.poll() is None  # the running store is untouched
+
+
+def test_unreachable_store_fails_within_its_timeout(port):
+    t0 = time.monotonic()
+    with pytest.raises(MeshError, match=rf"membership store 127.0.0.1:{port} unreachable within 1.5s"):
+        connect_store("127.0.0.1", port, 1.5)
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_unreachable_store_node_exits_with_one_error_line(procs, port):
+    node = start_node(procs, port, "a")
+    assert node.proc.wait(timeout=60) == 3
+    assert "ERROR membership store 127.0.0.1" in node.err and "unreachable" in node.err
+
+
+def test_lost_store_mid_run_is_a_clear_error_within_bounded_time(procs, port):
+    store = start_store(procs, port)
+    node = start_node(procs, port, "a", "--steps", "500", "--step-s", "0.1")
+    wait_for(lambda: len(node.committed()) >= 2, 60, "a running", [node, store])
+    store.proc.kill()
+    t0 = time.monotonic()
+    rc = node.proc.wait(timeout=60)
+    assert rc != 0 and time.monotonic() - t0 < 30
+    assert "ERROR node a: " in node.err and "lost the membership store" in node.err, node.err[-2000:]
