@@ -264,40 +264,46 @@ class ZeroInner:
         return f"zero{self.stage}_rank{self.world.rank}_of_{self.world.world_size}"
 
     def state_dict(self) -> dict[str, Any]:
+        """The shape engine/checkpoint.py saves: "model" and "optim" through DCP, "scheduler" and "scaler" per rank.
+
+        The tensors are the live ones (DCP loads in place), under this rank's own key."""
         with self._optimizer_groups():
             opt = self.optimizer.state_dict()
-        return {self._rank_key(): {
-            "master": {str(i): t for i, t in enumerate(self.outer_params())},
-            "optim_state": {str(k): v for k, v in opt["state"].items()},
-            "optim_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
+        key = self._rank_key()
+        return {
+            "model": {key: {str(i): t for i, t in enumerate(self.outer_params())}},
+            "optim": {key: {"state": {str(k): v for k, v in opt["state"].items()},
+                            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]}},
             "scheduler": self.scheduler.state_dict(),
-            "engine": {"global_steps": self.engine.global_steps, "global_samples": self.engine.global_samples,
+            # DeepSpeed's own counters and its fp16 loss scale (1.0 and unused in fp32/bf16)
+            "scaler": {"global_steps": self.engine.global_steps, "global_samples": self.engine.global_samples,
                        "loss_scale": float(getattr(self.ds_optimizer, "cur_scale", 1.0))},
-        }}
+        }
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         key = self._rank_key()
-        if key not in sd:
-            raise ValueError(f"checkpoint: no ZeRO state for {key} (found {', '.join(sorted(sd)) or 'nothing'}); "
-                             f"resume with the same inner.strategy and workers per node")
-        part = sd[key]
+        if key not in state["model"] or key not in state["optim"]:
+            found = ", ".join(sorted(state["model"])) or "nothing"
+            raise ValueError(f"checkpoint: no ZeRO state for {key} (found {found}); resume with the same "
+                             f"inner.strategy and workers per node")
         for i, master in enumerate(self.outer_params()):
-            saved = part["master"][str(i)]
-            if saved is not master:
+            saved = state["model"][key][str(i)]
+            if saved is not master:  # DCP already loaded in place when it was handed our own tensors
                 master.copy_(saved)
+        saved_opt = state["optim"][key]
         with self._optimizer_groups():
             opt = self.optimizer.state_dict()
-            opt["state"] = {int(k): v for k, v in part["optim_state"].items()}
-            for group, saved in zip(opt["param_groups"], part["optim_groups"]):
+            opt["state"] = {int(k): v for k, v in saved_opt["state"].items()}
+            for group, saved in zip(opt["param_groups"], saved_opt["groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             self.optimizer.load_state_dict(opt)
-        self.scheduler.load_state_dict(part["scheduler"])
-        self.engine.global_steps = int(part["engine"]["global_steps"])
-        self.engine.global_samples = int(part["engine"]["global_samples"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.engine.global_steps = int(state["scaler"]["global_steps"])
+        self.engine.global_samples = int(state["scaler"]["global_samples"])
         if hasattr(self.ds_optimizer, "cur_scale"):
-            self.ds_optimizer.cur_scale = part["engine"]["loss_scale"]
-        self.after_outer_update()
+            self.ds_optimizer.cur_scale = state["scaler"]["loss_scale"]
+        self.after_outer_update()  # the working weights follow the restored masters
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole fp32 parameters by name, on CPU, on every rank (a collective in stage 3): for export."""
