@@ -1,0 +1,241 @@
+"""Inner-loop benchmark: engine.train's step (engine.parallel Inner + engine.data stream) against a plain
+hand-written PyTorch loop over the same model, batch and data, in the same run; then DDP and FSDP2 on N processes.
+
+    python bench/inner_loop.py                                   # debug model, small sizes, < 2 min on 2 cores
+    python bench/inner_loop.py --preset 150m --seq-len 1024 --micro-batch 8 --steps 30 --nproc 0   # a GPU
+
+Both single-process loops run in this process, one step each in alternation, so that drift in machine load hits
+both alike; each reports tokens/s from its median step time, and the peak memory it adds while running (CUDA:
+max_memory_allocated; CPU: RSS sampled every 2 ms; both above the level when the loop starts). The multi-process part launches
+torchrun and reports per-worker throughput relative to the one-process engine: overhead = 1 - that ratio.
+The last line is the engine/plain ratio (goal >= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
+from engine.data import FakeSource, TokenStream  # noqa: E402
+from engine.model import build_model  # noqa: E402
+from engine.parallel import build_inner, lr_factor, make_optimizer, resolve_device, setup_distributed  # noqa: E402
+from engine.train import train_step  # noqa: E402
+from engine.world import World, read_world  # noqa: E402
+
+VOCAB = 258
+
+
+def configs(args, world_size: int, strategy: str) -> tuple[TrainConfig, OptimConfig, InnerConfig]:
+    train = TrainConfig(micro_batch_size=args.micro_batch, batch_size=args.micro_batch * args.accum * world_size,
+                        max_steps=10_000, precision=args.precision)
+    return train, OptimConfig(lr=1e-3, warmup_steps=0), InnerConfig(strategy=strategy, device=args.device)
+
+
+class PeakMemory:
+    """Peak memory a block adds above the level when it starts (activations, gradients, temporaries): the CUDA
+    allocator's peak, or RSS sampled every 2 ms on CPU. Both loops' models and optimizer states live in this
+    process at once, so the level at rest would say nothing about either loop."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self.base = device, 0, 0
+        self._stop = threading.Event()
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = psutil.Process().memory_info().rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        proc = psutil.Process()
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+        self.peak = max(0, self.peak - self.base)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step, steps: int, device: torch.device) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync(device)  # the GPU may still be working on the last step
+    return time.perf_counter() - t0
+
+
+class PlainLoop:
+    """What a person would write by hand: forward, cross-entropy, backward, clip, AdamW, LambdaLR."""
+
+    def __init__(self, args, device: torch.device):
+        train, optim, _ = configs(args, 1, "ddp")
+        self.args, self.device = args, device
+        self.model = build_model(ModelConfig(preset=args.preset), VOCAB, args.seq_len, device, seed=0)
+        self.opt = make_optimizer(self.model, optim)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, optim, train.max_steps))
+        self.stream = TokenStream(FakeSource(VOCAB, args.seq_len, 0), 0, 1, seed=0)
+        dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(args.precision)
+        self.autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else None
+
+    def step(self) -> None:
+        for _ in range(self.args.accum):
+            x, y = self.stream.next_batch(self.args.micro_batch)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            if self.autocast:
+                with self.autocast():
+                    logits = self.model(input_ids=x).logits
+            else:
+                logits = self.model(input_ids=x).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            (loss / self.args.accum).backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+
+
+class EngineLoop:
+    """engine.train's inner loop: train_step over an Inner from build_inner and a TokenStream."""
+
+    def __init__(self, args, device: torch.device, world: World, strategy: str = "ddp"):
+        train, optim, inner_cfg = configs(args, world.world_size, strategy)
+        self.args = args
+        model = build_model(ModelConfig(preset=args.preset), VOCAB, args.seq_len, device, seed=0)
+        self.inner = build_inner(model, inner_cfg, train, optim, world, device)
+        self.stream = TokenStream(FakeSource(VOCAB, args.seq_len, 0), world.rank, world.world_size, seed=0)
+
+    def step(self) -> None:
+        train_step(self.inner, self.stream, self.args.micro_batch, self.args.accum)
+
+
+def measure(loop, args, device: torch.device) -> tuple[float, int]:
+    """(seconds for args.steps steps, peak memory) after args.warmup untimed steps."""
+    for _ in range(args.warmup):
+        loop.step()
+    with PeakMemory(device) as mem:
+        seconds = timed(loop.step, args.steps, device)
+    return seconds, mem.peak
+
+
+def single_process(args) -> float:
+    """Plain and engine loops, step by step in alternation (ABBA), so load spikes on a shared machine hit both;
+    tokens/s from the median step time of each."""
+    world = World(rank=0, world_size=1, local_rank=0, hostname="bench", pid=os.getpid())
+    device = resolve_device(InnerConfig(device=args.device), world)
+    tokens_per_step = args.micro_batch * args.accum * args.seq_len
+    loops = {"plain": PlainLoop(args, device), "engine": EngineLoop(args, device, world)}
+    peaks = {name: measure(loop, args, device)[1] for name, loop in loops.items()}  # includes the warm-up
+    times: dict[str, list[float]] = {"plain": [], "engine": []}
+    order = list(loops)
+    for i in range(args.rounds * args.steps):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            times[name].append(timed(loops[name].step, 1, device))
+    rates = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
+    print(f"device {device}, preset {args.preset}, seq_len {args.seq_len}, micro_batch {args.micro_batch} x "
+          f"accum {args.accum}, {args.rounds * args.steps} alternating steps each, precision {args.precision}")
+    for name in loops:
+        spread = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else times[name] * 3
+        print(f"  {name:<7} {rates[name]:>12,.0f} tok/s (median step {statistics.median(times[name]) * 1e3:.1f} ms, "
+              f"quartiles {spread[0] * 1e3:.1f}-{spread[2] * 1e3:.1f} ms)   peak memory +{peaks[name] / 2**20:,.1f} MiB")
+    args._ratio = rates["engine"] / rates["plain"]
+    args._peaks = peaks
+    return rates["engine"]
+
+
+def worker(args) -> None:
+    """One torchrun rank: the engine loop under DDP or FSDP2; rank 0 prints one JSON line."""
+    world = read_world()
+    device, group = setup_distributed(InnerConfig(device=args.device), world)
+    loop = EngineLoop(args, device, world, strategy=args.worker)
+    seconds, peak = measure(loop, args, device)
+    t = torch.tensor([seconds, float(peak)])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    if world.rank == 0:
+        tokens = args.steps * args.micro_batch * args.accum * args.seq_len * world.world_size
+        print(json.dumps({"strategy": args.worker, "tokens_per_s": tokens / float(t[0]), "peak": int(t[1])}),
+              flush=True)
+    del loop
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip C++ static destructors (gloo's exit-time abort)
+
+
+def multi_process(args, single_tps: float) -> None:
+    for strategy in ("ddp", "fsdp"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--worker", strategy, *args._passthrough]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            print(f"  {strategy}: failed (rc {done.returncode})\n{done.stderr[-2000:]}")
+            continue
+        res = json.loads(lines[-1])
+        per_worker = res["tokens_per_s"] / args.nproc
+        print(f"  {strategy:<7} x{args.nproc} {res['tokens_per_s']:>10,.0f} tok/s node, {per_worker:,.0f} per worker,"
+              f" overhead vs 1 process {1 - per_worker / single_tps:+.1%}, peak memory +{res['peak'] / 2**20:,.1f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="debug", choices=["debug", "15m", "150m", "1b"])
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per process")
+    ap.add_argument("--nproc", type=int, default=2, help="processes for the DDP/FSDP2 part (0: skip)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.worker:
+        worker(args)
+        return
+    args._passthrough = [f"--preset={args.preset}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
+                         f"--accum={args.accum}", f"--steps={args.steps}", f"--warmup={args.warmup}",
+                         f"--precision={args.precision}", f"--device={args.device}", f"--threads={args.threads}"]
+    single_tps = single_process(args)
+    if args.nproc > 1:
+        print(f"{args.nproc} processes (same micro-batch per worker; overhead = 1 - per-worker / one-process tok/s):")
+        multi_process(args, single_tps)
+    print(f"engine/plain tokens/s ratio: {args._ratio:.3f} (goal >= 0.95); peak memory ratio "
+          f"{args._peaks['engine'] / max(args._peaks['plain'], 1):.3f}")
+
+
+if __name__ == "__main__":
+    main()
