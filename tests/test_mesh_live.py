@@ -241,6 +241,43 @@ def test_duplicate_live_id_and_other_digest_are_rejected_without_disturbing_the_
     assert time.monotonic() - t0 < 60
 
 
+def _tree(root: int) -> set[int]:
+    """root and every descendant (the script's nodes run torchrun, whose workers start new sessions)."""
+    import subprocess
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    parent = {int(a): int(b) for a, b in (line.split() for line in out.splitlines())}
+    keep, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parent.items() if pp in keep and p not in keep}
+        keep |= new
+        grew = bool(new)
+    return keep
+
+
+def test_simulate_script_prefixes_every_node_and_ctrl_c_leaves_no_process(procs, tmp_path):
+    """scripts/simulate_multi_node.sh with the real engine: 2 nodes x 1 worker; SIGINT (Ctrl-C) stops all."""
+    script = Node(procs, ["bash", str(ROOT / "scripts/simulate_multi_node.sh"), "--timeout", "240", "--run-dir",
+                          str(tmp_path / "sim"), "2", "1", "configs/debug-diloco.toml", "--train.max_steps=400",
+                          "--train.eval_interval=0"])
+
+    def outer_steps(node: str) -> list[str]:
+        return [l for l in script.lines if l.startswith(f"[{node}] {{") and '"type":"outer_step"' in l]
+    wait_for(lambda: outer_steps("node-0") and outer_steps("node-1"), 180, "an outer step of both nodes", [script])
+    tree = _tree(script.proc.pid)
+    assert len(tree) >= 8  # script, store, 2 x (wrapper, sed, torchrun, worker)
+    script.proc.send_signal(signal.SIGINT)  # the script alone, as a terminal's Ctrl-C reaches the foreground
+    assert script.proc.wait(timeout=60) == 130
+    time.sleep(0.5)
+    left = [p for p in tree if os.path.exists(f"/proc/{p}") and p != script.proc.pid]
+    assert not left, f"processes left behind: {left}"
+    ends = {l.split("]")[0][1:]: json.loads(l.split("] ", 1)[1]) for l in script.lines
+            if '"type":"run_end"' in l and l.startswith("[node-")}
+    assert {n: e["status"] for n, e in ends.items()} == {"node-0": "stopped", "node-1": "stopped"}
+    assert any(l.startswith("[store] ") and '"state":"stopped"' in l for l in script.lines)
+    sums = {json.loads(l.split("] ", 1)[1])["checksum"] for l in outer_steps("node-0")[:1] + outer_steps("node-1")[:1]}
+    assert len(sums) == 1  # the first outer step left both nodes with the same weights
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "node":
         sys.exit(node_main(sys.argv[2:]))
