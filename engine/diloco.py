@@ -140,6 +140,7 @@ class DilocoOuter:
         self._groups: dict[int, dist.ProcessGroup] = {}
         self._drain = threading.Event()
         self._left = False
+        self._started = False  # mesh.start() succeeded: only then may close() say goodbye under this id
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
 
     # ------------------------------------------------------------------ local group plumbing
@@ -240,12 +241,13 @@ class DilocoOuter:
         receives parameters, outer state and progress from the plan's source."""
         self.node_id = self._share(self.node_id)  # local rank 0's id names the node
         self._connect_everywhere()
-        joiner = self._on_leader("mesh start", self.mesh.start)
+        joiner = self._on_leader("mesh start", lambda: self.mesh.start())
+        self._started = True
         if self.snapshot is None:  # not restored by load_state_dict
             self.snapshot = flat_params(self.inner.outer_params())
         if joiner:
             self._emit("state", state="joining")
-            plan = self._on_leader("mesh admission", self.mesh.wait_admission)
+            plan = self._on_leader("mesh admission", lambda: self.mesh.wait_admission())
             self._round(progress, plan=plan, draining=False)
 
     def _connect_everywhere(self) -> None:
@@ -288,7 +290,8 @@ class DilocoOuter:
             from engine.mesh import forget_groups
             forget_groups()
         if self.mesh is not None:
-            if not self._left:
+            if self._started and not self._left:
+                # a rejected node (duplicate id, other digest) must not write a goodbye under a live node's id;
                 # run_end statuses -> mesh leave reasons; a stop is not a completion
                 self.mesh.leave({"completed": "completed", "drained": "drained"}.get(status, "failed"))
             self.mesh.close()
@@ -322,7 +325,7 @@ class DilocoOuter:
                 except Excluded as e:
                     self._emit("warning", message=f"{e}")
                     self._emit("state", state="joining")
-                    plan = self._on_leader("mesh admission", self.mesh.wait_admission)
+                    plan = self._on_leader("mesh admission", lambda: self.mesh.wait_admission())
                     joining, index = True, plan.outer_step
             if self._attempt(plan, pgrad, progress):
                 return
