@@ -173,7 +173,10 @@ class Fleet:
         """A transport-level fact about a node (unreachable, dead, failed to start, starting again)."""
         node = self._node(node_name)
         state = NodeState(state)
-        if node.state is state and node.reason == reason:
+        if node.state is state:  # the same fact again (a retry's new wording): no new log or timeline entry
+            if node.reason != reason:
+                node.reason = reason
+                self.version += 1
             return
         node.state = state
         node.reason = reason
@@ -183,6 +186,20 @@ class Fleet:
             node.log.append(f"[console] {state.value}: {reason}")
         if state in _CONSOLE_FACTS or state in (NodeState.STARTING, NodeState.STANDBY):
             self._record(MembershipEvent(self._clock(), state.value, node_name, None, (), "console", reason))
+        self.version += 1
+
+    def set_reachable(self, node_name: str) -> None:
+        """The link to the node's host is back: an UNREACHABLE node shows the engine's own state again."""
+        node = self.nodes.get(node_name)
+        if node is not None and node.state is NodeState.UNREACHABLE:
+            node.state = node.engine_state or NodeState.STARTING
+            node.reason = None
+            node.log.append("[console] reachable again")
+            self.version += 1
+
+    def note(self, node_name: str, text: str) -> None:
+        """A console line in the node's log (an action taken, a check's result)."""
+        self._node(node_name).log.append(f"[console] {text}")
         self.version += 1
 
     # ---- ingest ------------------------------------------------------------------------------------------

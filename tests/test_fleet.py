@@ -90,6 +90,9 @@ def test_state_transitions_engine_and_console_facts():
     assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.UNREACHABLE, "ssh: keepalive timeout")
     fleet.ingest("a", step(21, 1.0, 1.0))
     assert fleet.nodes["a"].state is NodeState.TRAINING and fleet.nodes["a"].reason is None
+    fleet.set_state("a", NodeState.UNREACHABLE, "ssh: connection refused")
+    fleet.set_reachable("a")  # reconnected, nothing new to read yet
+    assert fleet.nodes["a"].state is NodeState.TRAINING and fleet.nodes["a"].reason is None
 
     # dead holds against the old process's late lines; a new process (run_start) settles it
     fleet.set_state("a", NodeState.DEAD, "killed (SIGKILL)")
@@ -97,7 +100,7 @@ def test_state_transitions_engine_and_console_facts():
     assert fleet.nodes["a"].state is NodeState.DEAD
     fleet.ingest("a", start("a", pid=300))
     assert fleet.nodes["a"].state is NodeState.STARTING and fleet.nodes["a"].pid == 300
-    assert [e.change for e in fleet.timeline if e.source == "console"] == ["starting", "unreachable", "dead"]
+    assert [e.change for e in fleet.timeline if e.source == "console"] == ["starting", "unreachable", "unreachable", "dead"]
 
 
 def test_failed_run_end_keeps_the_error_as_reason():

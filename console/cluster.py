@@ -1,0 +1,487 @@
+"""The cluster controller: starts the store and the engines, streams their events into the fleet, steers them.
+
+    cluster = Cluster(profile, fleet)        # transports=make_transport; tests inject their own
+    await cluster.start()                    # or attach() to engines that already run (the console restarted)
+    await cluster.drain("node-b"); await cluster.kill("node-c"); await cluster.restart("node-c")
+    await cluster.add("node-d")              # a standby host, or a new address (written into the profile)
+    await cluster.stop(); await cluster.close()
+
+Every process is started detached on its host (setsid + nohup, see transport/commands.py), so engines outlive the
+console and the SSH link. On each host, under the workdir:
+
+    RUN_DIR/NODE/events.jsonl   the engine's stdout: the JSON event stream the fleet reads
+    RUN_DIR/NODE/engine.log     its stderr
+    RUN_DIR/NODE/pid, rc        the process group id; the exit status (absent when it was killed)
+    RUN_DIR/NODE/drain          appears on drain: the engine finishes its round and leaves
+    RUN_DIR/_store/...          the same for the membership store
+
+One watcher task per started node follows its events file (re-tailing from the last offset after a dropped
+link) and polls its liveness; when the process is gone it reads the rest of the file and settles the node's
+final state from the engine's last word, the operator's action, or the exit status and the log's last line.
+
+Nothing here raises to the caller for a node's trouble: a bad host, a refused key, a dead link, a missing python,
+an engine that exits at start all become that node's state and reason, and the other nodes go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from console.fleet import Fleet, NodeState
+from console.profile import HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides
+from console.transport import Transport, TransportError, make_transport
+from console.transport import commands as C
+
+STORE = "_store"  # the store's directory under the run dir (not a valid-looking node name)
+SETTLE_S = 0.3  # after a process is gone: let its last lines land before reading them
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+@dataclass
+class _Proc:
+    """What the console knows about the process it started (or found) for one node."""
+
+    pid: int | None = None
+    offset: int = 0  # bytes of events.jsonl already ingested
+    watcher: asyncio.Task | None = None
+    killed: bool = False  # the operator killed it: DEAD, whatever the exit looked like
+    stopping: bool = False  # stop() asked it to end: a plain exit is "stopped"
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of an action, for the UI and the CLI (actions never raise for a node's trouble)."""
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
+    """`python -m engine.train CONFIG --k=v ...` (torch.distributed.run when the host runs several workers)."""
+    node_dir = C.join(profile.run.dir, host.name)
+    overrides = {**engine_overrides(profile, host), "run.name": profile.run.name, "run.dir": node_dir,
+                 "mesh.drain_file": C.join(node_dir, C.DRAIN)}
+    args = [profile.engine.config, *(f"--{k}={_toml_value(v)}" for k, v in overrides.items())]
+    if host.workers == 1:
+        return [host.python_path, "-m", "engine.train", *args]
+    if host.rdzv_port is not None:
+        rdzv = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{host.rdzv_port}",
+                f"--rdzv-id={host.name}"]
+    else:
+        rdzv = ["--standalone"]  # its own rendezvous on a free port: nodes sharing a machine never collide
+    return [host.python_path, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={host.workers}",
+            "-m", "engine.train", *args]
+
+
+def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> dict[str, str]:
+    return {**host.env, "GLOBAL_ADDR": profile.store_address, "GLOBAL_PORT": str(profile.store.port),
+            "GLOBAL_UNIQUE_ID": host.name, "GLOBAL_RANK": str(rank), "GLOBAL_WORLD_SIZE": str(world_size),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def store_argv(profile: Profile) -> list[str]:
+    return [profile.store_host.python_path, "-m", "engine.store", "--host", profile.store_bind,
+            "--port", str(profile.store.port)]
+
+
+def _toml_value(value: Any) -> str:
+    """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
+def _host_label(host: HostSpec) -> str:
+    return "local" if host.transport == "local" else host.target
+
+
+class Cluster:
+    def __init__(self, profile: Profile, fleet: Fleet,
+                 transports: Callable[[HostSpec], Transport] = make_transport):
+        self.profile = profile
+        self.fleet = fleet
+        self._make_transport = transports
+        self._transports: dict[str, Transport] = {}
+        self._procs: dict[str, _Proc] = {}
+        self._store_pid: int | None = None
+        self._store_task: asyncio.Task | None = None
+        self._store_error: str | None = None
+        for host in profile.hosts.values():
+            fleet.add_node(host.name, _host_label(host), NodeState.STANDBY)
+
+    # ---- paths and transports --------------------------------------------------------------------------------
+    def node_dir(self, name: str) -> str:
+        return C.join(self.profile.run.dir, name)
+
+    def _path(self, name: str, file: str) -> str:
+        return C.join(self.node_dir(name), file)
+
+    def transport(self, name: str) -> Transport:
+        """One transport (one connection) per profile host, made on first use."""
+        if name not in self._transports:
+            self._transports[name] = self._make_transport(self.profile.hosts[name])
+        return self._transports[name]
+
+    def _proc(self, name: str) -> _Proc:
+        return self._procs.setdefault(name, _Proc())
+
+    # ---- start and attach --------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the store and every non-standby node; attach instead if the cluster already runs."""
+        try:
+            check_engine_config(self.profile)  # the whole profile is valid before anything starts
+        except ProfileError as e:
+            for host in self.profile.active_hosts():
+                self.fleet.set_state(host.name, NodeState.FAILED, str(e))
+            return
+        if await self._anything_running():
+            await self.attach()
+            return
+        active = self.profile.active_hosts()
+        reason = await self._start_store()
+        if reason is not None:  # no store, no mesh: say so on every node and start none
+            for host in active:
+                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+            return
+        await self._gather(*(self._launch(h, rank, len(active)) for rank, h in enumerate(active)))
+
+    async def _anything_running(self) -> bool:
+        names = [h.name for h in self.profile.active_hosts()]
+        found = await self._gather(*(self._live_pid(n) for n in names))
+        store = await self._live_pid(STORE, self.profile.store_host.name)
+        return any(isinstance(pid, int) for pid in found) or store is not None
+
+    async def _live_pid(self, name: str, host: str | None = None) -> int | None:
+        """The pid recorded for a node (or the store) if that process still runs; None otherwise."""
+        t = self.transport(host or name)
+        try:
+            text = await t.read_text(self._path(name, C.PID))
+            pid = int(text.strip()) if text and text.strip().isdigit() else None
+            return pid if pid is not None and pid > 1 and await t.alive(pid, C.TAG) else None
+        except TransportError:
+            return None
+
+    async def attach(self) -> None:
+        """Re-attach to a running cluster from its pid files: catch up on every events file, then follow."""
+        await self._gather(*(self._attach_node(h) for h in self.profile.hosts.values()))
+        self._store_pid = await self._live_pid(STORE, self.profile.store_host.name)
+
+    async def _attach_node(self, host: HostSpec) -> None:
+        name, t = host.name, self.transport(host.name)
+        try:
+            text = await t.read_text(self._path(name, C.PID))
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            return
+        if not text or not text.strip().isdigit():
+            return  # never started here: it stays standby
+        proc = self._proc(name)
+        proc.pid, proc.offset = int(text.strip()), 0
+        self.fleet.set_state(name, NodeState.STARTING)
+        await self._catch_up(name)
+        try:
+            running = await t.alive(proc.pid, C.TAG)
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            running = True  # it may well run: follow it and let the watcher find out
+        if running:
+            self._watch(name)
+        else:
+            await self._settle(name)
+            proc.done.set()
+
+    # ---- the store -------------------------------------------------------------------------------------------
+    async def _start_store(self) -> str | None:
+        """Start the store detached and watch it until it is ready; the reason if it could not start."""
+        host = self.profile.store_host
+        t = self.transport(host.name)
+        try:
+            reason = await t.preflight()
+            if reason is None:
+                self._store_pid = await t.start_detached(store_argv(self.profile), self.node_dir(STORE),
+                                                         env=host.env)
+        except TransportError as e:
+            reason = str(e)
+        if reason is not None:
+            return f"store on {host.name} could not start: {reason}"
+        self._store_task = asyncio.ensure_future(self._watch_store())
+        return None
+
+    async def _watch_store(self) -> None:
+        """Until the store says ready: if it exits first, no engine can form the mesh, so say why on each."""
+        t = self.transport(self.profile.store_host.name)
+        assert self._store_pid is not None
+        while True:
+            try:
+                lines, _ = await t.read_from(self._path(STORE, C.EVENTS), 0)
+                if any(b'"ready"' in line for line in lines):
+                    return
+                if not await t.alive(self._store_pid, C.TAG):
+                    await asyncio.sleep(SETTLE_S)
+                    log = (await t.last_lines(self._path(STORE, C.LOG), 3)).strip().splitlines()
+                    self._store_failed(f"store exited: {log[-1] if log else 'no output'}")
+                    return
+            except TransportError:
+                pass  # the node watchers report the link; keep looking
+            await asyncio.sleep(self.profile.console.poll_interval)
+
+    def _store_failed(self, reason: str) -> None:
+        """The store died before it was ready: no mesh can form, so fail (and end) every node started with it."""
+        self._store_error = reason
+        for name, proc in self._procs.items():
+            if proc.pid is None or proc.done.is_set():
+                continue
+            self.fleet.set_state(name, NodeState.FAILED, reason)
+            proc.killed = True
+            asyncio.ensure_future(self._signal_quietly(name, proc.pid, "KILL"))
+
+    # ---- one node ----------------------------------------------------------------------------------------------
+    async def _launch(self, host: HostSpec, rank: int, world_size: int, append: bool = False) -> bool:
+        """Check the host, start the engine detached, watch it. False (and a node state) if it could not start."""
+        name, t = host.name, self.transport(host.name)
+        self.fleet.set_state(name, NodeState.STARTING)
+        try:
+            reason = await t.preflight(self.profile.engine.config)
+            if reason is not None:
+                self.fleet.set_state(name, NodeState.FAILED, reason)
+                return False
+            await t.remove(self._path(name, C.DRAIN))  # a drain file left from before would drain it at once
+            pid = await t.start_detached(engine_argv(self.profile, host), self.node_dir(name),
+                                         env=engine_env(self.profile, host, rank, world_size), append=append)
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE if e.link else NodeState.FAILED, str(e))
+            return False
+        old = self._procs.get(name)
+        offset = old.offset if (append and old is not None) else 0
+        self._procs[name] = _Proc(pid=pid, offset=offset, killed=self._store_error is not None)
+        if self._store_error is not None:  # the store died while this one was starting
+            self.fleet.set_state(name, NodeState.FAILED, self._store_error)
+            await self._signal_quietly(name, pid, "KILL")
+        self.fleet.note(name, f"started pid {pid}")
+        self._watch(name)
+        return True
+
+    def _watch(self, name: str) -> None:
+        proc = self._proc(name)
+        proc.done.clear()
+        proc.watcher = asyncio.ensure_future(self._watcher(name, proc))
+
+    async def _watcher(self, name: str, proc: _Proc) -> None:
+        follow = asyncio.ensure_future(self._follow(name, proc))
+        try:
+            await self._until_gone(name, proc)
+        finally:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+        try:
+            await asyncio.sleep(SETTLE_S)
+            await self._catch_up(name)
+            await self._settle(name)
+        finally:
+            proc.done.set()
+
+    async def _follow(self, name: str, proc: _Proc) -> None:
+        """Feed the events file into the fleet; after a dropped link, re-tail from the last offset."""
+        t, failures = self.transport(name), 0
+        path = self._path(name, C.EVENTS)
+        while True:
+            tail = t.tail(path, proc.offset)
+            try:
+                if failures:
+                    await t.connect()
+                    self.fleet.set_reachable(name)
+                    failures = 0
+                async for line in tail:
+                    proc.offset = tail.offset
+                    self.fleet.ingest(name, line)
+            except TransportError as e:
+                self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+                failures += 1
+            finally:
+                await tail.aclose()
+            await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1] if failures else 0.1)
+
+    async def _until_gone(self, name: str, proc: _Proc) -> None:
+        t = self.transport(name)
+        assert proc.pid is not None
+        while True:
+            await asyncio.sleep(self.profile.console.poll_interval)
+            try:
+                if not await t.alive(proc.pid, C.TAG):
+                    return
+            except TransportError:
+                continue  # unreachable is the follower's to report; the engine may well run on
+
+    async def _catch_up(self, name: str) -> None:
+        """Ingest what the events file holds beyond the offset (attach, or after the process ended)."""
+        proc = self._proc(name)
+        try:
+            lines, proc.offset = await self.transport(name).read_from(self._path(name, C.EVENTS), proc.offset)
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            return
+        for line in lines:
+            self.fleet.ingest(name, line)
+
+    async def _settle(self, name: str) -> None:
+        """The process is gone: decide its final state from what is known, most specific first."""
+        node, proc, t = self.fleet.nodes[name], self._proc(name), self.transport(name)
+        if proc.killed:
+            if node.state is not NodeState.FAILED:  # a store failure already said why
+                self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
+            return
+        if node.engine_state in (NodeState.LEFT, NodeState.FAILED) and node.state is not NodeState.DEAD:
+            return  # the engine said how it ended (run_end / drained)
+        try:
+            rc = await t.read_text(self._path(name, C.RC))
+            log = (await t.last_lines(self._path(name, C.LOG), 3)).strip().splitlines()
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            return
+        last = log[-1] if log else "no output"
+        status = rc.strip() if rc and rc.strip().lstrip("-").isdigit() else None
+        if status is None:
+            self.fleet.set_state(name, NodeState.DEAD, f"process gone without an exit status (killed?): {last}")
+        elif status == "0":
+            self.fleet.set_state(name, NodeState.LEFT, "stopped" if proc.stopping else "exited")
+        else:
+            self.fleet.set_state(name, NodeState.FAILED, f"exited with status {status}: {last}")
+
+    async def _signal_quietly(self, name: str, pid: int, sig: str) -> bool:
+        try:
+            return await self.transport(name).signal(pid, sig, group=True)
+        except TransportError as e:
+            self.fleet.note(name, f"{sig} failed: {e}")
+            return False
+
+    # ---- actions ---------------------------------------------------------------------------------------------
+    async def drain(self, name: str) -> Outcome:
+        """Touch the node's drain file: the engine finishes its outer round and leaves."""
+        if name not in self.profile.hosts:
+            return Outcome(False, f"no node named {name!r}")
+        try:
+            await self.transport(name).touch(self._path(name, C.DRAIN))
+        except TransportError as e:
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            return Outcome(False, f"{name}: drain failed: {e}")
+        self.fleet.note(name, "drain requested")
+        return Outcome(True, f"{name}: drain requested")
+
+    async def kill(self, name: str) -> Outcome:
+        """SIGKILL the node's whole process group (the engine and any workers it forked)."""
+        if name not in self.profile.hosts:
+            return Outcome(False, f"no node named {name!r}")
+        proc = self._proc(name)
+        pid = proc.pid or await self._live_pid(name)
+        if pid is None:
+            return Outcome(False, f"{name}: not running")
+        proc.killed = True
+        if not await self._signal_quietly(name, pid, "KILL"):
+            return Outcome(False, f"{name}: kill failed (already gone, or unreachable)")
+        self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
+        return Outcome(True, f"{name}: killed")
+
+    async def restart(self, name: str) -> Outcome:
+        """Start a dead, failed or left node again (its events file is appended to)."""
+        host = self.profile.hosts.get(name)
+        if host is None:
+            return Outcome(False, f"no node named {name!r}")
+        proc = self._procs.get(name)
+        if proc is not None and proc.watcher is not None and not proc.done.is_set():
+            return Outcome(False, f"{name}: still running (kill or drain it first)")
+        if await self._live_pid(name) is not None:
+            return Outcome(False, f"{name}: still running (kill or drain it first)")
+        names = list(self.profile.hosts)
+        ok = await self._launch(host, names.index(name), len(self.profile.active_hosts()), append=True)
+        return Outcome(ok, f"{name}: {'restarted' if ok else 'could not restart: ' + str(self.fleet.nodes[name].reason)}")
+
+    async def add(self, target: str) -> Outcome:
+        """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
+        if target not in self.profile.hosts:
+            try:
+                target = self._add_to_profile(target)
+            except (ProfileError, ValueError, OSError) as e:
+                self.fleet.add_node(target, target, NodeState.FAILED)
+                self.fleet.set_state(target, NodeState.FAILED, f"cannot add: {e}")
+                return Outcome(False, f"{target}: cannot add: {e}")
+        if self._procs.get(target) and not self._procs[target].done.is_set():
+            return Outcome(False, f"{target}: already running")
+        return await self.restart(target)
+
+    def _add_to_profile(self, target: str) -> str:
+        match = re.fullmatch(r"(?:(?P<user>[^@\s]+)@)?(?P<address>[^@:\s]+)(?::(?P<port>\d+))?", target)
+        if match is None:
+            raise ValueError(f"not a host name or [user@]address[:port]: {target!r}")
+        name = match["address"]
+        if name in self.profile.hosts:
+            return name
+        # a new address is another machine: reached over SSH, whatever [defaults] says for the others
+        fields = {"transport": "ssh", "address": match["address"], "user": match["user"],
+                  "port": int(match["port"]) if match["port"] else None}
+        self.profile = add_host(self.profile.path, name, **fields)
+        self.fleet.add_node(name, _host_label(self.profile.hosts[name]), NodeState.STANDBY)
+        self.fleet.note(name, f"added to {self.profile.path}")
+        return name
+
+    async def stop(self) -> Outcome:
+        """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store."""
+        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
+        for name, proc in running.items():
+            proc.stopping = True
+            await self._signal_quietly(name, proc.pid, "TERM")  # type: ignore[arg-type]
+        waits = [p.done.wait() for p in running.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), self.profile.console.stop_timeout)
+        except asyncio.TimeoutError:
+            for name, proc in running.items():
+                if not proc.done.is_set():
+                    await self._signal_quietly(name, proc.pid, "KILL")  # type: ignore[arg-type]
+        store = self._store_pid or await self._live_pid(STORE, self.profile.store_host.name)
+        if store is not None:
+            await self._signal_quietly(self.profile.store_host.name, store, "TERM")
+            self._store_pid = None
+        return Outcome(True, f"stopped {len(running)} node(s)")
+
+    async def status(self) -> Any:
+        """Refresh what is known (liveness of each started node) and return the fleet's summary."""
+        await self._gather(*(self._poke(name, proc) for name, proc in self._procs.items()))
+        return self.fleet.summary()
+
+    async def _poke(self, name: str, proc: _Proc) -> None:
+        if proc.pid is None or proc.done.is_set():
+            return
+        try:
+            gone = not await self.transport(name).alive(proc.pid, C.TAG)
+        except TransportError:
+            return
+        if gone and proc.watcher is not None:
+            await asyncio.wait_for(asyncio.shield(proc.done.wait()), self.profile.console.poll_interval * 3 + 5)
+
+    async def close(self) -> None:
+        """Stop watching and drop connections. The engines and the store keep running."""
+        tasks = [p.watcher for p in self._procs.values() if p.watcher is not None]
+        if self._store_task is not None:
+            tasks.append(self._store_task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(t.close() for t in self._transports.values()), return_exceptions=True)
+
+    async def _gather(self, *coros: Any) -> list[Any]:
+        """Fan out; a bug in one branch is reported, not raised, so the other nodes go on."""
+        results = await asyncio.gather(*coros, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                for host in self.profile.active_hosts():
+                    self.fleet.note(host.name, f"console error: {type(result).__name__}: {result}")
+        return results

@@ -1,0 +1,351 @@
+"""The cluster controller, end to end through LocalTransport.
+
+Most tests run a small stand-in engine (an `engine` package in a temporary workdir, which `python -m engine.train`
+finds first) so that every path is quick and deterministic: start, kill, drain, restart, add, attach after a
+console restart, stop, an engine that exits at start, a missing python, garbage on the event stream. The last
+test runs the real engine on configs/debug-diloco.toml.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from console.cluster import Cluster, engine_argv, engine_env
+from console.fleet import Fleet, NodeState
+from console.profile import load_profile, parse_profile
+from procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAKE_TRAIN = r'''
+import json, os, signal, sys, time
+node = os.environ["GLOBAL_UNIQUE_ID"]
+mode = os.environ.get("FAKE_MODE", "")
+args = dict(a[2:].split("=", 1) for a in sys.argv[2:])
+drain = json.loads(args["mesh.drain_file"])  # strings come TOML-quoted, as the real engine reads them
+if mode == "exit-at-start":
+    print("error: data.path: no such corpus", file=sys.stderr)
+    sys.exit(2)
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+def emit(type_, **f):
+    print(json.dumps({"v": 1, "type": type_, "ts": time.time(), "node": node, "rank": 0, **f}), flush=True)
+emit("run_start", pid=os.getpid(), host="h", world_size=1, config_digest="d", strategy="ddp", max_steps=100000)
+emit("state", state="training")
+step = 0
+while True:
+    step += 1
+    emit("step", step=step, loss=1.0 / step, lr=1e-3, tokens_per_s=100.0, grad_norm=None)
+    if mode == "garbage" and step % 2 == 0:
+        print("this is not json {", flush=True)
+    if stop:
+        emit("run_end", status="stopped", step=step)
+        sys.exit(0)
+    if os.path.exists(drain):
+        emit("state", state="draining")
+        emit("drained", outer_step=step // 5, step=step)
+        emit("run_end", status="drained", step=step)
+        sys.exit(0)
+    time.sleep(0.1)
+'''
+
+FAKE_STORE = r'''
+import json, os, signal, sys, time
+stop = []
+signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+print(json.dumps({"v": 1, "type": "state", "ts": time.time(), "node": "store", "rank": -1, "state": "ready"}), flush=True)
+while not stop:
+    time.sleep(0.1)
+'''
+
+PROFILE = """\
+# a test cluster
+[run]
+name = "t"
+dir = "runs/t"
+
+[store]
+port = {port}
+
+[engine]
+config = "configs/fake.toml"
+
+[console]
+poll_interval = 0.2
+stop_timeout = 10
+
+[defaults]
+transport = "local"
+python = "{python}"
+workdir = "{workdir}"
+
+[hosts.node-a]
+
+[hosts.node-b]
+{b_extra}
+
+[hosts.node-c]
+standby = true
+"""
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "train.py").write_text(FAKE_TRAIN)
+    (tmp_path / "engine" / "store.py").write_text(FAKE_STORE)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "fake.toml").write_text("[data]\nfake = true\n")
+    return tmp_path
+
+
+def make_profile(workdir: Path, b_extra: str = ""):
+    path = workdir / "p.toml"
+    path.write_text(PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra=b_extra))
+    return load_profile(path)
+
+
+async def until(predicate, timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def kill_everything(workdir: Path) -> None:
+    """Teardown: every pid file under the run dir names a process group we started."""
+    for pid_file in [*workdir.glob("runs/*/*/pid"), *workdir.glob("run/*/pid")]:
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+@pytest.fixture
+def cleanup(workdir):
+    yield
+    kill_everything(workdir)
+
+
+def states(fleet: Fleet) -> dict[str, str]:
+    return {n.name: n.state.value for n in fleet.nodes.values()}
+
+
+# ---- pure builders --------------------------------------------------------------------------------------------
+def test_engine_command_and_environment():
+    profile = load_profile(ROOT / "profiles" / "lab.toml")
+    a, b = profile.hosts["node-a"], profile.hosts["node-c"]
+    argv = engine_argv(profile, b)
+    assert argv[:4] == ["/usr/bin/python3", "-m", "engine.train", "configs/debug-diloco.toml"]
+    assert "--train.max_steps=10000" in argv and '--data.path="corpus/stdlib_docstrings.jsonl"' in argv
+    assert argv[-1] == '--mesh.drain_file="runs/lab-1b/node-c/drain"' and '--run.dir="runs/lab-1b/node-c"' in argv
+    multi = engine_argv(profile, a)  # 8 workers, an explicit rendezvous port
+    assert multi[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=8" in multi
+    assert "--rdzv-endpoint=127.0.0.1:29500" in multi and multi.index("engine.train") > multi.index("-m", 3)
+    env = engine_env(profile, b, rank=2, world_size=4)
+    assert {k: env[k] for k in ("GLOBAL_ADDR", "GLOBAL_PORT", "GLOBAL_UNIQUE_ID", "GLOBAL_RANK",
+                                "GLOBAL_WORLD_SIZE")} == {"GLOBAL_ADDR": "10.0.0.1", "GLOBAL_PORT": "29600",
+                                                          "GLOBAL_UNIQUE_ID": "node-c", "GLOBAL_RANK": "2",
+                                                          "GLOBAL_WORLD_SIZE": "4"}
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0"
+    text = (ROOT / "profiles" / "lab.toml").read_text().replace("rdzv_port = 29500", "")
+    standalone = parse_profile(text, "lab.toml")
+    assert "--standalone" in engine_argv(standalone, standalone.hosts["node-a"])  # a free port by default
+
+
+# ---- the controller with the stand-in engine ---------------------------------------------------------------
+async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
+    profile = make_profile(workdir)
+    fleet = Fleet(run="t")
+    cluster = Cluster(profile, fleet)
+    assert states(fleet) == {"node-a": "standby", "node-b": "standby", "node-c": "standby"}
+    await cluster.start()
+    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"},
+                what="training")
+    assert (workdir / "runs/t/_store/events.jsonl").read_text().count('"ready"') == 1
+    await until(lambda: (fleet.nodes["node-b"].step or 0) >= 3, what="steps")
+
+    assert await cluster.kill("node-b")
+    assert fleet.nodes["node-b"].state is NodeState.DEAD
+    step_a = fleet.nodes["node-a"].step
+    await asyncio.sleep(1.0)
+    assert fleet.nodes["node-a"].step > step_a and fleet.nodes["node-a"].state is NodeState.TRAINING  # goes on
+    assert fleet.nodes["node-b"].state is NodeState.DEAD and "operator" in fleet.nodes["node-b"].reason
+
+    assert not await cluster.restart("node-a")  # still running
+    old_pid = fleet.nodes["node-b"].pid
+    assert await cluster.restart("node-b")
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.TRAINING and fleet.nodes["node-b"].pid != old_pid,
+                what="restart")
+    assert await cluster.add("node-c")
+    await until(lambda: fleet.nodes["node-c"].state is NodeState.TRAINING, what="add")
+
+    assert await cluster.drain("node-a")
+    await until(lambda: fleet.nodes["node-a"].state is NodeState.LEFT, what="drained")
+    assert fleet.nodes["node-a"].reason == "drained"
+    assert not (await cluster.drain("nope")) and not (await cluster.kill("nope"))
+
+    assert await cluster.stop()
+    assert states(fleet) == {"node-a": "left", "node-b": "left", "node-c": "left"}
+    assert {fleet.nodes[n].reason for n in ("node-b", "node-c")} == {"stopped"}
+    await cluster.close()
+    store_pid = int((workdir / "runs/t/_store/pid").read_text())
+    await until(lambda: not Path(f"/proc/{store_pid}").exists() or "Z" in
+                Path(f"/proc/{store_pid}/status").read_text().split("State:")[1][:4], what="store stopped")
+
+
+async def test_bad_nodes_do_not_stop_the_others(workdir, cleanup):
+    text = PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra="env = { FAKE_MODE = \"exit-at-start\" }")
+    text += '\n[hosts.node-d]\npython = "/no/such/python3"\n\n[hosts.node-e]\nenv = { FAKE_MODE = "garbage" }\n'
+    (workdir / "p.toml").write_text(text)
+    fleet = Fleet()
+    cluster = Cluster(load_profile(workdir / "p.toml"), fleet)
+    await cluster.start()
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.FAILED, what="node-b failed")
+    b, d, e = fleet.nodes["node-b"], fleet.nodes["node-d"], fleet.nodes["node-e"]
+    assert b.reason == "exited with status 2: error: data.path: no such corpus"
+    assert d.state is NodeState.FAILED and d.reason == "python not found on the host: /no/such/python3"
+    await until(lambda: e.malformed >= 3 and (e.step or 0) >= 6, what="garbage counted")
+    assert e.state is NodeState.TRAINING and fleet.nodes["node-a"].state is NodeState.TRAINING
+    await cluster.stop()
+    await cluster.close()
+
+
+async def test_console_restart_attaches_and_catches_up(workdir, cleanup):
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    first = Cluster(profile, fleet)
+    await first.start()
+    await until(lambda: (fleet.nodes["node-a"].step or 0) >= 3, what="steps")
+    pids = {n: fleet.nodes[n].pid for n in ("node-a", "node-b")}
+    await first.close()  # the console goes away; the engines do not
+    await asyncio.sleep(0.5)
+    fresh = Fleet()
+    second = Cluster(profile, fresh)
+    await second.start()  # finds them running: attaches instead of starting again
+    assert {n: fresh.nodes[n].pid for n in pids} == pids
+    assert fresh.nodes["node-a"].step >= 5 and fresh.nodes["node-a"].malformed == 0  # history read from the top
+    assert len(fresh.nodes["node-a"].loss_history) == fresh.nodes["node-a"].step
+    assert fresh.nodes["node-c"].state is NodeState.STANDBY
+    step = fresh.nodes["node-a"].step
+    await until(lambda: fresh.nodes["node-a"].step > step + 2, what="following")
+    await second.kill("node-a")
+    await asyncio.sleep(0.5)
+    third_fleet = Fleet()
+    third = Cluster(profile, third_fleet)
+    await third.attach()
+    assert third_fleet.nodes["node-a"].state is NodeState.DEAD  # no exit status: killed
+    assert third_fleet.nodes["node-b"].state is NodeState.TRAINING
+    await second.stop()
+    await asyncio.gather(second.close(), third.close())
+
+
+async def test_bad_engine_config_starts_nothing(workdir, cleanup):
+    profile = make_profile(workdir)
+    (workdir / "configs" / "fake.toml").write_text("[train]\nmax_steps = -1\n[data]\nfake = true\n")
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    await cluster.start()
+    assert fleet.nodes["node-a"].state is NodeState.FAILED
+    assert "train.max_steps: Input should be greater than 0" in fleet.nodes["node-a"].reason
+    assert not (workdir / "runs").exists()  # nothing was started
+    await cluster.close()
+
+
+async def test_store_that_cannot_start_fails_every_node(workdir, cleanup):
+    profile = make_profile(workdir)
+    (workdir / "engine" / "store.py").write_text("import sys\nprint('cannot listen: port in use', file=sys.stderr)\n"
+                                                 "sys.exit(2)\n")
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    await cluster.start()
+    await until(lambda: fleet.nodes["node-a"].state is NodeState.FAILED, what="store failure")
+    assert "store exited: cannot listen: port in use" in fleet.nodes["node-a"].reason
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.FAILED, what="store failure b")
+    await cluster.close()
+
+
+async def test_add_a_new_address_writes_it_into_the_profile(workdir, cleanup):
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    before = (workdir / "p.toml").read_text()
+    out = await cluster.add("tester@127.0.0.1:1")  # nothing listens on port 1: it is added, then unreachable
+    assert not out and "refused" in out.message
+    node = fleet.nodes["127.0.0.1"]
+    assert node.state is NodeState.UNREACHABLE and node.reason.startswith("connection refused by tester@127.0.0.1:1")
+    assert (workdir / "p.toml").read_text().startswith(before)  # the file kept, the host appended
+    host = load_profile(workdir / "p.toml").hosts["127.0.0.1"]
+    assert (host.user, host.port, host.transport, host.python) == ("tester", 1, "ssh", sys.executable)
+    bad = await cluster.add("not a host!")
+    assert not bad and fleet.nodes["not a host!"].state is NodeState.FAILED
+    assert fleet.nodes["node-a"].state is NodeState.STANDBY  # nothing else touched
+    await cluster.close()
+
+
+# ---- the real engine -----------------------------------------------------------------------------------------
+REAL = """\
+[run]
+name = "e2e"
+dir = "{run_dir}"
+
+[store]
+port = {port}
+
+[engine]
+config = "configs/debug-diloco.toml"
+
+[engine.overrides]
+"data.path" = "corpus/stdlib_docstrings.jsonl"
+"inner.device" = "cpu"
+"train.max_steps" = 400
+"train.log_interval" = 1
+"mesh.heartbeat_timeout" = 20.0
+
+[console]
+poll_interval = 0.5
+stop_timeout = 30
+
+[defaults]
+transport = "local"
+python = "{python}"
+workdir = "{root}"
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[hosts.node-a]
+
+[hosts.node-b]
+"""
+
+
+@pytest.mark.slow
+async def test_real_engine_two_nodes_kill_one_the_other_goes_on(tmp_path):
+    path = tmp_path / "e2e.toml"
+    path.write_text(REAL.format(run_dir=tmp_path / "run", port=free_port(), python=sys.executable, root=ROOT))
+    fleet = Fleet(run="e2e")
+    cluster = Cluster(load_profile(path), fleet)
+    try:
+        await cluster.start()
+        await until(lambda: all(fleet.nodes[n].state is NodeState.TRAINING and (fleet.nodes[n].step or 0) >= 1
+                                for n in ("node-a", "node-b")), timeout=240, what=f"training: {states(fleet)}")
+        assert await cluster.kill("node-b")
+        assert fleet.nodes["node-b"].state is NodeState.DEAD
+        step = fleet.nodes["node-a"].step
+        await until(lambda: (fleet.nodes["node-a"].step or 0) >= step + 10, timeout=180,
+                    what=f"node-a goes on: {states(fleet)} {fleet.nodes['node-a'].reason}")
+        assert fleet.nodes["node-a"].state is NodeState.TRAINING
+        assert fleet.nodes["node-b"].state is NodeState.DEAD
+        assert fleet.nodes["node-a"].malformed == 0 and fleet.nodes["node-a"].loss is not None
+    finally:
+        await cluster.stop()
+        await cluster.close()
+        kill_everything(tmp_path)
