@@ -343,6 +343,15 @@ def test_run_reforms_in_a_new_epoch_when_every_member_is_gone():
     assert plan.members == ("a",) and plan.epoch == old.generation and plan.generation == old.generation + 1
 
 
+def test_old_boundary_keys_are_collected():
+    sim = Sim()
+    sim.start("a", "b")
+    for k in range(6):
+        _run_committed(sim, k, ["a", "b"])
+    steps = {key.split("/")[4] for key in sim.store.keys() if key.startswith("zb/r/0/")}
+    assert steps == {"3", "4", "5"}  # the last KEEP_STEPS outer steps only
+
+
 def test_lost_store_is_one_clear_error():
     sim = Sim()
     sim.start("a")

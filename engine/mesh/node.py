@@ -22,6 +22,9 @@ from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Arrival, Boundar
                                   MeshError, Plan, compute_plan, decide)
 
 
+KEEP_STEPS = 3  # per-boundary keys of this many recent outer steps stay in the store
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -316,8 +319,27 @@ class Mesh:
         plan = compute_plan(view)
         if plan is None:
             return None
-        stored = _text(self.store.compare_set(k.plan(self.epoch, outer_step, attempt), "", plan.to_json()))
+        mine = plan.to_json()
+        stored = _text(self.store.compare_set(k.plan(self.epoch, outer_step, attempt), "", mine))
+        if stored == mine and attempt == 0:
+            self._collect_garbage(outer_step - KEEP_STEPS)
         return Plan.from_json(stored)
+
+    def _collect_garbage(self, old_step: int) -> None:
+        """The plan writer deletes the per-boundary keys of an outer step long past, so the store stays small
+        over a long run. A node that far behind finds no plan and is excluded, as it would be anyway."""
+        if old_step < 0:
+            return
+        k = self.keys
+        nodes = set(self._registry) | {self.node_id}
+        attempt = 0
+        while self.store.check([k.plan(self.epoch, old_step, attempt)]):
+            for n in nodes:
+                self.store.delete_key(k.arrive(self.epoch, old_step, attempt, n))
+                self.store.delete_key(k.ok(self.epoch, old_step, attempt, n))
+            self.store.delete_key(k.decision(self.epoch, old_step, attempt))
+            self.store.delete_key(k.plan(self.epoch, old_step, attempt))
+            attempt += 1
 
     def _stale(self, outer_step: int, attempt: int, latest: Plan) -> Plan:
         self._release_lease()
