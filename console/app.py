@@ -26,6 +26,7 @@ from console.screens.modals import QUIT_LEAVE, QUIT_STOP, AddNodeScreen, Confirm
 
 REFRESH_INTERVAL = 0.5  # 2 Hz: a 64-row table redrawn at 10 Hz cost 29% of a core here, at 2 Hz 6%
 AGE_INTERVAL = 1.0  # heartbeat ages move with the clock even when no event arrives
+CHART_INTERVAL = 1.0  # the chart is the costliest redraw (plotext rebuilds the whole plot): at most 1 Hz
 DEFAULT_HEARTBEAT_TIMEOUT = 6.0  # engine mesh.heartbeat_timeout default
 
 # which nodes each action makes sense for; the others are skipped with a notice
@@ -59,6 +60,8 @@ class ConsoleApp(App[int]):
         self.dashboard = DashboardScreen(heartbeat_timeout, readonly=readonly)
         self._drawn_version = -1
         self._ages_drawn = 0.0
+        self._chart_version = -1
+        self._chart_drawn = 0.0
         self.redraws = 0  # full redraws done (the benchmark and tests read it)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -68,14 +71,13 @@ class ConsoleApp(App[int]):
         if self.autostart:
             verb = "attach" if self.attach else "start"
             self.call_cluster(verb, getattr(self.cluster, verb), group="cluster")
-        self.call_after_refresh(self.tick)
 
     def tick(self) -> None:
         """Redraw from the fleet when it changed; otherwise only the heartbeat ages, once a second."""
         if not self.dashboard.is_mounted:
             return
         now = time.monotonic()
-        if self.fleet.version != self._drawn_version:
+        if self.fleet.version != self._drawn_version or self.dashboard.table.needs_sync():
             self._drawn_version = self.fleet.version
             self.dashboard.render_fleet(self.fleet)
             self._ages_drawn = now
@@ -83,6 +85,10 @@ class ConsoleApp(App[int]):
         elif now - self._ages_drawn >= AGE_INTERVAL:
             self.dashboard.render_ages(self.fleet)
             self._ages_drawn = now
+        if self._chart_version != self.fleet.version and now - self._chart_drawn >= CHART_INTERVAL:
+            self._chart_version = self.fleet.version
+            self._chart_drawn = now
+            self.dashboard.render_chart(self.fleet)
 
     # ---- cluster calls (workers) ---------------------------------------------------------------------
     def call_cluster(self, what: str, method: Callable[..., Awaitable[Any]], *args: Any, group: str,
@@ -93,17 +99,24 @@ class ConsoleApp(App[int]):
 
     async def _guarded(self, what: str, method: Callable[..., Awaitable[Any]], args: tuple, node: str | None) -> Any:
         try:
-            return await method(*args)
+            result = await method(*args)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 -- the worker boundary: a failed call is shown, never fatal
-            message = f"{what} failed: {type(e).__name__}: {e}"
-            target = self.fleet.nodes.get(node) if node else None
-            if target is not None:
-                target.log.append(f"[console] {message}")
-                self.fleet.version += 1  # the log pane shows it on the next tick
-            self.notify(f"{node + ': ' if node else ''}{message}", severity="error", timeout=8)
+            self._report(node, f"{what} failed: {type(e).__name__}: {e}", ok=False)
             return None
+        # the cluster answers actions with an Outcome(ok, message) instead of raising for a node's trouble
+        message = getattr(result, "message", None)
+        if message:
+            self._report(node, message, ok=bool(result))
+        return result
+
+    def _report(self, node: str | None, message: str, ok: bool) -> None:
+        target = self.fleet.nodes.get(node) if node else None
+        if not ok and target is not None:
+            target.log.append(f"[console] {message}")
+            self.fleet.version += 1  # the log pane shows it on the next tick
+        self.notify(message, severity="information" if ok else "error", timeout=4 if ok else 8)
 
     def _host_group(self, name: str) -> str:
         node = self.fleet.nodes.get(name)
@@ -130,7 +143,6 @@ class ConsoleApp(App[int]):
                 self.call_cluster(action, getattr(self.cluster, action), name, group=self._host_group(name),
                                   node=name)
             self.dashboard.unmark(ok)
-            self.notify(f"{action}: {', '.join(ok)}", timeout=3)
 
         if action in CONFIRM:
             self.push_screen(ConfirmScreen(f"{CONFIRM[action]} {', '.join(ok)}?", CONFIRM[action]), go)
@@ -144,7 +156,6 @@ class ConsoleApp(App[int]):
         def add(host: str | None) -> None:
             if host:
                 self.call_cluster("add", self.cluster.add, host, group=f"host:{host}", node=host)
-                self.notify(f"adding {host}", timeout=3)
 
         self.push_screen(AddNodeScreen(self.standby_hosts()), add)
 
@@ -159,18 +170,28 @@ class ConsoleApp(App[int]):
     def show_help(self) -> None:
         self.push_screen(HelpScreen(self.readonly))
 
+    async def action_quit(self) -> None:
+        """ctrl+q too asks whether to leave training running or stop it."""
+        if isinstance(self.screen, QuitScreen):
+            return
+        self.request_quit()
+
     def request_quit(self) -> None:
         def answer(choice: str | None) -> None:
-            if choice == QUIT_LEAVE:
-                self.exit(0)
-            elif choice == QUIT_STOP:
-                self.notify("stopping training on every node...", timeout=10)
-                self.run_worker(self._stop_and_exit(), group="cluster", exit_on_error=False)
+            if choice in (QUIT_LEAVE, QUIT_STOP):
+                if choice == QUIT_STOP:
+                    self.notify("stopping training on every node...", timeout=30)
+                self.run_worker(self._quit(stop=choice == QUIT_STOP), group="cluster", exit_on_error=False)
 
         self.push_screen(QuitScreen(self.readonly), answer)
 
-    async def _stop_and_exit(self) -> None:
-        await self._guarded("stop", self.cluster.stop, (), None)
+    async def _quit(self, stop: bool) -> None:
+        """Stop the engines (if asked), then stop watching them: tails and connections close, engines live on."""
+        if stop:
+            await self._guarded("stop", self.cluster.stop, (), None)
+        close = getattr(self.cluster, "close", None)
+        if close is not None:
+            await self._guarded("close", close, (), None)
         self.exit(0)
 
     # ---- command palette ----------------------------------------------------------------------------

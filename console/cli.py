@@ -165,7 +165,11 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
 
 
 async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out: TextIO) -> int:
-    """One action on a running cluster: attach (catch up on the events files), act, report, detach."""
+    """One action on a running cluster: attach (catch up on the events files), act, report, detach.
+
+    The engines keep running whatever happens here; exit 0 when the action was done, 1 when the cluster
+    answered that it could not be (the reason on stderr), 2 for a node name the profile does not have.
+    """
     try:
         await cluster.attach()
         if args.command == "status":
@@ -174,26 +178,24 @@ async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out:
             for node in fleet.nodes.values():
                 print("  " + node_line(node), file=out)
             return EXIT_OK
+        if args.command in ("drain", "kill") and args.node not in fleet.nodes:
+            print(f"zeroband-console: {args.command}: unknown node {args.node!r} (nodes: {', '.join(fleet.nodes)})",
+                  file=sys.stderr)
+            return EXIT_USAGE
         if args.command in ("drain", "kill"):
-            if args.node not in fleet.nodes:
-                known = ", ".join(fleet.nodes) or "none"
-                print(f"zeroband-console: {args.command}: unknown node {args.node!r} (nodes: {known})",
-                      file=sys.stderr)
-                return EXIT_USAGE
-            await getattr(cluster, args.command)(args.node)
-            print(f"{args.command}: {args.node}", file=out)
+            outcome = await getattr(cluster, args.command)(args.node)
         elif args.command == "add":
-            await cluster.add(args.host)
-            print(f"add: {args.host}", file=out)
-        elif args.command == "stop":
-            await cluster.stop()
-            print("stop: every node", file=out)
-        return EXIT_OK
+            outcome = await cluster.add(args.host)
+        else:
+            outcome = await cluster.stop()
     except Exception as e:  # noqa: BLE001 -- the boundary: one line, exit 1
         print(f"zeroband-console: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         await _close(cluster)
+    ok, message = bool(outcome), getattr(outcome, "message", None) or args.command
+    print(message if ok else f"zeroband-console: {message}", file=out if ok else sys.stderr)
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 async def _close(cluster: Any) -> None:

@@ -3,6 +3,7 @@ and the pure cell formats the table shares with them."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import math
 import time
@@ -42,8 +43,8 @@ def test_device_cells_label_cpu_and_gpu():
 
 
 def test_heartbeat_age_colour_follows_the_timeout():
-    assert str(cells.age_cell(0.5, 6.0).style) == "green"
-    assert str(cells.age_cell(3.0, 6.0).style) == "yellow"
+    assert cells.age_cell(0.6, 6.0).plain == "1s" and str(cells.age_cell(0.6, 6.0).style) == "green"
+    assert cells.age_cell(3.04, 6.0).plain == "3.0s" and str(cells.age_cell(3.0, 6.0).style) == "yellow"
     assert str(cells.age_cell(7.0, 6.0).style) == "bold red"
     assert cells.age_cell(None, 6.0).plain == "-"
     assert cells.age_cell(float("nan"), 6.0).plain == "-"
@@ -59,6 +60,7 @@ def test_sparkline_scales_between_min_and_max_and_skips_bad_values():
 def test_number_formats_never_raise_on_garbage():
     assert cells.num_cell(None) == "-" and cells.num_cell(math.inf) == "-" and cells.num_cell("x") == "-"
     assert cells.loss_cell(3.14159) == "3.1416"
+    assert cells.loss_cell(1e308) == "1e+308" and cells.num_cell(-3e12) == "-3e+12"
     assert cells.eta_text(3725) == "1h02m" and cells.eta_text(65) == "1m05s" and cells.eta_text(None) == "-"
     assert cells.state_cell("dead", "killed by operator").plain == "dead (killed by operator)"
 
@@ -67,7 +69,7 @@ def test_node_row_has_the_live_values():
     fleet = _training_fleet(step=42, loss=2.25, tps=1234.0)
     row = node_row(fleet.nodes["node-b"], heartbeat_timeout=6.0)
     assert row["name"].plain == "node-b" and row["state"].plain == "training"
-    assert (row["step"], row["loss"], row["tps"]) == ("42", "2.2500", "1,234")
+    assert (row["step"].plain, row["loss"].plain, row["tps"].plain) == ("42", "2.2500", "1,234")
 
 
 def test_filter_matches_name_host_or_state():
@@ -152,3 +154,148 @@ def test_bad_profile_is_one_line_and_nothing_starts(tmp_path, capsys):
 def test_missing_profile_exits_2(tmp_path, capsys):
     assert cli.main([str(tmp_path / "nope.toml"), "status"], cluster_factory=lambda p, f: None) == 2
     assert "nope.toml" in capsys.readouterr().err
+
+
+# ---- subcommands against a stand-in cluster (the real one is driven in test_cli_against_a_running_cluster) ----
+PROFILE_TEXT = """\
+[run]
+name = "unit"
+[engine]
+config = "configs/debug-diloco.toml"
+[defaults]
+transport = "local"
+[hosts.node-a]
+[hosts.node-b]
+[hosts.node-c]
+standby = true
+"""
+
+
+class RecordingCluster:
+    """Records the calls the CLI makes; answers like console.cluster.Cluster (Outcome, never raises)."""
+
+    def __init__(self, profile, fleet: Fleet, ok: bool = True):
+        from console.cluster import Outcome
+
+        self.fleet, self.ok, self.calls, self.Outcome = fleet, ok, [], Outcome
+        for name, host in profile.hosts.items():
+            fleet.add_node(name, "local", NodeState.STANDBY)
+
+    async def attach(self):
+        self.calls.append("attach")
+        for name in ("node-a", "node-b"):
+            self.fleet.ingest(name, _event("state", name, state="training"))
+            self.fleet.ingest(name, _event("step", name, step=12, loss=2.5, lr=1e-3, tokens_per_s=800.0,
+                                           grad_norm=None))
+
+    async def status(self):
+        self.calls.append("status")
+        return self.fleet.summary()
+
+    async def _act(self, *call):
+        self.calls.append(call)
+        return self.Outcome(self.ok, f"{call[-1]}: {call[0]} {'done' if self.ok else 'refused: not running'}")
+
+    async def drain(self, name):
+        return await self._act("drain", name)
+
+    async def kill(self, name):
+        return await self._act("kill", name)
+
+    async def add(self, host):
+        return await self._act("add", host)
+
+    async def stop(self):
+        return await self._act("stop", "all")
+
+    async def close(self):
+        self.calls.append("close")
+
+
+@pytest.fixture
+def unit_profile(tmp_path):
+    path = tmp_path / "unit.toml"
+    path.write_text(PROFILE_TEXT)
+    return str(path)
+
+
+def run_cli(argv, ok: bool = True):
+    made = []
+
+    def factory(profile, fleet):
+        made.append(RecordingCluster(profile, fleet, ok))
+        return made[-1]
+
+    out = io.StringIO()
+    code = cli.main(argv, cluster_factory=factory, out=out)
+    return code, out.getvalue(), made[0].calls if made else None
+
+
+def test_status_prints_the_summary_and_every_node(unit_profile):
+    code, out, calls = run_cli([unit_profile, "status"])
+    assert code == 0 and calls == ["attach", "status", "close"]
+    lines = out.splitlines()
+    assert "run unit" in lines[0] and "members 2" in lines[0] and "training 2" in lines[0]
+    assert lines[1].split()[:3] == ["node-a", "local", "training"] and "step 12" in lines[1] and "loss 2.5000" in lines[1]
+    assert lines[3].split()[:3] == ["node-c", "local", "standby"]
+
+
+@pytest.mark.parametrize("argv,call", [(["drain", "node-b"], ("drain", "node-b")), (["kill", "node-a"], ("kill", "node-a")),
+                                       (["add", "10.0.0.7"], ("add", "10.0.0.7")), (["stop"], ("stop", "all"))])
+def test_actions_attach_act_and_detach(unit_profile, argv, call):
+    code, out, calls = run_cli([unit_profile, *argv])
+    assert code == 0 and calls == ["attach", call, "close"]
+    assert out.strip() == f"{call[1]}: {call[0]} done"
+
+
+def test_refused_action_exits_1_with_the_reason(unit_profile, capsys):
+    code, out, calls = run_cli([unit_profile, "kill", "node-b"], ok=False)
+    assert code == 1 and out == ""
+    assert capsys.readouterr().err.strip() == "zeroband-console: node-b: kill refused: not running"
+
+
+def test_unknown_node_exits_2_and_acts_on_nothing(unit_profile, capsys):
+    code, _, calls = run_cli([unit_profile, "drain", "node-z"])
+    assert code == 2 and calls == ["attach", "close"]
+    assert "unknown node 'node-z' (nodes: node-a, node-b, node-c)" in capsys.readouterr().err
+
+
+async def test_headless_prints_lines_until_the_outcome(unit_profile):
+    """run_headless with a cluster whose nodes finish after a few intervals: one line per interval, then exit 0."""
+    from console.profile import load_profile
+
+    fleet = Fleet(run="unit")
+    cluster = RecordingCluster(load_profile(unit_profile), fleet)
+
+    async def start():
+        await cluster.attach()
+
+        async def finish():
+            await asyncio.sleep(0.35)
+            for name in ("node-a", "node-b"):
+                fleet.ingest(name, _event("run_end", name, status="completed", step=100))
+        asyncio.ensure_future(finish())
+
+    cluster.start = start
+    out = io.StringIO()
+    code = await cli.run_headless(cluster, fleet, attach=False, interval=0.1, out=out)
+    lines = out.getvalue().splitlines()
+    status = [line for line in lines if " | " in line]
+    assert code == 0 and cluster.calls[-1] == "close"
+    assert 2 <= len(status) <= 6 and "training 2" in status[0] and status[-1].endswith("left 2")
+    assert any(line.split()[:3] == ["node-a", "local", "left"] for line in lines)
+
+
+async def test_headless_failed_start_is_one_line_and_exit_1(unit_profile, capsys):
+    fleet = Fleet(run="unit")
+
+    class Broken(RecordingCluster):
+        async def start(self):
+            raise OSError("store port in use")
+
+    from console.profile import load_profile
+
+    cluster = Broken(load_profile(unit_profile), fleet)
+    code = await cli.run_headless(cluster, fleet, attach=False, interval=0.1, out=io.StringIO())
+    assert code == 1 and cluster.calls == ["close"]
+    assert capsys.readouterr().err.strip() == "zeroband-console: start failed: OSError: store port in use"

@@ -58,6 +58,7 @@ class DashboardScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.query_one(NodeTable).focus()
+        self.call_after_refresh(self.app.tick)  # type: ignore[attr-defined]  # the first frame shows the nodes
 
     # ---- rendering (called by the app's 2 Hz tick) -------------------------------------------------------
     @property
@@ -68,9 +69,14 @@ class DashboardScreen(Screen[None]):
         nodes = visible(fleet.nodes.values(), self.filter_query)
         self.query_one(RunHeader).show(fleet.summary(), self.readonly)
         self.table.sync(nodes)
-        self.query_one(LossChart).show(nodes)
         self.query_one(Timeline).show(fleet.timeline)
         self.query_one(LogPane).show(fleet.nodes.get(self.table.selected_name() or ""))
+
+    def render_chart(self, fleet: Any) -> None:
+        focus = [n for n in self.table.names() if fleet.nodes[n].marked]
+        selected = self.table.selected_name()
+        self.query_one(LossChart).show(visible(fleet.nodes.values(), self.filter_query),
+                                       focus=([selected] if selected else []) + focus)
 
     def render_ages(self, fleet: Any) -> None:
         """Heartbeat ages grow with the clock, not with events: refresh that one column."""
@@ -160,6 +166,7 @@ class DashboardScreen(Screen[None]):
     def set_filter(self, query: str) -> None:
         self.filter_query = query
         self.render_fleet(self.app.fleet)  # type: ignore[attr-defined]
+        self.render_chart(self.app.fleet)  # type: ignore[attr-defined]
 
     def action_help(self) -> None:
         self.app.show_help()  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ STATE_STYLES: dict[str, str] = {
 }
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
+HUGE = 1e9  # past this a number is shown in exponent form: it fits its column and is garbage anyway
 
 
 def state_name(state: object) -> str:
@@ -83,13 +84,17 @@ def age_cell(age: float | None, timeout: float) -> Text:
     """Heartbeat age coloured against the mesh's heartbeat timeout (what makes a peer dead)."""
     if age is None or not _finite(age):
         return Text("-", style="dim")
-    style = "green" if age < timeout / 3 else ("yellow" if age < timeout else "bold red")
-    return Text(f"{age:.1f}s", style=style)
+    if age < timeout / 3:
+        # healthy: whole seconds; tenths would change every cell on every redraw for no information
+        return Text(f"{age:.0f}s", style="green")
+    return Text(f"{age:.1f}s", style="yellow" if age < timeout else "bold red")
 
 
 def num_cell(value: float | None, fmt: str = "{:,.0f}") -> str:
     if value is None or not _finite(value):
         return "-"
+    if abs(float(value)) >= HUGE:  # a garbage 1e308 would be 300 digits wide
+        return f"{float(value):.3g}"
     return fmt.format(value)
 
 

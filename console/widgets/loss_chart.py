@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
+from rich.text import Text
+from textual.app import RenderResult
 from textual_plotext import PlotextPlot
 
-MAX_POINTS = 240  # per line: plotext cost grows with points, the terminal shows ~100 columns anyway
+MAX_POINTS = 240  # per line at most; fewer when the plot is narrower (2 braille dots per column)
+MAX_LINES = 16  # past this many nodes one line each is noise, and plotext's cost grows per line
+MEAN = "mean"
+PLOTTABLE = 1e12  # plotext scales its axis labels by 10**8: values near float max overflow it
+
+
+def plottable(v: float) -> bool:
+    return math.isfinite(v) and abs(v) < PLOTTABLE
 
 
 def downsample(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tuple[float, float]]:
@@ -18,6 +28,22 @@ def downsample(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> li
     if kept[-1] is not points[-1]:
         kept.append(points[-1])
     return kept
+
+
+def mean_series(histories: list[list[tuple[float, float]]], bins: int) -> list[tuple[float, float]]:
+    """The cluster's mean loss over time: every node's points averaged in `bins` equal time buckets."""
+    points = [p for h in histories for p in h]
+    if not points:
+        return []
+    t_lo = min(t for t, _ in points)
+    width = (max(t for t, _ in points) - t_lo) / bins or 1.0
+    sums: dict[int, list[float]] = {}
+    for t, v in points:
+        acc = sums.setdefault(min(int((t - t_lo) / width), bins - 1), [0.0, 0.0, 0.0])
+        acc[0] += t
+        acc[1] += v
+        acc[2] += 1
+    return [(s[0] / s[2], s[1] / s[2]) for _, s in sorted(sums.items())]
 
 
 class LossChart(PlotextPlot):
@@ -32,28 +58,42 @@ class LossChart(PlotextPlot):
         self.series: dict[str, tuple[list[float], list[float]]] = {}
         self._t0: float | None = None
 
-    def show(self, nodes: Iterable[Any]) -> None:
-        series: dict[str, tuple[list[float], list[float]]] = {}
-        for node in nodes:
-            points = [(float(t), float(v)) for t, v in list(node.loss_history)]
-            if not points:
-                continue
-            if self._t0 is None:
-                self._t0 = points[0][0]
-            points = downsample(points)
-            series[str(node.name)] = ([t - self._t0 for t, _ in points], [v for _, v in points])
+    def show(self, nodes: Iterable[Any], focus: Iterable[str] = ()) -> None:
+        """One line per node; past MAX_LINES nodes, the cluster mean plus the `focus` (selected, marked) nodes."""
+        nodes = [n for n in nodes if n.loss_history]
+        limit = max(16, min(MAX_POINTS, 2 * (self.size.width or MAX_POINTS)))
+        histories = {str(n.name): [(float(t), float(v)) for t, v in list(n.loss_history) if plottable(float(v))]
+                     for n in nodes}
+        histories = {name: h for name, h in histories.items() if h}
+        if self._t0 is None and histories:
+            self._t0 = min(h[0][0] for h in histories.values())
+        title = "loss"
+        if len(histories) > MAX_LINES:
+            wanted = [name for name in focus if name in histories][: MAX_LINES - 1]
+            mean = mean_series(list(histories.values()), limit)
+            title = f"loss: mean of {len(histories)} nodes" + (", and " + ", ".join(wanted) if wanted else "")
+            histories = {MEAN: mean, **{name: histories[name] for name in wanted}}
+        series = {}
+        for name, points in histories.items():
+            points = downsample(points, limit)
+            series[name] = ([t - (self._t0 or 0.0) for t, _ in points], [v for _, v in points])
         if series == self.series:
             return
         self.series = series
         plt = self.plt
         plt.clear_data()
-        plt.title("loss")
+        plt.title(title)
         plt.xlabel("seconds")
-        # a legend of 64 names would hide the plot; past a handful the table names the nodes
-        labelled = len(series) <= 8
+        labelled = len(series) <= 8  # a legend longer than that hides the plot; the table names the nodes
         for name, (xs, ys) in series.items():
             plt.plot(xs, ys, label=name if labelled else None, marker="braille")
         self.refresh()
+
+    def render(self) -> RenderResult:
+        try:
+            return super().render()
+        except (ArithmeticError, ValueError, IndexError) as e:  # plotext on data it cannot scale: say so, go on
+            return Text(f"loss chart unavailable: {type(e).__name__}: {e}", style="dim")
 
     def last_value(self, name: str) -> float | None:
         xs_ys = self.series.get(name)

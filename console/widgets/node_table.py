@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Sequence
 from rich.text import Text
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowKey
 
 from console.widgets import cells
 
@@ -40,17 +41,19 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
     util, mem = cells.device_cells(node.device, node.util, node.mem_used, node.mem_total)
     history = node.loss_history if trend == "loss" else node.tps_history
     spark_style = "cyan" if trend == "loss" else "green"
+    # every cell a Text: a str cell is parsed as markup on every render of the table
     return {
-        "mark": Text("●", style="bold yellow") if node.marked else " ",
+        "mark": Text("●", style="bold yellow") if node.marked else Text(" "),
         "name": Text(str(node.name), style="bold"),
-        "host": str(node.host),
+        "host": Text(str(node.host)),
         "state": cells.state_cell(node.state, node.reason),
         "util": util,
         "mem": mem,
         "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout),
-        "step": cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
-        "loss": cells.loss_cell(node.loss),
-        "tps": cells.num_cell(node.tokens_per_s),
+        "step": Text(cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
+                     justify="right"),
+        "loss": Text(cells.loss_cell(node.loss), justify="right"),
+        "tps": Text(cells.num_cell(node.tokens_per_s), justify="right"),
         "trend": Text(cells.sparkline((v for _, v in list(history)), TREND_WIDTH), style=spark_style),
     }
 
@@ -68,33 +71,93 @@ class NodeTable(DataTable):
         self.trend = TREND_METRICS[0]
         self._shown: dict[str, dict[str, Any]] = {}  # row key -> column key -> _key(value) on screen
         self.cell_updates = 0  # counted for the benchmark and the tests (proves updates are in place)
+        self._stale = False  # rows out of view were skipped by the last sync
+        self._synced_scroll = 0.0
 
     def on_mount(self) -> None:
         for key, label, width in COLUMNS:
             self.add_column(label, key=key, width=width)
 
     def sync(self, nodes: Iterable[Any], only: Sequence[str] | None = None) -> None:
-        """Bring the table in line with `nodes` (in order); `only` limits the columns compared."""
+        """Bring the table in line with `nodes` (in order); `only` limits the columns compared.
+
+        Rows scrolled out of view are left stale (any cell update re-renders the whole visible table, so
+        the cost that matters is per tick, and off-screen rows only add to it); `needs_sync()` says when a
+        scroll brought stale rows into view.
+        """
         wanted = list(nodes)
         names = [str(n.name) for n in wanted]
         if list(self._shown) != names[: len(self._shown)] or len(set(names)) != len(names):
             # a node went away or the order changed (a filter): the one case where rows are rebuilt
             self._rebuild(wanted)
             return
-        for node in wanted:
-            name = str(node.name)
-            row = node_row(node, self.heartbeat_timeout, self.trend)
+        first, last = self._visible_rows()
+        self._stale = False
+        changes: list[tuple[str, str, Any]] = []
+        for index, node in enumerate(wanted):
+            name = names[index]
             if name not in self._shown:
+                row = node_row(node, self.heartbeat_timeout, self.trend)
                 self.add_row(*(row[k] for k, _, _ in COLUMNS), key=name)
                 self._shown[name] = {k: _key(v) for k, v in row.items()}
                 continue
+            if not first <= index <= last:
+                self._stale = True
+                continue
+            row = node_row(node, self.heartbeat_timeout, self.trend)
             shown = self._shown[name]
             for col in only or row.keys():
                 key = _key(row[col])
                 if shown.get(col) != key:
-                    self.update_cell(name, col, row[col])
+                    changes.append((name, col, row[col]))
                     shown[col] = key
-                    self.cell_updates += 1
+        self._synced_scroll = self.scroll_y
+        self._apply(changes)
+
+    def _apply(self, changes: list[tuple[str, str, Any]]) -> None:
+        """update_cell for a batch, re-rendering only the changed cells.
+
+        DataTable.update_cell bumps a counter that is part of every render cache key, so one changed cell
+        re-renders every visible cell; at 64 nodes x 10 events/s that was most of the console's CPU. Here the
+        values are stored and only the changed cells' and rows' cache entries are dropped. The tests read the
+        rendered lines back, so a Textual change that breaks this shows up there; without the caches this
+        falls back to update_cell.
+        """
+        if not changes:
+            return
+        self.cell_updates += len(changes)
+        caches = [getattr(self, n, None) for n in ("_data", "_cell_render_cache", "_row_render_cache",
+                                                   "_row_renderable_cache", "_line_cache", "_row_locations")]
+        if any(c is None for c in caches):
+            for name, col, value in changes:
+                self.update_cell(name, col, value)
+            return
+        data, cell_cache, row_cache, renderable_cache, line_cache, locations = caches
+        cells_changed = {(RowKey(name), ColumnKey(col)) for name, col, _ in changes}
+        rows_changed = {row for row, _ in cells_changed}
+        for row, col in cells_changed:
+            if row not in data or col not in data[row]:
+                raise CellDoesNotExist(f"no cell {row.value!r}/{col.value!r}")
+        for name, col, value in changes:
+            data[RowKey(name)][ColumnKey(col)] = value
+        for key in [k for k in cell_cache.keys() if (k[0], k[1]) in cells_changed]:
+            cell_cache.discard(key)
+        for key in [k for k in row_cache.keys() if k[0] in rows_changed]:
+            row_cache.discard(key)
+        indices = {locations.get(row) for row in rows_changed}
+        for key in [k for k in renderable_cache.keys() if k[1] in indices]:
+            renderable_cache.discard(key)
+        line_cache.clear()  # keyed by screen line; rebuilt cheaply from the row cache
+        self.refresh()
+
+    def _visible_rows(self) -> tuple[int, int]:
+        """Row indices on screen, with a row of margin (the header takes the first line)."""
+        top = int(self.scroll_y)
+        height = self.size.height or 10_000  # not laid out yet: treat every row as visible
+        return top - 1, top + height + 1
+
+    def needs_sync(self) -> bool:
+        return self._stale and self.scroll_y != self._synced_scroll
 
     def _rebuild(self, nodes: list[Any]) -> None:
         selected = self.selected_name()
