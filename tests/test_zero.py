@@ -177,6 +177,25 @@ def test_engine_zero3_matches_fsdp2_resumes_and_exports(procs, tmp_path, fsdp_lo
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.slow
+def test_diloco_over_zero3_two_nodes_of_two_workers(procs, tmp_path):
+    """DiLoCo takes pseudo-gradients from each rank's ZeRO-3 partition: both nodes end every outer step with
+    identical parameters (the checksum covers every local rank's partition). No DS_ACCELERATOR in the
+    environment here: engine/zero.py picks the CPU accelerator from inner.device itself."""
+    from procs import free_port
+    from test_diloco_e2e import assert_identical, finish, start_node, start_store
+    port = free_port()
+    start_store(procs, port)
+    steps = ["--train.max_steps=6", "--diloco.min_nodes=2", "--inner.strategy=zero3", "--train.batch_size=4"]
+    nodes = [start_node(procs, port, n, tmp_path, *steps, workers=2) for n in "ab"]
+    for n in nodes:
+        assert finish(n, 240, nodes) == 0, n.report()
+    assert_identical(nodes)
+    assert sorted(nodes[0].outer()) == [1, 2]
+    assert nodes[0].outer()[1]["bytes_sent"] == nodes[1].outer()[1]["bytes_sent"] > 0
+    assert all(n.of("run_end")[-1]["status"] == "completed" for n in nodes)
+
+
 def _batch(step: int, n: int, seq: int, vocab: int):
     import torch
     g = torch.Generator().manual_seed(1000 + step)
