@@ -4,7 +4,9 @@ keys (strict, changed, opt-in accept-new), unreachable hosts, wrong credentials,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -207,3 +209,146 @@ async def test_frozen_link_is_noticed_by_keepalive(sshd):
             except ProcessLookupError:
                 pass
         await t.close()
+
+
+# ---- the cluster over SSH ------------------------------------------------------------------------------------
+SSH_PROFILE = """\
+[run]
+name = "ssh"
+dir = "{run_dir}"
+
+[store]
+host = "node-a"
+address = "127.0.0.1"
+port = {store_port}
+
+[engine]
+config = "{config}"
+{overrides}
+[console]
+poll_interval = 0.3
+stop_timeout = 30
+
+[defaults]
+transport = "ssh"
+address = "127.0.0.1"
+port = {port}
+user = "{user}"
+identity_file = "{key}"
+known_hosts = "{known_hosts}"
+connect_timeout = 5.0
+python = "{python}"
+workdir = "{workdir}"
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[hosts.node-a]
+
+[hosts."node 'b' $(x)"]
+"""
+
+
+def ssh_profile(sshd: Sshd, *, user: str, python: str, workdir: Path, run_dir: Path, config: str,
+                overrides: str = ""):
+    from console.profile import load_profile
+
+    path = sshd.root / "profile.toml"
+    path.write_text(SSH_PROFILE.format(run_dir=run_dir, store_port=free_port(), config=config, overrides=overrides,
+                                       port=sshd.port, user=user, key=sshd.user_key, known_hosts=sshd.known_hosts,
+                                       python=python, workdir=workdir))
+    return load_profile(path)
+
+
+async def until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def kill_run(run_dir: Path) -> None:
+    for pid_file in run_dir.glob("*/pid"):
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
+    """Stand-in engines (no torch) as the non-root user: start, link outage, re-attach, kill, stop."""
+    from console.cluster import Cluster
+    from console.fleet import Fleet, NodeState
+    from test_cluster import FAKE_STORE, FAKE_TRAIN
+
+    work = sshd.home / "work dir"
+    (work / "engine").mkdir(parents=True)
+    (work / "engine" / "__init__.py").write_text("")
+    (work / "engine" / "train.py").write_text(FAKE_TRAIN)
+    (work / "engine" / "store.py").write_text(FAKE_STORE)
+    (work / "fake.toml").write_text("[data]\nfake = true\n")
+    run_dir = sshd.home / "runs"
+    run_dir.mkdir()
+    shutil.chown(run_dir, sshd.user, sshd.user)
+    profile = ssh_profile(sshd, user=sshd.user, python=sshd.user_python(), workdir=work, run_dir=run_dir,
+                          config="fake.toml")
+    b = "node 'b' $(x)"
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: all(n.state is NodeState.TRAINING and (n.step or 0) >= 3 for n in fleet.nodes.values()),
+                    30, "training over ssh")
+        sshd.stop()  # an outage: every connection dropped, no server
+        await until(lambda: all(n.state is NodeState.UNREACHABLE for n in fleet.nodes.values()), 20, "unreachable")
+        assert "link" in fleet.nodes["node-a"].reason or "refused" in fleet.nodes["node-a"].reason
+        await asyncio.sleep(1.5)
+        written = (run_dir / b / "events.jsonl").read_text().count('"type": "step"')
+        assert written > fleet.nodes[b].step  # training went on without the console
+        sshd.start()
+        await until(lambda: all(n.state is NodeState.TRAINING for n in fleet.nodes.values()), 40, "re-attached")
+        await until(lambda: fleet.nodes[b].step >= written, 20, "caught up")
+        steps = [e["step"] for e in map(json.loads, (run_dir / b / "events.jsonl").read_text().splitlines())
+                 if e["type"] == "step"]
+        assert [v for _, v in fleet.nodes[b].loss_history] == [1.0 / s for s in steps[:len(fleet.nodes[b].loss_history)]]
+        assert await cluster.kill(b)
+        assert fleet.nodes[b].state is NodeState.DEAD
+        step = fleet.nodes["node-a"].step
+        await until(lambda: fleet.nodes["node-a"].step > step + 3, 20, "node-a goes on")
+        await cluster.stop()
+        assert fleet.nodes["node-a"].state is NodeState.LEFT and fleet.nodes["node-a"].reason == "stopped"
+    finally:
+        await cluster.close()
+        kill_run(run_dir)
+
+
+@pytest.mark.slow
+async def test_real_engine_over_ssh(sshd, repo_root):
+    """The real engine through sshd (as root: this venv's interpreter may sit where the test user cannot read)."""
+    from console.cluster import Cluster
+    from console.fleet import Fleet, NodeState
+
+    (sshd.root / "root_known").write_text(sshd.known_hosts_line())
+    run_dir = sshd.root / "runs"
+    overrides = ('\n[engine.overrides]\n"data.path" = "corpus/stdlib_docstrings.jsonl"\n"inner.device" = "cpu"\n'
+                 '"train.max_steps" = 400\n"train.log_interval" = 1\n"mesh.heartbeat_timeout" = 20.0\n')
+    profile = ssh_profile(sshd, user="root", python=sys.executable, workdir=repo_root, run_dir=run_dir,
+                          config="configs/debug-diloco.toml", overrides=overrides)
+    b = "node 'b' $(x)"
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: all(n.state is NodeState.TRAINING and (n.step or 0) >= 1 for n in fleet.nodes.values()),
+                    240, f"training: {[(n.name, n.state.value, n.reason) for n in fleet.nodes.values()]}")
+        sshd.drop_connections()  # the link drops (the server stays up): the console reconnects by itself
+        await asyncio.sleep(2.0)
+        step = fleet.nodes["node-a"].step
+        await until(lambda: fleet.nodes["node-a"].step > step + 5 and fleet.nodes["node-a"].state is
+                    NodeState.TRAINING, 120, "following again after the drop")
+        assert await cluster.kill(b)
+        step = fleet.nodes["node-a"].step
+        await until(lambda: fleet.nodes["node-a"].step >= step + 10, 180, "node-a goes on")
+        assert fleet.nodes[b].state is NodeState.DEAD and fleet.nodes["node-a"].state is NodeState.TRAINING
+    finally:
+        await cluster.stop()
+        await cluster.close()
+        kill_run(run_dir)
