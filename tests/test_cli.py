@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import os
+import signal
+import sys
 import time
 
 import pytest
@@ -47,6 +50,7 @@ def test_heartbeat_age_colour_follows_the_timeout():
     assert cells.age_cell(3.04, 6.0).plain == "3.0s" and str(cells.age_cell(3.0, 6.0).style) == "yellow"
     assert str(cells.age_cell(7.0, 6.0).style) == "bold red"
     assert cells.age_cell(None, 6.0).plain == "-"
+    assert cells.age_cell(30.0, 6.0, live=False).plain == "30s" and str(cells.age_cell(30.0, 6.0, live=False).style) == "dim"
     assert cells.age_cell(float("nan"), 6.0).plain == "-"
 
 
@@ -299,3 +303,75 @@ async def test_headless_failed_start_is_one_line_and_exit_1(unit_profile, capsys
     code = await cli.run_headless(cluster, fleet, attach=False, interval=0.1, out=io.StringIO())
     assert code == 1 and cluster.calls == ["close"]
     assert capsys.readouterr().err.strip() == "zeroband-console: start failed: OSError: store port in use"
+
+
+# ---- end to end: a headless console and shell commands on the real local cluster ------------------------------
+FAST = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
+        "train.eval_interval": 0, "diloco.inner_steps": 3, "diloco.allreduce_timeout": 20.0,
+        "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0, "mesh.polling_interval": 0.05,
+        "train.max_steps": 100000}
+
+
+def _console(procs, *args, timeout: float = 60.0):
+    return procs.run([sys.executable, "-m", "console", *args], timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_against_a_running_cluster(tmp_path, procs):
+    """`--headless` runs the cluster (no terminal: pipes); `status`, `kill`, `drain`, `stop` from other processes
+    act on it; the headless console sees it all and exits with the run's outcome (a node died: 1)."""
+    import tomlkit
+
+    from procs import ROOT, free_port
+
+    doc = tomlkit.parse((ROOT / "profiles" / "local.toml").read_text())
+    doc["run"]["dir"] = str(tmp_path / "runs")
+    doc["store"]["port"] = free_port()
+    for key, value in FAST.items():
+        doc["engine"]["overrides"][key] = value
+    profile = tmp_path / "local.toml"
+    profile.write_text(tomlkit.dumps(doc))
+    try:
+        headless = procs.start([sys.executable, "-m", "console", str(profile), "--headless", "--interval", "1"])
+        deadline = time.monotonic() + 180
+        while True:
+            status = _console(procs, str(profile), "status")
+            assert status.returncode == 0, status.stderr
+            if "training 3" in status.stdout.splitlines()[0]:
+                break
+            assert time.monotonic() < deadline and headless.poll() is None, status.stdout
+            time.sleep(2)
+        rows = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
+        assert set(rows) == {"node-a", "node-b", "node-c", "node-d"} and "standby" in rows["node-d"]
+        assert "CPU" in rows["node-a"] or "-" in rows["node-a"]
+
+        killed = _console(procs, str(profile), "kill", "node-c")
+        assert (killed.returncode, killed.stdout.strip()) == (0, "node-c: killed")
+        drained = _console(procs, str(profile), "drain", "node-b")
+        assert (drained.returncode, drained.stdout.strip()) == (0, "node-b: drain requested")
+        unknown = _console(procs, str(profile), "kill", "node-z")
+        assert unknown.returncode == 2 and "unknown node 'node-z'" in unknown.stderr
+
+        deadline = time.monotonic() + 120
+        while True:
+            rows = {line.split()[0]: line for line in _console(procs, str(profile), "status").stdout.splitlines()[1:]}
+            if "left (drained)" in rows["node-b"] and " dead " in rows["node-c"] and " training " in rows["node-a"]:
+                break
+            assert time.monotonic() < deadline, rows
+            time.sleep(2)
+
+        stopped = _console(procs, str(profile), "stop", timeout=90)
+        assert stopped.returncode == 0, stopped.stderr
+        out, err = headless.communicate(timeout=60)
+        lines = out.splitlines()
+        assert headless.returncode == cli.EXIT_FAILED, (out, err)  # node-c died: not a clean completion
+        assert sum(" | " in line for line in lines) >= 3 and "training 3" in out
+        final = {line.split()[0]: line for line in lines if line.startswith("  ")}
+        assert "stopped" in final["node-a"] and "drained" in final["node-b"] and "dead" in final["node-c"]
+    finally:
+        for pid_file in (tmp_path / "runs").glob("*/pid"):
+            try:
+                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError, PermissionError):
+                pass

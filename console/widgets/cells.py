@@ -80,10 +80,15 @@ def _util_style(util: float) -> str:
     return "green" if util >= 60 else ("yellow" if util >= 20 else "dim")
 
 
-def age_cell(age: float | None, timeout: float) -> Text:
-    """Heartbeat age coloured against the mesh's heartbeat timeout (what makes a peer dead)."""
+def age_cell(age: float | None, timeout: float, live: bool = True) -> Text:
+    """Heartbeat age coloured against the mesh's heartbeat timeout (what makes a peer dead).
+
+    A node that ended on purpose (left, standby) is expected to be silent: its age is shown dim, not alarming.
+    """
     if age is None or not _finite(age):
         return Text("-", style="dim")
+    if not live:
+        return Text(f"{age:.0f}s", style="dim")
     if age < timeout / 3:
         # healthy: whole seconds; tenths would change every cell on every redraw for no information
         return Text(f"{age:.0f}s", style="green")

@@ -27,6 +27,7 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 TREND_WIDTH = 16
 TREND_METRICS = ("tokens/s", "loss")
+QUIET_STATES = frozenset({"left", "standby", "failed"})  # silent on purpose: their heartbeat age is no alarm
 
 
 def _key(value: Any) -> Any:
@@ -49,7 +50,8 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
         "state": cells.state_cell(node.state, node.reason),
         "util": util,
         "mem": mem,
-        "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout),
+        "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout,
+                             live=cells.state_name(node.state) not in QUIET_STATES),
         "step": Text(cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
                      justify="right"),
         "loss": Text(cells.loss_cell(node.loss), justify="right"),

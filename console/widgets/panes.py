@@ -61,10 +61,11 @@ class LogPane(Log):
         if node.name == self.node_name and tail == self._tail:
             return
         new = _new_lines(self._tail, tail) if node.name == self.node_name else None
+        follow = None  # appending: follow only if the reader is at the end (tail -f; scrolling up pauses it)
         if new is None:
             self.clear()
-            new = tail
-        self.write_lines(new)
+            new, follow = tail, True
+        self.write_lines(new, scroll_end=follow)
         self.node_name, self._tail = node.name, tail
         self.border_title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
 

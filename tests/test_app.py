@@ -1,0 +1,293 @@
+"""The dashboard, driven by Textual's Pilot, on the real local cluster: profiles/local.toml (three CPU nodes on the
+debug DiLoCo config, one standby) with its run dir and store port moved to the test's own, the real Cluster, the
+real engines and store as detached processes.
+
+    test_live_cluster_drain_kill_restart   nodes reach training; the table, header and chart show the live
+                                       numbers; `d` drains node-b and the others go on; `k` kills node-c, it
+                                       turns dead and node-a goes on; `r` restarts node-c and it rejoins; `q` -> stop
+    test_keys_without_engines          filter, marks, help, palette, readonly, quit -> leave (no engine started)
+    test_garbage_never_crashes         malformed lines and absurd values reach the screen without an exception
+
+Every engine is killed by the pid files of the test's run dir at teardown, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from console.app import ConsoleApp, make_app
+from console.cluster import Cluster
+from console.fleet import Fleet, NodeState
+from console.profile import load_profile
+from console.screens.help import HelpScreen
+from console.screens.modals import AddNodeScreen, ConfirmScreen, QuitScreen
+from console.widgets.loss_chart import LossChart
+from console.widgets.node_table import NodeTable
+from console.widgets.panes import LogPane, RunHeader
+from procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = (160, 50)
+
+# the debug DiLoCo config made quick for a loaded 2-core CI machine: short sequences, a step event per step,
+# outer rounds every 3 steps, heartbeats fast enough that a killed node is declared dead in ~2 s
+FAST = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
+        "train.eval_interval": 0, "telemetry.resource_interval": 1.0, "diloco.inner_steps": 3,
+        "diloco.allreduce_timeout": 20.0, "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0,
+        "mesh.store_timeout": 30.0, "mesh.start_timeout": 60.0, "mesh.join_timeout": 120.0,
+        "mesh.polling_interval": 0.05, "train.max_steps": 100000}
+
+
+@pytest.fixture
+def local_profile(tmp_path, monkeypatch):
+    """profiles/local.toml, as shipped, with the run dir, the store port and the speed knobs of this test."""
+    monkeypatch.chdir(ROOT)  # the profile's paths (.venv, the corpus, configs/) are relative to the checkout
+    doc = tomlkit.parse((ROOT / "profiles" / "local.toml").read_text())
+    doc["run"]["dir"] = str(tmp_path / "runs")
+    doc["store"]["port"] = free_port()
+    for key, value in FAST.items():
+        doc["engine"]["overrides"][key] = value
+    path = tmp_path / "local.toml"
+    path.write_text(tomlkit.dumps(doc))
+    yield load_profile(path)
+    for pid_file in (tmp_path / "runs").glob("*/pid"):  # engines are detached: end them by their recorded group
+        try:
+            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+
+
+def build(profile, **kw) -> tuple[ConsoleApp, Fleet]:
+    fleet = Fleet(run=profile.run.name)
+    return make_app(profile, Cluster(profile, fleet), fleet=fleet, **kw), fleet
+
+
+async def until(pilot, predicate, timeout: float, what: str, unless: tuple[str, ...] = ()) -> None:
+    """Poll with the app running; fail on timeout, or at once if a node named in `unless` failed, with every
+    node's state and last log lines."""
+    fleet = pilot.app.fleet
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        failed = [n for n in unless if fleet.nodes[n].state is NodeState.FAILED]
+        if failed or time.monotonic() > deadline:
+            detail = "\n".join(f"  {n.name}: {n.state} ({n.reason}) step {n.step}; last: {list(n.log)[-3:]}"
+                               for n in fleet.nodes.values())
+            why = f"{', '.join(failed)} failed" if failed else f"timed out after {timeout}s"
+            raise AssertionError(f"{why} waiting for {what}\n{detail}")
+        await pilot.pause(0.2)
+
+
+def steps(fleet: Fleet, *names: str) -> dict[str, int]:
+    return {n: fleet.nodes[n].step or 0 for n in names}
+
+
+def advanced(fleet: Fleet, before: dict[str, int], by: int):
+    return lambda: all((fleet.nodes[n].step or 0) >= s + by and fleet.nodes[n].state is NodeState.TRAINING
+                       for n, s in before.items())
+
+
+def rendered_rows(table: NodeTable) -> dict[str, str]:
+    """The table's lines as drawn (not its data): node name -> the text on screen."""
+    lines = [table.render_line(y).text for y in range(1, table.row_count + 1)]
+    return {line.split()[0]: line for line in lines if line.strip()}
+
+
+def assert_live_values(app: ConsoleApp, fleet: Fleet, names: list[str]) -> None:
+    """After a tick, every cell and the header show the fleet's current numbers (a synchronous block: no event
+    can land between the redraw and the reads)."""
+    app.tick()
+    table = app.dashboard.table
+    drawn = rendered_rows(table)
+    for name in names:
+        node = fleet.nodes[name]
+        assert table.cell_text(name, "state") == "training"
+        assert table.cell_text(name, "step") == str(node.step)
+        assert table.cell_text(name, "loss") == f"{node.loss:.4f}"
+        assert table.cell_text(name, "tps") == f"{node.tokens_per_s:,.0f}"
+        assert table.cell_text(name, "util").startswith("CPU ") and table.cell_text(name, "mem").startswith("RSS ")
+        assert len(table.cell_text(name, "trend")) >= 2  # a sparkline of tokens/s
+        on_screen = drawn[name]
+        assert f"{node.loss:.4f}" in on_screen and f" {node.step} " in on_screen and "training" in on_screen
+    header = str(app.dashboard.query_one(RunHeader).render())
+    summary = fleet.summary()
+    assert f"members {summary.members}" in header and f"{summary.tokens_per_s:,.0f} tok/s" in header
+
+
+def training(fleet: Fleet, names, min_step: int = 1):
+    return lambda: all(fleet.nodes[n].state is NodeState.TRAINING and (fleet.nodes[n].step or 0) >= min_step
+                       for n in names)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_live_cluster_drain_kill_restart(local_profile):
+    app, fleet = build(local_profile)
+    trio = ["node-a", "node-b", "node-c"]
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        table = app.dashboard.table
+        assert table.cell_text("node-d", "state") == "standby"
+
+        # nodes reach training; the first outer round (3 steps) is behind them
+        await until(pilot, lambda: training(fleet, trio, 4)() and all(fleet.nodes[n].device for n in trio), 150,
+                    "three nodes training", unless=tuple(trio))
+        await until(pilot, lambda: fleet.summary().members == 3 and fleet.summary().outer_step, 60, "members 3")
+        assert_live_values(app, fleet, trio)
+
+        # the chart: one line per node, its numbers the nodes' own losses, redrawn as they move
+        chart = app.dashboard.query_one(LossChart)
+        await until(pilot, lambda: set(trio) <= set(chart.series), 10, "a line per node")
+        first = {n: len(chart.series[n][1]) for n in trio}
+        await until(pilot, lambda: all(len(chart.series[n][1]) > first[n] for n in trio), 60, "the chart to move")
+        for name in trio:
+            history = [v for _, v in fleet.nodes[name].loss_history]
+            ys = chart.series[name][1]
+            assert all(math.isfinite(y) for y in ys) and set(ys) <= set(history) and ys[-1] in history[-3:]
+        assert "loss" in chart.render().plain
+
+        # the log pane follows the selected node
+        log = app.dashboard.query_one(LogPane)
+        assert log.node_name == "node-a" and any("step" in line for line in log.lines)
+
+        # d drains node-b (confirm); the others go on
+        await pilot.press("down")
+        assert table.selected_name() == "node-b"
+        await pilot.press("d")
+        assert isinstance(app.screen, ConfirmScreen) and "node-b" in app.screen.question
+        await pilot.press("y")
+        await until(pilot, lambda: fleet.nodes["node-b"].state is NodeState.LEFT, 90, "node-b to drain")
+        assert fleet.nodes["node-b"].reason == "drained"
+        before = steps(fleet, "node-a", "node-c")
+        await until(pilot, advanced(fleet, before, 3), 120, "node-a and node-c to go on after the drain")
+        app.tick()
+        assert table.cell_text("node-b", "state") == "left (drained)"
+        assert any(e.subject == "node-b" and e.change == "drained" for e in fleet.timeline)
+
+        # k kills node-c (confirm): dead, and node-a goes on alone
+        await pilot.press("down")
+        assert table.selected_name() == "node-c"
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: fleet.nodes["node-c"].state is NodeState.DEAD, 30, "node-c dead")
+        before = steps(fleet, "node-a")
+        await until(pilot, advanced(fleet, before, 4), 120, "node-a to go on after the kill")
+        app.tick()
+        assert table.cell_text("node-c", "state").startswith("dead")
+        assert table.cell_text("node-a", "step") == str(fleet.nodes["node-a"].step)
+        assert any(e.subject == "node-c" and e.change == "dead" for e in fleet.timeline)
+
+        # r restarts the dead node-c: it joins node-a again
+        await pilot.press("r")
+        await until(pilot, training(fleet, ["node-c"]), 150, "node-c to rejoin", unless=("node-c",))
+        before = steps(fleet, "node-a", "node-c")
+        await until(pilot, advanced(fleet, before, 3), 120, "node-a and node-c to train together again")
+        assert_live_values(app, fleet, ["node-a", "node-c"])
+
+        # q asks; "stop" ends training everywhere and the console exits
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        await pilot.press("s")
+        await until(pilot, lambda: not app.is_running, 90, "the console to stop the cluster and exit")
+    assert app.return_code == 0
+    assert {fleet.nodes[n].state for n in ("node-a", "node-c")} == {NodeState.LEFT}
+
+
+async def test_keys_without_engines(local_profile):
+    """The keys that need no engine: filter, marks, help, the palette, readonly, and quit -> leave running."""
+    app, fleet = build(local_profile, start=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        table = app.dashboard.table
+        assert table.names() == ["node-a", "node-b", "node-c", "node-d"]
+
+        await pilot.press("slash", *"node-c")
+        await pilot.pause()
+        assert table.names() == ["node-c"]
+        await pilot.press("enter")
+        assert table.has_focus and table.names() == ["node-c"]
+        await pilot.press("escape")
+        assert table.names() == ["node-a", "node-b", "node-c", "node-d"]
+        assert table.selected_name() == "node-c"  # the cursor stays on the node it was on
+
+        # space marks and moves down; actions apply to the marked nodes
+        for name in ("node-b", "node-c"):
+            fleet.set_state(name, NodeState.TRAINING)
+        await pilot.press("up", "space", "space")
+        app.tick()
+        assert [n for n in fleet.nodes if fleet.nodes[n].marked] == ["node-b", "node-c"]
+        assert table.cell_text("node-b", "mark") == "●" and table.cell_text("node-a", "mark") == " "
+        assert app.dashboard.targets() == ["node-b", "node-c"]
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen) and app.screen.question == "Kill node-b, node-c?"
+        await pilot.press("n")
+        assert not isinstance(app.screen, ConfirmScreen)
+        assert fleet.nodes["node-b"].marked  # cancelled: the marks stay
+
+        # a standby node among the marked is skipped with a notice; the others are asked about
+        await pilot.press("up", "up", "up", "space", "d")
+        assert table.selected_name() == "node-b" and fleet.nodes["node-a"].marked
+        assert isinstance(app.screen, ConfirmScreen) and app.screen.question == "Drain node-b, node-c?"
+        assert any("skipped node-a (standby)" in n.message for n in app._notifications)
+        await pilot.press("n")
+
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        commands = [c.title for c in app.get_system_commands(app.dashboard)]
+        assert {"Add node", "Drain node", "Kill node", "Restart node", "Node logs", "Quit console"} <= set(commands)
+
+        await pilot.press("l")
+        assert type(app.screen).__name__ == "LogScreen"
+        await pilot.press("escape")
+
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        await pilot.press("l")  # leave training running
+        await until(pilot, lambda: not app.is_running, 10, "the console to exit")
+    assert app.return_code == 0
+
+
+async def test_readonly_hides_actions(local_profile):
+    app, fleet = build(local_profile, start=False, readonly=True)
+    async with app.run_test(size=SIZE) as pilot:
+        fleet.set_state("node-a", NodeState.TRAINING)
+        await pilot.press("k", "d", "a", "r")
+        assert app.screen is app.dashboard  # no modal opened
+        shown = {active.binding.key for active in app.active_bindings.values() if active.enabled}
+        assert not {"a", "d", "k", "r"} & shown and {"l", "slash", "q"} <= shown
+        commands = [c.title for c in app.get_system_commands(app.dashboard)]
+        assert "Kill node" not in commands and "Node logs" in commands
+        assert "[read-only]" in str(app.dashboard.query_one(RunHeader).render())
+
+
+async def test_garbage_never_crashes(local_profile):
+    """Malformed lines, absurd numbers and unknown nodes on the event path: counted, shown, never fatal."""
+    app, fleet = build(local_profile, start=False)
+    async with app.run_test(size=SIZE) as pilot:
+        fleet.ingest("node-a", "this is not json {")
+        fleet.ingest("node-a", b"\xff\xfe binary")
+        fleet.ingest("node-a", '{"v": 1, "type": "step", "ts": 1, "node": "node-a", "rank": 0}')
+        fleet.ingest("node-b", '{"v":1,"type":"step","ts":1e12,"node":"node-b","rank":0,"step":7,'
+                               '"loss":1e308,"lr":0,"tokens_per_s":-5,"grad_norm":null}')
+        fleet.ingest("node-b", '{"v":1,"type":"resource","ts":1,"node":"node-b","rank":0,"device":"tpu",'
+                               '"util":-1,"mem_used":0,"mem_total":0}')
+        fleet.ingest("ghost", '{"v":1,"type":"state","ts":1,"node":"ghost","rank":0,"state":"training"}')
+        await pilot.pause(1.2)
+        table = app.dashboard.table
+        assert fleet.nodes["node-a"].malformed == 3
+        assert table.cell_text("node-b", "step") == "7" and table.cell_text("ghost", "state") == "training"
+        assert table.cell_text("node-b", "util") == "CPU  -1.0%"  # any non-gpu device reads as the CPU meter
+        assert table.cell_text("node-b", "loss") == "1e+308"
+        assert app.dashboard.query_one(LossChart).series == {}  # nothing plottable yet, and no crash
+        log = app.dashboard.query_one(LogPane)
+        assert log.node_name == "node-a" and sum("malformed" in line for line in log.lines) == 3
+        assert app.is_running
