@@ -12,7 +12,8 @@ One algorithm for every compression, so the bytes counted are the bytes sent (IN
 
 Step 4 makes the result bit-identical on every rank: each chunk is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
-all-reduce would: 4 bytes for "none", 2 for bf16/fp16, 1 (+ 8 per chunk of scale/offset) for int8.
+all-reduce would: 4 bytes for "none", 2 for bf16/fp16, 1 (+ 8 per chunk of scale/offset) for int8, plus the
+sender's weight (4 bytes per peer, packed into the all_to_all rows: there are no other messages).
 
 int8 is uniform 256-bin quantization per chunk: q = round((x - lo) / scale), scale = (hi - lo) / 255. Its
 absolute error per element is at most scale / 2 for each of the two quantizations.
@@ -76,6 +77,26 @@ def bytes_per_element(compression: str) -> int:
     return {"none": 4, "bf16": 2, "fp16": 2, "int8": 1}[compression]
 
 
+def _pack(payload: torch.Tensor, meta: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+    """Rows of bytes: payload | fp32 metadata | fp32 weight. One message per peer and collective, so the
+    int8 path pays gloo's per-message framing as often as the fp32 path does."""
+    parts = [payload]
+    parts += [meta.contiguous().view(torch.uint8)] if meta is not None else []
+    parts += [weights.contiguous().view(torch.uint8)] if weights is not None else []
+    return torch.cat(parts, dim=1) if len(parts) > 1 else payload.contiguous()
+
+
+def _unpack(rows: torch.Tensor, width: int, has_meta: bool, *, with_weight: bool):
+    payload = rows[:, :width]
+    at = width
+    meta = None
+    if has_meta:
+        meta = rows[:, at:at + 8].contiguous().view(torch.float32)
+        at += 8
+    weights = rows[:, at:at + 4].contiguous().view(torch.float32) if with_weight else None
+    return payload, meta, weights
+
+
 def _all_to_all(pg: dist.ProcessGroup, send: torch.Tensor) -> torch.Tensor:
     recv = torch.empty_like(send)
     pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
@@ -104,26 +125,26 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
         assert weight > 0, "a single rank of weight 0 has nothing to average"
         return flat.clone(), ReduceStats(0, time.perf_counter() - start, weight)
     assert pg is not None
-    weights = _all_gather(pg, torch.tensor([float(weight)], dtype=torch.float32))
-    total = float(weights.sum())
-    assert total > 0, "every rank of the group has weight 0"
-    sent = 4 * (size - 1)
-
     numel = flat.numel()
     per_chunk = -(-numel // size)
     padded = torch.zeros(size * per_chunk, dtype=torch.float32)
     torch.mul(flat, weight, out=padded[:numel])
     payload, meta = encode(padded.view(size, per_chunk), compression)
-    # 2. reduce-scatter: row j of what I send is chunk j; row i of what I receive is rank i's copy of my chunk
-    got = _all_to_all(pg, payload)
-    got_meta = _all_to_all(pg, meta) if meta is not None else None
-    sent += (size - 1) * (payload[0].numel() + (0 if meta is None else meta[0].numel() * 4))
+    # 2. reduce-scatter: row j of what I send is chunk j (+ its int8 scale/offset, + my weight), one message per
+    # peer; row i of what I receive is rank i's copy of my chunk
+    wcol = torch.full((size, 1), float(weight), dtype=torch.float32)
+    got = _all_to_all(pg, _pack(payload, meta, wcol))
+    width = payload.shape[1]
+    sent = (size - 1) * (width + (0 if meta is None else 8) + 4)
+    got_payload, got_meta, weights = _unpack(got, width, meta is not None, with_weight=True)
+    total = float(weights.sum())
+    assert total > 0, "every rank of the group has weight 0"
     # 3. fp32 accumulation of my chunk, in rank order
-    mine = decode(got, got_meta, compression).sum(dim=0, keepdim=True) / total
+    mine = decode(got_payload, got_meta, compression).sum(dim=0, keepdim=True) / total
     payload, meta = encode(mine, compression)
-    # 4. all_gather of the reduced chunks
-    rows = _all_gather(pg, payload[0])
-    metas = _all_gather(pg, meta[0]) if meta is not None else None
-    sent += (size - 1) * (payload[0].numel() + (0 if meta is None else meta[0].numel() * 4))
-    out = decode(rows, metas, compression).reshape(-1)[:numel].clone()
+    # 4. all_gather of the reduced chunks (+ their scale/offset)
+    rows = _all_gather(pg, _pack(payload, meta, None)[0])
+    sent += (size - 1) * (width + (0 if meta is None else 8))
+    all_payload, all_meta, _ = _unpack(rows, width, meta is not None, with_weight=False)
+    out = decode(all_payload, all_meta, compression).reshape(-1)[:numel].clone()
     return out, ReduceStats(sent, time.perf_counter() - start, total)
