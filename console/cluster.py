@@ -13,6 +13,7 @@ console and the SSH link. On each host, under the workdir:
     RUN_DIR/NODE/engine.log     its stderr
     RUN_DIR/NODE/pid, rc        the process group id; the exit status (absent when it was killed)
     RUN_DIR/NODE/drain          appears on drain: the engine finishes its round and leaves
+    RUN_DIR/NODE/killed         written by kill, so a console started later still knows who ended it
     RUN_DIR/_store/...          the same for the membership store
 
 One watcher task per started node follows its events file (re-tailing from the last offset after a dropped
@@ -36,6 +37,7 @@ from console.profile import HostSpec, Profile, ProfileError, add_host, check_eng
 from console.transport import Transport, TransportError, make_transport
 from console.transport import commands as C
 
+KILLED = "killed"  # written by kill(): any console that settles the node later knows the operator did it
 STORE = "_store"  # the store's directory under the run dir (not a valid-looking node name)
 SETTLE_S = 0.3  # after a process is gone: let its last lines land before reading them
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -144,22 +146,34 @@ class Cluster:
             for host in self.profile.active_hosts():
                 self.fleet.set_state(host.name, NodeState.FAILED, str(e))
             return
-        if await self._anything_running():
+        if await self._engines_running():
             await self.attach()
             return
+        await self._end_stale_store()
         active = self.profile.active_hosts()
         reason = await self._start_store()
         if reason is not None:  # no store, no mesh: say so on every node and start none
             for host in active:
                 self.fleet.set_state(host.name, NodeState.FAILED, reason)
             return
-        await self._gather(*(self._launch(h, rank, len(active)) for rank, h in enumerate(active)))
+        await self._gather(*(self._launch(h) for h in active))
 
-    async def _anything_running(self) -> bool:
-        names = [h.name for h in self.profile.active_hosts()]
-        found = await self._gather(*(self._live_pid(n) for n in names))
-        store = await self._live_pid(STORE, self.profile.store_host.name)
-        return any(isinstance(pid, int) for pid in found) or store is not None
+    async def _engines_running(self) -> bool:
+        found = await self._gather(*(self._live_pid(h.name) for h in self.profile.hosts.values()))
+        return any(isinstance(pid, int) for pid in found)
+
+    async def _end_stale_store(self) -> None:
+        """A store left running by an earlier run whose engines are all gone: end it, so its port is free."""
+        host = self.profile.store_host.name
+        pid = await self._live_pid(STORE, host)
+        if pid is None:
+            return
+        await self._signal_quietly(host, pid, "TERM")
+        for _ in range(50):
+            if await self._live_pid(STORE, host) is None:
+                return
+            await asyncio.sleep(0.1)
+        await self._signal_quietly(host, pid, "KILL")
 
     async def _live_pid(self, name: str, host: str | None = None) -> int | None:
         """The pid recorded for a node (or the store) if that process still runs; None otherwise."""
@@ -246,23 +260,28 @@ class Cluster:
             asyncio.ensure_future(self._signal_quietly(name, proc.pid, "KILL"))
 
     # ---- one node ----------------------------------------------------------------------------------------------
-    async def _launch(self, host: HostSpec, rank: int, world_size: int, append: bool = False) -> bool:
+    async def _launch(self, host: HostSpec, append: bool = False) -> bool:
         """Check the host, start the engine detached, watch it. False (and a node state) if it could not start."""
         name, t = host.name, self.transport(host.name)
+        # GLOBAL_RANK / GLOBAL_WORLD_SIZE shard the data by node: a host's place in the profile, standbys included,
+        # so every host keeps its own shard however the cluster grows and shrinks
+        rank, world_size = list(self.profile.hosts).index(name), len(self.profile.hosts)
+        old = self._procs.get(name)
+        append = append and old is not None and old.pid is not None  # a restart continues the file it followed
         self.fleet.set_state(name, NodeState.STARTING)
         try:
             reason = await t.preflight(self.profile.engine.config)
             if reason is not None:
                 self.fleet.set_state(name, NodeState.FAILED, reason)
                 return False
-            await t.remove(self._path(name, C.DRAIN))  # a drain file left from before would drain it at once
+            for stale in (C.DRAIN, KILLED):  # a drain file left from before would drain it at once
+                await t.remove(self._path(name, stale))
             pid = await t.start_detached(engine_argv(self.profile, host), self.node_dir(name),
                                          env=engine_env(self.profile, host, rank, world_size), append=append)
         except TransportError as e:
             self.fleet.set_state(name, NodeState.UNREACHABLE if e.link else NodeState.FAILED, str(e))
             return False
-        old = self._procs.get(name)
-        offset = old.offset if (append and old is not None) else 0
+        offset = old.offset if append and old is not None else 0  # else a fresh file, read from its start
         self._procs[name] = _Proc(pid=pid, offset=offset, killed=self._store_error is not None)
         if self._store_error is not None:  # the store died while this one was starting
             self.fleet.set_state(name, NodeState.FAILED, self._store_error)
@@ -345,8 +364,12 @@ class Cluster:
         try:
             rc = await t.read_text(self._path(name, C.RC))
             log = (await t.last_lines(self._path(name, C.LOG), 3)).strip().splitlines()
+            killed = await t.read_text(self._path(name, KILLED)) is not None
         except TransportError as e:
             self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            return
+        if killed and rc is None:
+            self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
             return
         last = log[-1] if log else "no output"
         status = rc.strip() if rc and rc.strip().lstrip("-").isdigit() else None
@@ -386,6 +409,10 @@ class Cluster:
         if pid is None:
             return Outcome(False, f"{name}: not running")
         proc.killed = True
+        try:
+            await self.transport(name).touch(self._path(name, KILLED))
+        except TransportError:
+            pass  # the kill itself will say whether the host can be reached
         if not await self._signal_quietly(name, pid, "KILL"):
             return Outcome(False, f"{name}: kill failed (already gone, or unreachable)")
         self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
@@ -401,8 +428,7 @@ class Cluster:
             return Outcome(False, f"{name}: still running (kill or drain it first)")
         if await self._live_pid(name) is not None:
             return Outcome(False, f"{name}: still running (kill or drain it first)")
-        names = list(self.profile.hosts)
-        ok = await self._launch(host, names.index(name), len(self.profile.active_hosts()), append=True)
+        ok = await self._launch(host, append=True)
         return Outcome(ok, f"{name}: {'restarted' if ok else 'could not restart: ' + str(self.fleet.nodes[name].reason)}")
 
     async def add(self, target: str) -> Outcome:
@@ -416,7 +442,8 @@ class Cluster:
                 return Outcome(False, f"{target}: cannot add: {e}")
         if self._procs.get(target) and not self._procs[target].done.is_set():
             return Outcome(False, f"{target}: already running")
-        return await self.restart(target)
+        started = await self.restart(target)
+        return Outcome(started.ok, started.message.replace("restarted", "added", 1))
 
     def _add_to_profile(self, target: str) -> str:
         match = re.fullmatch(r"(?:(?P<user>[^@\s]+)@)?(?P<address>[^@:\s]+)(?::(?P<port>\d+))?", target)
@@ -465,7 +492,10 @@ class Cluster:
         except TransportError:
             return
         if gone and proc.watcher is not None:
-            await asyncio.wait_for(asyncio.shield(proc.done.wait()), self.profile.console.poll_interval * 3 + 5)
+            try:  # let its watcher settle it (read the last lines, the exit status)
+                await asyncio.wait_for(asyncio.shield(proc.done.wait()), self.profile.console.poll_interval * 3 + 5)
+            except asyncio.TimeoutError:
+                pass
 
     async def close(self) -> None:
         """Stop watching and drop connections. The engines and the store keep running."""

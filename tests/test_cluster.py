@@ -39,6 +39,7 @@ signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 def emit(type_, **f):
     print(json.dumps({"v": 1, "type": type_, "ts": time.time(), "node": node, "rank": 0, **f}), flush=True)
 emit("run_start", pid=os.getpid(), host="h", world_size=1, config_digest="d", strategy="ddp", max_steps=100000)
+emit("warning", message="rank %s/%s" % (os.environ["GLOBAL_RANK"], os.environ["GLOBAL_WORLD_SIZE"]))
 emit("state", state="training")
 step = 0
 while True:
@@ -188,6 +189,9 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
                 what="restart")
     assert await cluster.add("node-c")
     await until(lambda: fleet.nodes["node-c"].state is NodeState.TRAINING, what="add")
+    # data shards by GLOBAL_RANK / GLOBAL_WORLD_SIZE: each host its own place in the profile, standbys included
+    assert [next(line for line in fleet.nodes[n].log if "rank " in line).split("WARNING: ")[1]
+            for n in ("node-a", "node-b", "node-c")] == ["rank 0/3", "rank 1/3", "rank 2/3"]
 
     assert await cluster.drain("node-a")
     await until(lambda: fleet.nodes["node-a"].state is NodeState.LEFT, what="drained")
@@ -243,7 +247,8 @@ async def test_console_restart_attaches_and_catches_up(workdir, cleanup):
     third_fleet = Fleet()
     third = Cluster(profile, third_fleet)
     await third.attach()
-    assert third_fleet.nodes["node-a"].state is NodeState.DEAD  # no exit status: killed
+    node_a = third_fleet.nodes["node-a"]  # a console started after the kill still knows who ended it
+    assert node_a.state is NodeState.DEAD and node_a.reason.startswith("killed by the operator")
     assert third_fleet.nodes["node-b"].state is NodeState.TRAINING
     await second.stop()
     await asyncio.gather(second.close(), third.close())
@@ -349,3 +354,33 @@ async def test_real_engine_two_nodes_kill_one_the_other_goes_on(tmp_path):
         await cluster.stop()
         await cluster.close()
         kill_everything(tmp_path)
+
+
+async def test_start_ends_a_stale_store_and_restart_continues_the_file(workdir, cleanup):
+    from console.transport import LocalTransport
+
+    profile = make_profile(workdir)
+    t = LocalTransport(profile.hosts["node-a"])
+    stale = await t.start_detached([sys.executable, "-m", "engine.store"], "runs/t/_store")  # left by a past run
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    await cluster.start()
+    await until(lambda: fleet.nodes["node-a"].state is NodeState.TRAINING, what="training")
+    assert not await t.alive(stale) and int((workdir / "runs/t/_store/pid").read_text()) != stale
+    await until(lambda: (fleet.nodes["node-b"].step or 0) >= 2, what="steps")
+    await cluster.kill("node-b")
+    await until(lambda: not await_free(cluster, "node-b"), what="settled")
+    lines = (workdir / "runs/t/node-b/events.jsonl").read_text().count("\n")
+    assert await cluster.restart("node-b")
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.TRAINING, what="restarted")
+    text = (workdir / "runs/t/node-b/events.jsonl").read_text()
+    assert text.count('"run_start"') == 2 and text.count("\n") > lines  # appended, not replaced
+    assert fleet.nodes["node-b"].malformed == 0
+    await cluster.stop()
+    await cluster.close()
+
+
+def await_free(cluster: Cluster, name: str) -> bool:
+    """Whether the node's watcher is still running (it settles the node when its process is gone)."""
+    proc = cluster._procs[name]
+    return not proc.done.is_set()
