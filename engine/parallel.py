@@ -63,7 +63,13 @@ def setup_distributed(cfg: InnerConfig, world: World) -> tuple[torch.device, dis
     if not dist.is_initialized():
         backend = resolve_backend(cfg, device)
         if world.launched_by_torchrun:
-            dist.init_process_group(backend, timeout=PG_TIMEOUT, device_id=device if device.type == "cuda" else None)
+            try:
+                dist.init_process_group(backend, timeout=PG_TIMEOUT,
+                                        device_id=device if device.type == "cuda" else None)
+            except dist.DistNetworkError as e:  # e.g. MASTER_PORT taken by another program: bad input
+                reason = str(e).split("message: ")[-1].strip() or type(e).__name__
+                raise ValueError(f"process group: cannot open the rendezvous store at MASTER_ADDR/MASTER_PORT "
+                                 f"({reason}; {str(e).split('.')[0]})") from None
         else:
             assert world.world_size == 1, "several ranks without torchrun"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=PG_TIMEOUT)
@@ -250,6 +256,9 @@ def build_inner(model: torch.nn.Module, inner_cfg: InnerConfig, train_cfg: Train
             raise ValueError(f"inner.strategy {inner_cfg.strategy}: engine/zero.py is not available in this "
                              f"checkout") from None
         return build_zero_inner(model, inner_cfg, train_cfg, optim_cfg, world, device)
+    if inner_cfg.cpu_offload and (inner_cfg.strategy != "fsdp" or device.type != "cuda"):
+        raise ValueError("inner.cpu_offload: needs inner.strategy fsdp on a CUDA device (on a CPU the parameters "
+                         "already live in host memory)")
     if train_cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if train_cfg.compile:

@@ -38,7 +38,7 @@ from engine.model import build_model, count_params, model_config
 from engine.outer import Outer, Progress, build_outer
 from engine.parallel import build_inner, setup_distributed
 from engine.resources import ResourceMonitor
-from engine.telemetry import Telemetry
+from engine.telemetry import Telemetry, format_human
 from engine.world import World, read_world
 
 __all__ = ["Progress", "main", "cli", "train_step"]
@@ -90,11 +90,18 @@ class Session:
     draining: bool = False
 
 
+def human_line(event: dict) -> None:
+    """The progress line on stderr; errors are left out because main() prints them as one `error: ...` line."""
+    text = format_human(event) if event["type"] != "error" else None
+    if text is not None:
+        print(text, file=sys.stderr, flush=True)
+
+
 def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
     node = (cfg.mesh.node_id if cfg is not None else None) or world.default_node_id()
     speaks = world.rank == 0 or (cfg is not None and cfg.telemetry.all_ranks)
     human = cfg is None or cfg.telemetry.human
-    return Telemetry(node, world.rank, enabled=speaks, human_out=sys.stderr if human else None)
+    return Telemetry(node, world.rank, enabled=speaks, extra_sinks=[human_line] if human else [])
 
 
 def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:

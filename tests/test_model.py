@@ -83,6 +83,24 @@ def test_inner_steps_and_outer_params_alias_the_weights():
     assert float(next(inner.model.parameters()).abs().sum()) == 0
 
 
+def test_activation_checkpointing_gives_the_same_gradients():
+    x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(1))
+    norms = []
+    for ac in (False, True):
+        inner = _inner(activation_checkpointing=ac)
+        inner.micro_step(x, x, last=False)
+        inner.micro_step(x, x, last=True)
+        norms.append(float(inner.optimizer_step()))
+    assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+
+
+def test_cpu_offload_needs_fsdp_on_cuda():
+    world = World(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
+    with pytest.raises(ValueError, match="inner.cpu_offload: needs inner.strategy fsdp on a CUDA device"):
+        build_inner(build_model(ModelConfig(), 258, 16), InnerConfig(cpu_offload=True), TrainConfig(),
+                    OptimConfig(), world, torch.device("cpu"))
+
+
 def test_bf16_autocast_runs_on_cpu():
     inner = _inner(precision="bf16-mixed")
     x = torch.randint(0, 258, (2, 16))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.telemetry import parse_line
-from procs import PYTHON
+from procs import PYTHON, ROOT, engine_env
 
 ENGINE = [PYTHON, "-m", "engine.train", "configs/debug.toml"]
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "engine.train",
@@ -52,10 +53,11 @@ def parse_events(stdout: str) -> list[dict]:
     return [parse_line(line) for line in stdout.splitlines() if line.strip()]
 
 
-def run_engine(procs, run_dir: Path, *extra: str, nproc: int = 1, timeout: float = 150) -> Result:
+def run_engine(procs, run_dir: Path, *extra: str, nproc: int = 1, timeout: float = 150,
+               env: dict[str, str] | None = None) -> Result:
     base = TORCHRUN if nproc == 2 else ENGINE
     args = [*base, *SMALL, f"--run.dir={run_dir}", *extra]
-    done = procs.run(args, timeout=timeout)
+    done = procs.run(args, timeout=timeout, env=env)
     return Result(done.returncode, parse_events(done.stdout), done.stderr)
 
 
@@ -153,14 +155,33 @@ def test_resource_and_state_events(layouts):
     (["--data.path=/nonexistent/corpus"], "data.path: /nonexistent/corpus does not exist"),
     (["--ckpt.resume=latest"], "no checkpoint to resume"),
 ])
-def test_bad_input_is_one_line_and_exit_2(procs, tmp_path, extra, fragment):
-    result = run_engine(procs, tmp_path / "run", "--train.max_steps=2", *extra, timeout=60)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, extra, fragment):
+    """In-process main() (the CLI's code path minus interpreter start-up); the port test below covers exit
+    code 2 through a real process."""
+    from engine.train import main
+    monkeypatch.chdir(ROOT)
+    code = main(["configs/debug.toml", *SMALL, f"--run.dir={tmp_path / 'run'}", "--train.max_steps=2", *extra])
+    out, err = capsys.readouterr()
+    assert_bad_input(Result(code, parse_events(out), err), fragment)
+
+
+def assert_bad_input(result: Result, fragment: str) -> None:
     assert result.rc == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and fragment in lines[0], result.stderr
+    lines = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], result.stderr
     assert "Traceback" not in result.stderr
     assert fragment in result.of("error")[0]["message"]
     assert result.end()["status"] == "failed"
+
+
+def test_port_in_use_is_bad_input(procs, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = engine_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                         MASTER_PORT=str(taken.getsockname()[1]))
+        result = run_engine(procs, tmp_path / "run", "--train.max_steps=2", env=env, timeout=60)
+    assert_bad_input(result, "address already in use")
 
 
 def test_sigterm_stops_checkpoints_and_resume_continues(procs, tmp_path):
