@@ -352,3 +352,23 @@ async def test_real_engine_over_ssh(sshd, repo_root):
         await cluster.stop()
         await cluster.close()
         kill_run(run_dir)
+
+
+async def test_ssh_config_alias_and_jump_host(sshd):
+    """~/.ssh/config is honoured (an alias gives address, port, user and key); a jump host works like ssh -J."""
+    config = sshd.root / "ssh_config"
+    config.write_text(f"Host zb-alias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+                      f"  IdentityFile {sshd.user_key}\n")
+    alias = make_transport(sshd.host_spec("n", address=None, port=None, user=None, identity_file=None,
+                                          ssh_alias="zb-alias", ssh_config=str(config)))
+    jumped = make_transport(sshd.host_spec("n", jump_host=f"{sshd.user}@127.0.0.1:{sshd.port}"))
+    try:
+        assert await alias.run("id -un") == (0, f"{sshd.user}\n", "")
+        rc, out, _ = await jumped.run("echo $SSH_CONNECTION")
+        assert rc == 0 and out.split()[0] == "127.0.0.1"
+        assert len(sshd.connection_pids()) >= 4  # two connections: the jump and the one through it
+    finally:
+        await asyncio.gather(alias.close(), jumped.close())
+    bad_jump = make_transport(sshd.host_spec("n", jump_host=f"{sshd.user}@127.0.0.1:{free_port()}"))
+    with pytest.raises(TransportError, match=r"^jump host .*: connection refused"):
+        await bad_jump.connect()

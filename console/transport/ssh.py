@@ -50,6 +50,7 @@ class SshTransport(Transport):
     def __init__(self, host: HostSpec):
         super().__init__(host)
         self._conn: asyncssh.SSHClientConnection | None = None
+        self._jump: asyncssh.SSHClientConnection | None = None
         self._lock = asyncio.Lock()
         self._channels = asyncio.Semaphore(MAX_CHANNELS)
         self._failures = 0
@@ -72,19 +73,20 @@ class SshTransport(Transport):
                 return self._conn
             now = time.monotonic()
             if self._last_error and now < self._retry_at:  # back off: do not hammer a host that just failed
-                raise TransportError(f"{self._last_error} (retrying in {self._retry_at - now:.1f}s)")
+                raise TransportError(f"{self._last_error} (retrying in {self._retry_at - now:.1f}s)", link=True)
             try:
                 self._conn = await self._open()
-            except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
+            except (OSError, asyncssh.Error, asyncio.TimeoutError, TransportError) as e:
                 self._conn = None
-                self._last_error = self._describe(e)
+                self._last_error = str(e) if isinstance(e, TransportError) else self._describe(e)
                 self._retry_at = time.monotonic() + BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
                 self._failures += 1
-                raise TransportError(self._last_error) from None
+                raise TransportError(self._last_error, link=True) from None
             self._failures, self._last_error, self.lost_reason = 0, None, None
             return self._conn
 
-    async def _open(self) -> asyncssh.SSHClientConnection:
+    def _options(self) -> dict:
+        """Connection options from the profile; what it leaves unset comes from ~/.ssh/config, then defaults."""
         h = self.host
         kh = self.known_hosts_path
         options = dict(
@@ -93,17 +95,34 @@ class SshTransport(Transport):
             keepalive_interval=KEEPALIVE_S, keepalive_count_max=KEEPALIVE_COUNT,
             client_factory=lambda: _Client(self),
         )
-        if h.port is not None:
-            options["port"] = h.port
         if h.user is not None:
             options["username"] = h.user
         if h.identity_file:
             options["client_keys"] = [os.path.expanduser(h.identity_file)]
-        if h.jump_host:
-            options["tunnel"] = h.jump_host
         if h.ssh_config:
             options["config"] = [os.path.expanduser(h.ssh_config)]
-        # connect_timeout covers TCP + handshake; wait_for bounds a stuck jump host too
+        return options
+
+    async def _open(self) -> asyncssh.SSHClientConnection:
+        h = self.host
+        options = self._options()
+        if h.port is not None:
+            options["port"] = h.port
+        if h.jump_host:
+            # like ssh -J, with this host's key, known_hosts and timeouts (a bare tunnel string would not use them)
+            user, jump, port = parse_jump(h.jump_host)
+            jump_options = self._options()
+            if user:
+                jump_options["username"] = user
+            if self._jump is not None:
+                self._jump.close()  # the one under a link that dropped
+            try:
+                self._jump = await asyncio.wait_for(asyncssh.connect(jump, port=port, **jump_options),
+                                                    h.connect_timeout * 2)
+            except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
+                raise TransportError(f"jump host {h.jump_host}: {self._describe(e)}", link=True) from None
+            options["tunnel"] = self._jump
+        # connect_timeout covers TCP + handshake; wait_for bounds the whole login too
         return await asyncio.wait_for(asyncssh.connect(h.target, **options), h.connect_timeout * 2)
 
     def _link_lost(self, exc: Exception | None) -> None:
@@ -155,8 +174,10 @@ class SshTransport(Transport):
 
     async def close(self) -> None:
         async with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
+            conns, self._conn, self._jump = (self._conn, self._jump), None, None
+        for conn in conns:
+            if conn is None:
+                continue
             conn.close()
             try:
                 await asyncio.wait_for(conn.wait_closed(), 5)
@@ -174,7 +195,7 @@ class SshTransport(Transport):
             except asyncssh.TimeoutError:
                 raise TransportError(f"command timed out after {timeout}s on {self.host.name}") from None
             except (OSError, asyncssh.Error) as e:
-                raise TransportError(self.lost_reason or self._describe(e)) from None
+                raise TransportError(self.lost_reason or self._describe(e), link=True) from None
         rc = result.exit_status if result.exit_status is not None and result.exit_status >= 0 else -1
         out = result.stdout if isinstance(result.stdout, bytes) else b""
         return rc, out, _text(result.stderr)
@@ -212,10 +233,10 @@ class SshTail(Tail):
             line = await self._proc.stdout.readline()
         except (OSError, asyncssh.Error) as e:
             await self.aclose()
-            raise TransportError(self.transport.lost_reason or f"tail of {self.path} failed: {e}") from None
+            raise TransportError(self.transport.lost_reason or f"tail of {self.path} failed: {e}", link=True) from None
         if not line.endswith(b"\n"):  # EOF: the channel or the link went away; a partial line is not ours yet
             await self.aclose()
-            raise TransportError(self.transport.lost_reason or f"tail of {self.path} ended")
+            raise TransportError(self.transport.lost_reason or f"tail of {self.path} ended", link=True)
         self.offset += len(line)
         return line[:-1]
 
@@ -227,7 +248,7 @@ class SshTail(Tail):
             self._proc = await self.transport._open_channel(conn, C.tail_command(self.path, self.offset))
         except (OSError, asyncssh.Error) as e:
             await self.aclose()
-            raise TransportError(self.transport.lost_reason or f"cannot tail {self.path}: {e}") from None
+            raise TransportError(self.transport.lost_reason or f"cannot tail {self.path}: {e}", link=True) from None
 
     async def aclose(self) -> None:
         proc, self._proc = self._proc, None
@@ -240,6 +261,15 @@ class SshTail(Tail):
         if self._held:
             self._held = False
             self.transport._channels.release()
+
+
+def parse_jump(text: str) -> tuple[str | None, str, int]:
+    """`[user@]host[:port]` (as ssh -J takes it) -> (user, host, port)."""
+    user, _, rest = text.rpartition("@")
+    host, _, port = rest.partition(":")
+    if not host or (port and not port.isdigit()):
+        raise TransportError(f"jump_host {text!r}: expected [user@]host[:port]", link=True)
+    return user or None, host, int(port) if port else 22
 
 
 def _text(value: object) -> str:
