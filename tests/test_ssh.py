@@ -372,3 +372,46 @@ async def test_ssh_config_alias_and_jump_host(sshd):
     bad_jump = make_transport(sshd.host_spec("n", jump_host=f"{sshd.user}@127.0.0.1:{free_port()}"))
     with pytest.raises(TransportError, match=r"^jump host .*: connection refused"):
         await bad_jump.connect()
+
+
+async def test_cluster_bad_hosts_each_get_a_reason_and_the_good_one_trains(sshd):
+    """Wrong key, unknown host key, closed port, missing python: each node says why; the good node trains."""
+    from console.cluster import Cluster
+    from console.fleet import Fleet, NodeState
+    from console.profile import load_profile
+    from sshd import keygen
+    from test_cluster import FAKE_STORE, FAKE_TRAIN
+
+    work = sshd.home / "work"
+    (work / "engine").mkdir(parents=True)
+    for name, text in (("__init__.py", ""), ("train.py", FAKE_TRAIN), ("store.py", FAKE_STORE)):
+        (work / "engine" / name).write_text(text)
+    (work / "fake.toml").write_text("[data]\nfake = true\n")
+    run_dir = sshd.home / "runs"
+    run_dir.mkdir()
+    shutil.chown(run_dir, sshd.user, sshd.user)
+    keygen(sshd.root / "stranger", "stranger")
+    profile_path = sshd.root / "bad.toml"
+    ssh_profile(sshd, user=sshd.user, python=sshd.user_python(), workdir=work, run_dir=run_dir, config="fake.toml")
+    text = (sshd.root / "profile.toml").read_text().replace("[hosts.\"node 'b' $(x)\"]\n", "")
+    text += (f'\n[hosts.wrong-key]\nidentity_file = "{sshd.root / "stranger"}"\n'
+             f'\n[hosts.unknown-key]\nknown_hosts = "{sshd.root / "nothing_known"}"\n'
+             f'\n[hosts.closed-port]\nport = {free_port()}\n'
+             f'\n[hosts.no-python]\npython = "/opt/nowhere/bin/python3"\n')
+    profile_path.write_text(text)
+    fleet = Fleet()
+    cluster = Cluster(load_profile(profile_path), fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.nodes["node-a"].state is NodeState.TRAINING, 30, "node-a trains")
+        got = {n.name: (n.state, n.reason) for n in fleet.nodes.values()}
+        assert got["wrong-key"][0] is NodeState.UNREACHABLE and "authentication failed" in got["wrong-key"][1]
+        assert got["unknown-key"][0] is NodeState.UNREACHABLE and "host key of" in got["unknown-key"][1]
+        assert got["closed-port"][0] is NodeState.UNREACHABLE and "connection refused" in got["closed-port"][1]
+        assert got["no-python"] == (NodeState.FAILED, "python not found on the host: /opt/nowhere/bin/python3")
+        step = fleet.nodes["node-a"].step or 0
+        await until(lambda: fleet.nodes["node-a"].step > step + 3, 20, "node-a goes on")
+    finally:
+        await cluster.stop()
+        await cluster.close()
+        kill_run(run_dir)
