@@ -14,7 +14,15 @@ from console.transport import commands as C
 
 
 class TransportError(Exception):
-    """The host or the link failed; str() is the reason shown on the node."""
+    """The host or the link failed; str() is the reason shown on the node.
+
+    `link` is True when the host could not be reached at all (connect, host key, login, a dropped link), as
+    opposed to a command that ran there and failed.
+    """
+
+    def __init__(self, reason: str, link: bool = False):
+        super().__init__(reason)
+        self.link = link
 
 
 class Tail(abc.ABC):
