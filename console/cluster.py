@@ -429,7 +429,9 @@ class Cluster:
         if await self._live_pid(name) is not None:
             return Outcome(False, f"{name}: still running (kill or drain it first)")
         ok = await self._launch(host, append=True)
-        return Outcome(ok, f"{name}: {'restarted' if ok else 'could not restart: ' + str(self.fleet.nodes[name].reason)}")
+        if not ok:
+            return Outcome(False, f"{name}: could not restart: {self.fleet.nodes[name].reason}")
+        return Outcome(True, f"{name}: restarted")
 
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""

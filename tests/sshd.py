@@ -89,7 +89,8 @@ class Sshd:
             "StrictModes no",  # the key files live under /tmp, which is world-writable
             "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
             # root may log in by key too: the engine's interpreter may sit where the test user cannot read it
-            "PermitRootLogin prohibit-password", f"AllowUsers {self.user} root", "MaxSessions 10", "LogLevel VERBOSE", "UseDNS no", ""]))
+            "PermitRootLogin prohibit-password", f"AllowUsers {self.user} root", "MaxSessions 10",
+            "LogLevel VERBOSE", "UseDNS no", ""]))
         return config
 
     def start(self, new_host_key: bool = False) -> None:

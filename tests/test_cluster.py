@@ -9,7 +9,6 @@ test runs the real engine on configs/debug-diloco.toml.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -62,7 +61,8 @@ FAKE_STORE = r'''
 import json, os, signal, sys, time
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-print(json.dumps({"v": 1, "type": "state", "ts": time.time(), "node": "store", "rank": -1, "state": "ready"}), flush=True)
+ready = {"v": 1, "type": "state", "ts": time.time(), "node": "store", "rank": -1, "state": "ready"}
+print(json.dumps(ready), flush=True)
 while not stop:
     time.sleep(0.1)
 '''
@@ -208,7 +208,8 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
 
 
 async def test_bad_nodes_do_not_stop_the_others(workdir, cleanup):
-    text = PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra="env = { FAKE_MODE = \"exit-at-start\" }")
+    text = PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir,
+                          b_extra='env = { FAKE_MODE = "exit-at-start" }')
     text += '\n[hosts.node-d]\npython = "/no/such/python3"\n\n[hosts.node-e]\nenv = { FAKE_MODE = "garbage" }\n'
     (workdir / "p.toml").write_text(text)
     fleet = Fleet()

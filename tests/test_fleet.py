@@ -100,7 +100,8 @@ def test_state_transitions_engine_and_console_facts():
     assert fleet.nodes["a"].state is NodeState.DEAD
     fleet.ingest("a", start("a", pid=300))
     assert fleet.nodes["a"].state is NodeState.STARTING and fleet.nodes["a"].pid == 300
-    assert [e.change for e in fleet.timeline if e.source == "console"] == ["starting", "unreachable", "unreachable", "dead"]
+    console_facts = [e.change for e in fleet.timeline if e.source == "console"]
+    assert console_facts == ["starting", "unreachable", "unreachable", "dead"]
 
 
 def test_failed_run_end_keeps_the_error_as_reason():

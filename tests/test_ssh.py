@@ -308,7 +308,8 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         await until(lambda: fleet.nodes[b].step >= written, 20, "caught up")
         steps = [e["step"] for e in map(json.loads, (run_dir / b / "events.jsonl").read_text().splitlines())
                  if e["type"] == "step"]
-        assert [v for _, v in fleet.nodes[b].loss_history] == [1.0 / s for s in steps[:len(fleet.nodes[b].loss_history)]]
+        history = [v for _, v in fleet.nodes[b].loss_history]
+        assert history == [1.0 / s for s in steps[:len(history)]]  # every step once, in order, across the outage
         assert await cluster.kill(b)
         assert fleet.nodes[b].state is NodeState.DEAD
         step = fleet.nodes["node-a"].step

@@ -7,7 +7,7 @@ TransportError with a one-line reason, which the cluster turns into a node state
 from __future__ import annotations
 
 import abc
-from typing import AsyncIterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from console.profile import HostSpec
 from console.transport import commands as C
@@ -143,5 +143,3 @@ def lines_of(chunk: bytes, partial: bytes) -> tuple[list[bytes], bytes]:
     parts = data.split(b"\n")
     return parts[:-1], parts[-1]
 
-
-AsyncLines = AsyncIterator[bytes]
