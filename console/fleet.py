@@ -55,6 +55,7 @@ _CONSOLE_FACTS = frozenset({NodeState.DEAD, NodeState.UNREACHABLE, NodeState.FAI
 _ENGINE_STATES = {s.value: s for s in (NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING,
                                        NodeState.DRAINING, NodeState.LEFT)}
 _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
+_GONE = frozenset({NodeState.LEFT, NodeState.DEAD, NodeState.FAILED, NodeState.STANDBY})
 _RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopped": NodeState.LEFT,
                   "failed": NodeState.FAILED}
 
@@ -338,7 +339,10 @@ class Fleet:
         steps = [n for n in self.nodes.values() if n.step is not None]
         lead = max(steps, key=lambda n: n.step) if steps else None  # type: ignore[arg-type, return-value]
         max_steps = max((n.max_steps for n in self.nodes.values() if n.max_steps), default=None)
-        members = len(self.members) if self.members is not None else len(active)
+        if self.members is None:
+            members = len(active)
+        else:  # the mesh's latest list, less the nodes known to be gone since (it lags a death or a stop)
+            members = sum(1 for m in self.members if m not in self.nodes or self.nodes[m].state not in _GONE)
         return Summary(
             run=self.run, members=members, outer_step=max(outer) if outer else None,
             tokens_per_s=float(sum(n.tokens_per_s or 0.0 for n in active)),

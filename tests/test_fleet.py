@@ -128,6 +128,9 @@ def test_membership_timeline_dedup_and_dead_peer():
     fleet.ingest("a", line("membership", change="joined", subject="d", generation=4, members=["a", "b", "d"]))
     assert [e.change for e in fleet.timeline if e.source != "console"] == ["dead", "joined"]
     assert fleet.members == ("a", "b", "d")
+    assert fleet.summary().members == 3  # d is not a node of this fleet (yet): the mesh's word counts
+    fleet.set_state("b", NodeState.DEAD, "killed")
+    assert fleet.summary().members == 2  # the mesh has not said so yet, the console knows
 
 
 def test_version_bumps_only_on_change():
