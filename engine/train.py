@@ -88,6 +88,7 @@ class Session:
     progress: Progress = field(default_factory=Progress)
     accum: int = 1
     draining: bool = False
+    facts: dict[str, Any] = field(default_factory=dict)  # shown once on the "training" state event
 
 
 def human_line(event: dict) -> None:
@@ -124,11 +125,10 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
     session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt,
                       Signals(cfg.mesh.drain_file), resources,
                       accum=grad_accum_steps(cfg.train, world.world_size))
+    session.facts = {"params": count_params(model), "device": str(device), "grad_accum": session.accum}
     if resume_from is not None:
-        step = ckpt.load(resume_from, inner, data, session.progress, outer)
-        telemetry.emit("warning", message=f"resumed from {resume_from} at step {step}")
-    telemetry.emit("state", state="starting", params=count_params(model), device=str(device),
-                   grad_accum=session.accum)
+        ckpt.load(resume_from, inner, data, session.progress, outer)
+        session.facts["resumed_from"] = str(resume_from)
     return session
 
 
@@ -169,12 +169,26 @@ def save(s: Session) -> None:
     s.telemetry.emit("checkpoint", step=s.progress.step, path=str(path), seconds=seconds)
 
 
+def follow_handoff(s: Session) -> None:
+    """A joiner was handed the mesh's progress in outer.start: read data and follow the LR schedule from there,
+    as if it had trained all along (the weights and outer state came with the hand-off)."""
+    step = s.progress.step
+    s.data.train.consumed = step * s.cfg.train.micro_batch_size * s.accum
+    sched = s.inner.scheduler
+    sched.last_epoch = step
+    for group, base_lr, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base_lr * factor(step)
+
+
 def run(s: Session) -> str:
     """The training loop. Returns the run_end status."""
     cfg, progress = s.cfg, s.progress
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    before = progress.step
     s.outer.start(progress)
-    s.telemetry.emit("state", state="training")
+    if progress.step != before:
+        follow_handoff(s)
+    s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
     while progress.step < cfg.train.max_steps:
         loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)

@@ -124,3 +124,23 @@ def test_no_outer_drains_at_the_next_step():
     p2 = Progress()
     p2.load_state_dict(Progress(step=4, outer_step=1, tokens=9).state_dict())
     assert p2 == Progress(4, 1, 9)
+
+
+def test_a_joiner_follows_the_handed_off_progress():
+    """After outer.start hands a joiner the mesh's step, its data position and LR match a node that trained."""
+    from types import SimpleNamespace
+
+    from engine.data import FakeSource, TokenStream
+    from engine.train import follow_handoff
+    trained, joiner = _inner(), _inner()
+    stream = TokenStream(FakeSource(258, 16, 0), 0, 1, seed=0)
+    for _ in range(5):
+        for last in (False, True):
+            trained.micro_step(*stream.next_batch(2), last=last)
+        trained.optimizer_step()
+    fresh = TokenStream(FakeSource(258, 16, 0), 0, 1, seed=0)
+    session = SimpleNamespace(progress=Progress(step=5), inner=joiner, data=SimpleNamespace(train=fresh),
+                              cfg=SimpleNamespace(train=joiner.train_cfg), accum=2)
+    follow_handoff(session)
+    assert joiner.current_lr() == trained.current_lr() and joiner.scheduler.last_epoch == 5
+    assert torch.equal(fresh.next_batch(2)[0], stream.next_batch(2)[0])
