@@ -229,7 +229,7 @@ def test_drained_node_leaves_and_the_next_plan_excludes_it_at_once(procs, port):
 
 def test_duplicate_live_id_and_other_digest_are_rejected_without_disturbing_the_run(procs, port):
     start_store(procs, port)
-    a = start_node(procs, port, "a", "--steps", "200", "--step-s", "0.1")
+    a = start_node(procs, port, "a", "--steps", "100000", "--step-s", "0.1")  # ended by the fixture
     wait_for(lambda: len(a.committed()) >= 1, 60, "a running", [a])
     dup = start_node(procs, port, "a", "--steps", "3")
     t0 = time.monotonic()

@@ -324,6 +324,17 @@ def test_restart_with_a_dead_nodes_id_rejoins_as_a_joiner():
     assert sim.nodes["b"].state == "joining"
 
 
+def test_a_node_declared_dead_that_wakes_up_stops_beating_under_its_taken_id():
+    sim = Sim()
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    old_b = sim.nodes["b"]
+    sim.kill("b")  # stopped (SIGSTOP, swapped out), not gone
+    sim.start("b")
+    with pytest.raises(MeshError, match="node b was declared dead and a newer process"):
+        old_b.tick()
+
+
 def test_digest_mismatch_is_rejected():
     sim = Sim()
     sim.start("a")

@@ -164,8 +164,9 @@ class Mesh:
             raise ValueError(f"mesh.leave: reason {reason!r} is not one of {', '.join(LEAVE_REASONS)}")
         if self.state == "left":
             return
+        self._stop_thread()
+        self.state = "left"  # locally at once: a second leave() after a store failure is a no-op
         with self._guard("leave"):
-            self._stop_thread()
             self._release_lease()
             self.store.set(self.keys.bye(self.node_id), reason)
             self.store.delete_key(self.keys.join(self.node_id))
@@ -235,6 +236,7 @@ class Mesh:
     def tick(self) -> None:
         """One heartbeat: bump the counter, watch the peers, check the lease, emit a heartbeat event."""
         s = self._hb_store if self._hb_store is not None else self.store
+        self._check_still_me(s)
         self._seq = s.add(self.keys.hb(self.node_id), 1)
         self._watch_peers(s)
         self._check_lease(s)
@@ -415,6 +417,14 @@ class Mesh:
                 self._hb_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 return
             self._stop.wait(self.cfg.heartbeat_interval)
+
+    def _check_still_me(self, s: Any) -> None:
+        """A node that was silent long enough to be declared dead (stopped, swapped out) may find that a newer
+        process took its id over: it must not beat under that id again."""
+        holder = json.loads(_text(s.get(self.keys.info(self.node_id))))
+        if holder.get("token") != self.info.get("token"):
+            raise MeshError(f"node {self.node_id} was declared dead and a newer process (pid {holder.get('pid')}) "
+                            f"took its id over: this process must exit")
 
     def _watch_peers(self, s: Any) -> None:
         k = self.keys
