@@ -4,7 +4,8 @@ timeout 1.5 s). The oracle is the telemetry: every node's "outer_step" events ca
 parameters, which must be identical on every node for every outer step, joiners included.
 
 Three runs, each asserted from several angles:
-    three_nodes   a, b, c train; d joins mid-run; x (another H) is rejected; c is SIGKILLed; a, b, d finish
+    three_nodes   a, b, c train; d joins mid-run; x (another H) is rejected; c is SIGKILLed, a, b, d go on;
+                  c restarts with the same id and rejoins; all finish with identical weights
     leader_drain  a, b, c train; the leader is SIGKILLed; then one survivor drains (SIGUSR1); the last finishes
     fsdp          2 nodes x 2 FSDP workers (torchrun): per-shard exchange, identical checksums
 """
@@ -146,35 +147,42 @@ def kill(node: Node) -> None:
 
 @pytest.fixture(scope="module")
 def three_nodes(tmp_path_factory):
-    """a, b, c (min_nodes 3, 45 steps = 15 outer steps). After outer step 2: d joins, x with H=4 is rejected
-    (both started early and primed, so that they arrive mid-run). Two outer steps after d's admission a follower
-    (c, or b if c leads) is SIGKILLed inside its inner round."""
+    """a, b, c (min_nodes 3, 60 steps = 20 outer steps). c starts once a or b holds the leader lease, so c is a
+    follower. After outer step 2: d joins and x (H=4) is rejected. Two outer steps after d's admission c is
+    SIGKILLed inside its inner round; once the survivors committed the next outer step, c restarts with the same
+    id and rejoins. Nodes that must start at a chosen moment are primed (imports done) and released by a go-file."""
     from procs import ProcessTracker
     procs, port, run_dir = ProcessTracker(), free_port(), tmp_path_factory.mktemp("three")
     try:
         start_store(procs, port)
-        steps = ["--train.max_steps=45", "--diloco.min_nodes=3"]
-        go = run_dir / "go"
-        d = start_node(procs, port, "d", run_dir, *steps, go=go)
-        x = start_node(procs, port, "x", run_dir, *steps, "--diloco.inner_steps=4", go=go)
-        a, b, c = (start_node(procs, port, n, run_dir, *steps) for n in "abc")
-        nodes = [a, b, c, d, x]
-        primed(d)
-        primed(x)
+        steps = ["--train.max_steps=60", "--diloco.min_nodes=3"]
+        go_c, go_late, go_again = run_dir / "go-c", run_dir / "go-late", run_dir / "go-again"
+        c = start_node(procs, port, "c", run_dir, *steps, go=go_c)
+        d = start_node(procs, port, "d", run_dir, *steps, go=go_late)
+        x = start_node(procs, port, "x", run_dir, *steps, "--diloco.inner_steps=4", go=go_late)
+        again = start_node(procs, port, "c", run_dir / "again", *steps, go=go_again)
+        again.name = "c (restarted)"
+        a, b = (start_node(procs, port, n, run_dir, *steps) for n in "ab")
+        nodes = [a, b, c, d, x, again]
+        for n in (c, d, x, again):
+            primed(n)
+        wait_for(lambda: any(e["change"] == "leader" for n in (a, b) for e in n.of("membership")), 120,
+                 "a leader among a and b", nodes)
+        go_c.touch()
         wait_for(lambda: 2 in a.outer(), 180, "outer step 2", nodes)
-        go.touch()
+        go_late.touch()
         wait_for(lambda: d.outer(), 120, "d admitted", nodes)
-        # a follower dies between outer steps (inside an inner step), after d is a member
-        leader = [e for e in a.of("membership") if e["change"] == "leader"][-1]["subject"]
-        victim = c if leader != "c" else b
         after = min(d.outer()) + 2
-        wait_for(lambda: max(victim.outer(), default=0) >= after and victim.last_step() > after * H, 120,
-                 "the follower two outer steps past the join", nodes)
-        killed = max(victim.outer())
-        kill(victim)
-        survivors = [n for n in (a, b, c, d) if n is not victim]
-        codes = {n.name: finish(n, 180, nodes) for n in (*survivors, x)}
-        yield {"a": a, "b": b, "c": c, "d": d, "x": x, "codes": codes, "killed_after": killed, "victim": victim,
+        wait_for(lambda: max(c.outer(), default=0) >= after and c.last_step() > after * H, 120,
+                 "c two outer steps past the join", nodes)
+        killed = max(c.outer())
+        kill(c)
+        survivors = [a, b, d]
+        wait_for(lambda: all(killed + 1 in n.outer() for n in survivors), 120, "the survivors' next outer step",
+                 nodes)
+        go_again.touch()
+        codes = {n.name: finish(n, 180, nodes) for n in (*survivors, again, x)}
+        yield {"a": a, "b": b, "c": c, "d": d, "x": x, "again": again, "codes": codes, "killed_after": killed,
                "survivors": survivors}
     finally:
         procs.kill_all()
@@ -183,8 +191,8 @@ def three_nodes(tmp_path_factory):
 def test_three_nodes_identical_checksums_after_every_outer_step(three_nodes):
     a, b, c, d = (three_nodes[n] for n in "abcd")
     assert all(three_nodes["codes"][n.name] == 0 for n in three_nodes["survivors"])
-    assert sorted(a.outer()) == list(range(1, 16))  # 45 steps / H=3
-    assert_identical([a, b, c, d])
+    assert sorted(a.outer()) == list(range(1, 21))  # 60 steps / H=3
+    assert_identical([a, b, c, d, three_nodes["again"]])
     first = a.outer()[1]
     assert first["members"] == ["a", "b", "c"] and first["bytes_sent"] > 0 and first["pgrad_norm"] > 0
     assert a.of("run_end")[-1]["status"] == "completed"
@@ -197,8 +205,8 @@ def test_joiner_mid_run_receives_state_and_matches(three_nodes):
     assert joined >= 3  # admitted at a boundary after it started, not at the beginning
     assert d.outer()[joined]["checksum"] == a.outer()[joined]["checksum"]
     assert "d" in a.outer()[joined]["members"]
-    assert d.of("run_end")[-1]["step"] == 45  # took over the progress (step counter) and trained on to the end
-    assert sorted(d.outer()) == list(range(joined, 16))
+    assert d.of("run_end")[-1]["step"] == 60  # took over the progress (step counter) and trained on to the end
+    assert sorted(d.outer()) == list(range(joined, 21))
     assert any(e["state"] == "joining" for e in d.of("state"))
     assert any(e["change"] == "joined" and e["subject"] == "d" for e in a.of("membership"))
 
@@ -213,14 +221,24 @@ def test_config_mismatch_rejected_without_disturbing_the_run(three_nodes):
 
 
 def test_follower_sigkill_survivors_redo_without_it_and_finish(three_nodes):
-    survivors, victim = three_nodes["survivors"], three_nodes["victim"]
+    survivors, c = three_nodes["survivors"], three_nodes["c"]
     after = three_nodes["killed_after"] + 1
-    names = sorted(n.name for n in survivors)
     for n in survivors:
-        assert n.outer()[after]["members"] == names, n.report()
-        assert n.of("run_end")[-1]["status"] == "completed" and max(n.outer()) == 15
-    assert any(e["change"] == "dead" and e["subject"] == victim.name for e in survivors[0].of("membership"))
+        assert n.outer()[after]["members"] == ["a", "b", "d"], n.report()
+        assert n.of("run_end")[-1]["status"] == "completed" and max(n.outer()) == 20
+    assert any(e["change"] == "dead" and e["subject"] == "c" for e in survivors[0].of("membership"))
     assert_identical(survivors)
+
+
+def test_node_restarted_with_same_id_rejoins_with_identical_weights(three_nodes):
+    again, a = three_nodes["again"], three_nodes["a"]
+    assert three_nodes["codes"][again.name] == 0, again.report()
+    rejoined = min(again.outer())
+    assert rejoined > three_nodes["killed_after"] + 1
+    assert again.outer()[rejoined]["checksum"] == a.outer()[rejoined]["checksum"]
+    assert a.outer()[rejoined]["members"] == ["a", "b", "c", "d"]
+    assert any(e["state"] == "joining" for e in again.of("state"))
+    assert again.of("run_end")[-1] == {**again.of("run_end")[-1], "status": "completed", "step": 60}
 
 
 # ------------------------------------------------------------------------------------------ run 2: leader + drain
@@ -287,3 +305,25 @@ def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path):
     assert sorted(nodes[0].outer()) == [1, 2, 3]
     # bytes of both local ranks (each sends its own shard): int8 sends ~2 bytes per parameter in all
     assert nodes[0].outer()[1]["bytes_sent"] == nodes[1].outer()[1]["bytes_sent"] > 0
+
+
+# ------------------------------------------------------------------------------------------ checkpoint and resume
+
+def test_resume_from_mid_round_checkpoint_continues_the_uninterrupted_run(procs, tmp_path):
+    """One node, H=3, a checkpoint at step 4 (mid-round: snapshot != parameters, momentum set). The run resumed
+    from it reports the same checksums at outer steps 2..4 as the uninterrupted run: the outer state (snapshot and
+    Nesterov momentum) was saved and restored with the inner state."""
+    steps = ["--train.max_steps=12", "--diloco.min_nodes=1", "--ckpt.interval=4", "--ckpt.keep=5"]
+    port = free_port()
+    start_store(procs, port)
+    full = start_node(procs, port, "solo", tmp_path / "full", *steps)
+    assert finish(full, 180, [full]) == 0, full.report()
+    checkpoint = tmp_path / "full" / "solo" / "checkpoints" / "step-00000004"
+    assert checkpoint.is_dir(), full.report()
+    port2 = free_port()  # a fresh store: the first run's membership keys belong to that run
+    start_store(procs, port2)
+    resumed = start_node(procs, port2, "solo", tmp_path / "resumed", *steps, f"--ckpt.resume={checkpoint}")
+    assert finish(resumed, 180, [resumed]) == 0, resumed.report()
+    want = {k: e["checksum"] for k, e in full.outer().items()}
+    got = {k: e["checksum"] for k, e in resumed.outer().items()}
+    assert sorted(got) == [2, 3, 4] and all(got[k] == want[k] for k in got), (want, got)
