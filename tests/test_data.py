@@ -110,3 +110,24 @@ def test_bad_data_is_one_clear_error(tmp_path, setup, message):
     setup(target)
     with pytest.raises(ValueError, match=message):
         build_data(DataConfig(path=str(target), seq_len=16, eval_percent=0), world(), 0)
+
+
+def test_local_transformers_tokenizer_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    text = "the quick brown fox jumps over the lazy dog " * 50
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "corpus.txt").write_text(text)
+    cfg = DataConfig(path=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "tok"), seq_len=8,
+                     eval_percent=0)
+    data = build_data(cfg, world(), seed=0)
+    assert data.vocab_size == 11  # 8 words + 3 specials
+    ids = data.train.source.tokens
+    assert ids[0] == data.tokenizer.bos_id and ids[-1] == data.tokenizer.eos_id and len(ids) == 9 * 50 + 2
+    assert data.tokenizer.decode(ids[1:5].tolist()) == "the quick brown fox"
+    with pytest.raises(ValueError, match="data.tokenizer: .* is not a folder"):
+        build_data(cfg.model_copy(update={"tokenizer": str(tmp_path / "missing")}), world(), 0)
