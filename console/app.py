@@ -116,7 +116,8 @@ class ConsoleApp(App[int]):
         if not ok and target is not None:
             target.log.append(f"[console] {message}")
             self.fleet.version += 1  # the log pane shows it on the next tick
-        self.notify(message, severity="information" if ok else "error", timeout=4 if ok else 8)
+        # markup=False: cluster messages carry node names, paths and error text, any of which may hold "[...]"
+        self.notify(message, severity="information" if ok else "error", timeout=4 if ok else 8, markup=False)
 
     def _host_group(self, name: str) -> str:
         node = self.fleet.nodes.get(name)
@@ -132,7 +133,8 @@ class ConsoleApp(App[int]):
         skipped = [n for n in names if n not in ok]
         if skipped:
             states = ", ".join(f"{n} ({self.fleet.nodes[n].state})" for n in skipped if n in self.fleet.nodes)
-            self.notify(f"{action}: skipped {states or ', '.join(skipped)}", severity="warning", timeout=4)
+            self.notify(f"{action}: skipped {states or ', '.join(skipped)}", severity="warning", timeout=4,
+                        markup=False)
         if not ok:
             return
 

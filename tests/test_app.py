@@ -290,4 +290,13 @@ async def test_garbage_never_crashes(local_profile):
         assert app.dashboard.query_one(LossChart).series == {}  # nothing plottable yet, and no crash
         log = app.dashboard.query_one(LogPane)
         assert log.node_name == "node-a" and sum("malformed" in line for line in log.lines) == 3
+        # markup-looking names and messages are shown as text, never parsed
+        fleet.ingest("[red]odd[/", '{"v":1,"type":"state","ts":1,"node":"x","rank":0,"state":"training"}')
+        app._report("[red]odd[/", "kill failed: [/] not [b]running", ok=False)
+        await pilot.pause(1.2)
+        table.move_cursor(row=table.get_row_index("[red]odd[/"))
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen) and app.screen.question == "Kill [red]odd[/?"
+        await pilot.press("n")
+        assert log._border_title.plain == "log [red]odd[/"  # shown as written (the getter returns markup)
         assert app.is_running

@@ -139,7 +139,7 @@ class DashboardScreen(Screen[None]):
     def action_trend(self) -> None:
         metric = self.table.toggle_trend()
         self.table.sync(self._visible(), only=("trend",))
-        self.notify(f"sparkline: {metric}", timeout=2)
+        self.notify(f"sparkline: {metric}", timeout=2, markup=False)
 
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)

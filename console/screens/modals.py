@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -25,10 +26,10 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.question, id="question")
+            yield Label(self.question, id="question", markup=False)  # node names are data, not markup
             with Horizontal(classes="buttons"):
-                yield Button(self.confirm_label, variant="error", id="yes")
-                yield Button("Cancel", variant="primary", id="no")
+                yield Button(f"{self.confirm_label} (y)", variant="error", id="yes")
+                yield Button("Cancel (n)", variant="primary", id="no")
 
     def on_mount(self) -> None:
         self.query_one("#no", Button).focus()  # the safe answer is the default
@@ -54,7 +55,7 @@ class AddNodeScreen(ModalScreen[str | None]):
         with Vertical(classes="dialog"):
             yield Label("Add a node: pick a standby host, or type a new address", id="question")
             if self.standby:
-                yield OptionList(*(Option(h, id=h) for h in self.standby), id="standby")
+                yield OptionList(*(Option(Text(h), id=h) for h in self.standby), id="standby")
             else:
                 yield Label("(no standby hosts in the profile)", classes="dim")
             yield Input(placeholder="new address: host, user@host:port or an ~/.ssh/config alias", id="address")
@@ -98,9 +99,9 @@ class QuitScreen(ModalScreen[str | None]):
         with Vertical(classes="dialog"):
             yield Label("Quit the console. Training on the hosts:", id="question")
             with Horizontal(classes="buttons"):
-                yield Button("Leave running [l]", variant="primary", id=QUIT_LEAVE)
+                yield Button("Leave running (l)", variant="primary", id=QUIT_LEAVE)
                 if not self.readonly:
-                    yield Button("Stop training [s]", variant="error", id=QUIT_STOP)
+                    yield Button("Stop training (s)", variant="error", id=QUIT_STOP)
                 yield Button("Cancel", id="cancel")
 
     def on_mount(self) -> None:

@@ -6,6 +6,7 @@ import time
 from typing import Any, Iterable
 
 from rich.text import Text
+from textual.content import Content
 from textual.widgets import Log, Static
 
 from console.widgets import cells
@@ -67,7 +68,8 @@ class LogPane(Log):
             new, follow = tail, True
         self.write_lines(new, scroll_end=follow)
         self.node_name, self._tail = node.name, tail
-        self.border_title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
+        # a border title is markup: a node name is data
+        self.border_title = Content(f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else ""))
 
 
 def _new_lines(old: list[str], new: list[str]) -> list[str] | None:
