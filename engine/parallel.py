@@ -71,7 +71,9 @@ def setup_distributed(cfg: InnerConfig, world: World) -> tuple[torch.device, dis
                 raise ValueError(f"process group: cannot open the rendezvous store at MASTER_ADDR/MASTER_PORT "
                                  f"({reason}; {str(e).split('.')[0]})") from None
         else:
-            assert world.world_size == 1, "several ranks without torchrun"
+            if world.world_size != 1:
+                raise ValueError(f"environment: WORLD_SIZE={world.world_size} without a torchrun rendezvous "
+                                 f"(MASTER_ADDR); launch several ranks with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=PG_TIMEOUT)
     return device, dist.group.WORLD
 
