@@ -6,7 +6,8 @@ parameters, which must be identical on every node for every outer step, joiners 
 Three runs, each asserted from several angles:
     three_nodes   a, b, c train; d joins mid-run; x (another H) is rejected; c is SIGKILLed, a, b, d go on;
                   c restarts with the same id and rejoins; all finish with identical weights
-    leader_drain  a, b, c train; the leader is SIGKILLed; then one survivor drains (SIGUSR1); the last finishes
+    leader_drain  a, b, c, e train; c dies inside the all-reduce (abort, redo without it); the leader is SIGKILLed;
+                  then one survivor drains (SIGUSR1); the last finishes
     fsdp          2 nodes x 2 FSDP workers (torchrun): per-shard exchange, identical checksums
 """
 
@@ -99,11 +100,27 @@ engine.train.cli()
 """
 
 
-def start_node(procs, port: int, name: str, run_dir, *extra: str, workers: int = 1, go=None) -> Node:
+# Fault injection from the test side, no hook in the engine: the node SIGKILLs itself inside the all-reduce of
+# outer step N, after the reduce-scatter (its chunks are out) and before the all-gather.
+DIE_IN_ALLREDUCE = """import os, signal
+import engine.compression as comp
+_gather, _calls = comp._all_gather, [0]
+def _dying(pg, mine):
+    _calls[0] += 1
+    if _calls[0] == {n}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _gather(pg, mine)
+comp._all_gather = _dying
+"""
+
+
+def start_node(procs, port: int, name: str, run_dir, *extra: str, workers: int = 1, go=None,
+               die_at_outer_step: int | None = None) -> Node:
     args = [CONFIG, *FAST, f"--mesh.store_port={port}", f"--mesh.node_id={name}", f"--run.dir={run_dir / name}",
             *extra]
     if go is not None:
-        return Node(procs, name, [sys.executable, "-c", PRIMED, str(go), *args])
+        fault = DIE_IN_ALLREDUCE.format(n=die_at_outer_step) if die_at_outer_step else ""
+        return Node(procs, name, [sys.executable, "-c", fault + PRIMED, str(go), *args])
     if workers == 1:
         return Node(procs, name, [sys.executable, "-m", "engine.train", *args])
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}",
@@ -245,28 +262,51 @@ def test_node_restarted_with_same_id_rejoins_with_identical_weights(three_nodes)
 
 @pytest.fixture(scope="module")
 def leader_drain(tmp_path_factory):
-    """a, b, c with 30 steps (10 outer steps). After outer step 2 the leader is SIGKILLed; after the survivors'
-    outer step 4 one of them gets SIGUSR1 and drains; the other finishes alone."""
+    """a, b, e and c with 30 steps (10 outer steps); c starts once one of the others leads. c SIGKILLs itself
+    inside the all-reduce of outer step 2: the survivors' collective fails, they abort and redo step 2 without it.
+    After outer step 3 the leader is SIGKILLed; after the survivors' outer step 5 one of them gets SIGUSR1 and
+    drains; the other finishes alone."""
     from procs import ProcessTracker
     procs, port, run_dir = ProcessTracker(), free_port(), tmp_path_factory.mktemp("leader")
     try:
         start_store(procs, port)
-        steps = ["--train.max_steps=30", "--diloco.min_nodes=3"]
-        nodes = [start_node(procs, port, n, run_dir, *steps) for n in "abc"]
+        # a short all-reduce timeout: a survivor whose gloo ring never touches the dead node waits for it
+        steps = ["--train.max_steps=30", "--diloco.min_nodes=4", "--diloco.allreduce_timeout=4"]
+        go_c = run_dir / "go-c"
+        c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=2)
+        nodes = [start_node(procs, port, n, run_dir, *steps) for n in "abe"]
+        primed(c)
+        wait_for(lambda: any(e["change"] == "leader" for n in nodes for e in n.of("membership")), 120,
+                 "a leader among a, b, e", nodes)
+        go_c.touch()
+        wait_for(lambda: all(3 in n.outer() for n in nodes), 180, "outer step 3 everywhere", [*nodes, c])
+        assert c.proc.wait(timeout=30) == -signal.SIGKILL
         by_name = {n.name: n for n in nodes}
-        wait_for(lambda: all(2 in n.outer() for n in nodes), 180, "outer step 2 everywhere", nodes)
         leader_name = [e for e in nodes[0].of("membership") if e["change"] == "leader"][-1]["subject"]
         leader = by_name.pop(leader_name)
         killed_at = time.time()
         kill(leader)
         survivors = sorted(by_name.values(), key=lambda n: n.name)
-        wait_for(lambda: all(4 in n.outer() for n in survivors), 120, "outer step 4 after the kill", nodes)
+        wait_for(lambda: all(5 in n.outer() for n in survivors), 120, "outer step 5 after the kill", nodes)
         drainer, stayer = survivors
         os.kill(drainer.proc.pid, signal.SIGUSR1)
         codes = {n.name: finish(n, 180, nodes) for n in survivors}
-        yield {"leader": leader, "drainer": drainer, "stayer": stayer, "codes": codes, "killed_at": killed_at}
+        yield {"leader": leader, "drainer": drainer, "stayer": stayer, "codes": codes, "killed_at": killed_at,
+               "c": c, "first": nodes}
     finally:
         procs.kill_all()
+
+
+def test_death_inside_the_allreduce_aborts_and_redoes_the_step_without_it(leader_drain):
+    first, c = leader_drain["first"], leader_drain["c"]
+    assert sorted(c.outer()) == [1] and c.outer()[1]["members"] == ["a", "b", "c", "e"]
+    for n in first:
+        aborted = [e for e in n.of("warning") if "outer step 2 attempt 0" in e["message"] and "aborted" in e["message"]]
+        assert aborted, n.report()
+        redo = n.outer()[2]
+        print(f"{n.name}: {aborted[0]['message']}; redo {redo['ts'] - n.outer()[1]['ts']:.2f}s after step 1")
+        assert redo["members"] == ["a", "b", "e"] and redo["generation"] > n.outer()[1]["generation"]
+    assert_identical([*first, c])
 
 
 def test_leader_sigkill_survivors_take_over_and_stay_identical(leader_drain):
@@ -288,7 +328,7 @@ def test_drain_contributes_last_round_then_exits_zero(leader_drain):
     assert drainer.name in stayer.outer()[last]["members"]
     assert stayer.outer()[last]["checksum"] == drainer.outer()[last]["checksum"]
     assert stayer.outer()[last + 1]["members"] == [stayer.name]
-    assert stayer.outer()[last + 1]["outer_step"] == last + 1 and leader_drain["codes"][stayer.name] == 0
+    assert leader_drain["codes"][stayer.name] == 0
     assert stayer.of("run_end")[-1]["status"] == "completed" and max(stayer.outer()) == 10
 
 
