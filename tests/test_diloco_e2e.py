@@ -367,3 +367,31 @@ def test_resume_from_mid_round_checkpoint_continues_the_uninterrupted_run(procs,
     want = {k: e["checksum"] for k, e in full.outer().items()}
     got = {k: e["checksum"] for k, e in resumed.outer().items()}
     assert sorted(got) == [2, 3, 4] and all(got[k] == want[k] for k in got), (want, got)
+
+
+# ------------------------------------------------------------------------------------------ a node that stalls
+
+def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
+    """b is frozen (SIGSTOP) past the heartbeat timeout: a declares it dead and goes on alone. Thawed, b arrives
+    at a boundary the run has passed, is told it was left out (Excluded), re-joins as a joiner and receives the
+    state: from its re-admission on, its checksums equal a's, and both finish."""
+    port = free_port()
+    start_store(procs, port)
+    steps = ["--train.max_steps=36", "--diloco.min_nodes=2"]
+    a, b = nodes = [start_node(procs, port, n, tmp_path, *steps) for n in "ab"]
+    wait_for(lambda: 2 in a.outer() and 2 in b.outer(), 180, "outer step 2", nodes)
+    os.killpg(b.proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: any(e["change"] == "dead" and e["subject"] == "b" for e in a.of("membership")), 30,
+                 "a declares b dead", nodes)
+        wait_for(lambda: any(e["members"] == ["a"] for e in a.of("outer_step")), 30, "a alone", nodes)
+    finally:
+        os.killpg(b.proc.pid, signal.SIGCONT)
+    for n in nodes:
+        assert finish(n, 180, nodes) == 0, n.report()
+    assert any("re-join" in e["message"] for e in b.of("warning")), b.report()
+    assert any(e["state"] == "joining" for e in b.of("state"))
+    back = min(k for k, e in b.outer().items() if k > 2)
+    assert a.outer()[back]["members"] == ["a", "b"]
+    assert_identical(nodes)
+    assert b.of("run_end")[-1]["status"] == "completed" and max(b.outer()) == max(a.outer()) == 12
