@@ -12,6 +12,12 @@ Every H inner steps, on every local rank of every member node:
     abort:   nothing changed (params, momentum, snapshot); the same pgrad is retried with attempt + 1 on the
              plan the mesh gives next (without the dead), at most diloco.max_attempts times
 
+Joiners (plan.joiners) send zeros with weight 0, then, after the commit, receive parameters, outer momentum and
+Progress from plan.source by broadcasts over the same group (every member takes part; a non-source member checks
+that what it received equals its own state). If that hand-off fails the commit stands: the joiner fails and is
+dropped at the next boundary. A member the mesh left out (Excluded: it was declared dead, then came back) drops
+its stale pseudo-gradient and re-joins as a joiner.
+
 Only local rank 0 talks to the Mesh; it hands each answer (a Plan, a decision, or the error it raised) to the
 other local ranks by a broadcast on the node's own group, so all local ranks take every branch together. Each
 local rank r exchanges only its own tensors (FSDP: its shards) in the global group of "local rank r on every
@@ -26,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -338,7 +343,8 @@ class DilocoOuter:
         assert joiner or pgrad is not None, "a member without a pseudo-gradient"
         assert self.snapshot is not None
         # the mesh's contributors: members that are not joiners and arrived with a pseudo-gradient
-        weight = 1.0 if self.node_id in plan.contributors and not joiner else 0.0
+        contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
+        weight = 1.0 if self.node_id in contributors and not joiner else 0.0
         send = pgrad if weight else torch.zeros_like(self.snapshot)
         mean, proposal, stats, reason = None, None, None, ""
         try:

@@ -84,7 +84,7 @@ def test_int8_codec_roundtrip_bound_and_constant_chunks():
 
 # ------------------------------------------------------------------------------------------ fakes
 
-def FakePlan(generation, outer_step, attempt, members, joiners=(), source=None, leaving=()):
+def make_plan(generation, outer_step, attempt, members, joiners=(), source=None, leaving=()):
     """A real mesh Plan; every member that is not a joiner contributes."""
     return Plan(generation=generation, outer_step=outer_step, attempt=attempt, members=tuple(sorted(members)),
                 joiners=tuple(joiners), source=source, leaving=tuple(leaving),
@@ -94,7 +94,7 @@ def FakePlan(generation, outer_step, attempt, members, joiners=(), source=None, 
 class FakeMesh:
     """Scripted: boundary() returns the next plan; commit() returns the next decision (and records votes)."""
 
-    def __init__(self, plans: list[FakePlan], decisions: list[bool], joiner: bool = False):
+    def __init__(self, plans: list[make_plan], decisions: list[bool], joiner: bool = False):
         self.plans, self.decisions, self.joiner = list(plans), list(decisions), joiner
         self.votes: list[bool] = []
         self.left: str | None = None
@@ -102,10 +102,10 @@ class FakeMesh:
     def start(self) -> bool:
         return self.joiner
 
-    def wait_admission(self) -> FakePlan:
+    def wait_admission(self) -> make_plan:
         return self.plans.pop(0)
 
-    def boundary(self, outer_step, attempt, *, contributing, draining) -> FakePlan:
+    def boundary(self, outer_step, attempt, *, contributing, draining) -> make_plan:
         plan = self.plans.pop(0)
         assert (plan.outer_step, plan.attempt) == (outer_step, attempt)
         return plan
@@ -166,7 +166,7 @@ class _Null:
 def test_h1_lr1_no_momentum_equals_plain_training():
     plain, outer_inner = TinyInner(0), TinyInner(0)
     steps = 6
-    mesh = FakeMesh([FakePlan(1, k, 0, ["a"], source="a") for k in range(1, steps + 1)], [True] * steps)
+    mesh = FakeMesh([make_plan(1, k, 0, ["a"], source="a") for k in range(1, steps + 1)], [True] * steps)
     outer = make_outer(outer_inner, mesh, inner_steps=1, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
     progress = Progress()
     outer.start(progress)
@@ -183,7 +183,7 @@ def test_h1_lr1_no_momentum_equals_plain_training():
 
 def test_aborted_outer_step_rolls_back_then_retries_same_pgrad():
     inner = TinyInner(1)
-    plans = [FakePlan(1, 1, 0, ["a"], source="a"), FakePlan(2, 1, 1, ["a"], source="a")]
+    plans = [make_plan(1, 1, 0, ["a"], source="a"), make_plan(2, 1, 1, ["a"], source="a")]
     mesh = FakeMesh(plans, [False, True])
     events: list[dict] = []
     outer = make_outer(inner, mesh, events=events, inner_steps=2)
@@ -207,7 +207,7 @@ def test_aborted_outer_step_rolls_back_then_retries_same_pgrad():
 
 def test_drain_contributes_then_leaves():
     inner = TinyInner(2)
-    mesh = FakeMesh([FakePlan(1, 1, 0, ["a"], source="a")], [True])
+    mesh = FakeMesh([make_plan(1, 1, 0, ["a"], source="a")], [True])
     events: list[dict] = []
     outer = make_outer(inner, mesh, events=events, inner_steps=2)
     progress = Progress()
@@ -253,7 +253,7 @@ def _handoff_checks(store, rank: int) -> dict:
     node = "abc"[rank]
     inner = TinyInner(0 if node != "c" else 99)
     joiner = node == "c"
-    plan = FakePlan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
+    plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
     outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8",
                        group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "gen7/"))
