@@ -117,18 +117,19 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
     model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
     inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
     outer = build_outer(cfg, world, inner, telemetry, local_group=group)
-    resources = None
-    if world.rank == 0 or cfg.telemetry.all_ranks:
-        gpus = list(range(world.world_size)) if device.type == "cuda" else []
-        resources = ResourceMonitor(lambda **f: telemetry.emit("resource", **f),
-                                    cfg.telemetry.resource_interval, gpus).start()
     session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt,
-                      Signals(cfg.mesh.drain_file), resources,
+                      Signals(cfg.mesh.drain_file), resources=None,
                       accum=grad_accum_steps(cfg.train, world.world_size))
     session.facts = {"params": count_params(model), "device": str(device), "grad_accum": session.accum}
     if resume_from is not None:
         ckpt.load(resume_from, inner, data, session.progress, outer)
         session.facts["resumed_from"] = str(resume_from)
+    if telemetry.enabled:  # started last: nothing after it can fail and leave the thread running
+        # local rank 0 samples every GPU of the node; with telemetry.all_ranks each rank samples its own
+        gpus = [] if device.type != "cuda" else [device.index] if cfg.telemetry.all_ranks \
+            else list(range(world.world_size))
+        session.resources = ResourceMonitor(lambda **f: telemetry.emit("resource", **f),
+                                            cfg.telemetry.resource_interval, gpus).start()
     return session
 
 
