@@ -234,13 +234,18 @@ def split_args(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one training process; returns the exit code (0 completed/drained/stopped, 2 bad input, 1 crash)."""
+    """Run one training process; returns the exit code (0 completed/drained/stopped, 2 bad input, 1 crash).
+
+    Called without argv (the process's own command line, as the `zeroband-train` script does) it ends the
+    process itself through cli()'s exit path; with argv (tests, embedding) it returns."""
+    if argv is None:
+        cli()
     world = read_world()
     telemetry = make_telemetry(None, world)
     session: Session | None = None
     status, code = "failed", 1
     try:
-        config_path, overrides = split_args(sys.argv[1:] if argv is None else argv)
+        config_path, overrides = split_args(argv)
         cfg = load_config(config_path, overrides, environ=world.env)
         telemetry = make_telemetry(cfg, world)
         telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
@@ -286,8 +291,9 @@ def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: 
 
 
 def cli() -> None:
-    """Entry point: exit without running C++ static destructors, where gloo's exit-time abort lives."""
-    code = main()
+    """Entry point: exit without running C++ static destructors, where gloo's exit-time abort lives
+    (torch 2.13: ~1 run in 5 aborted with "terminate called without an active exception")."""
+    code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
