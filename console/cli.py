@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--readonly", action="store_true", help="watch only: hide add, drain, kill, restart, stop")
     parser.add_argument("--attach", action="store_true", help="re-attach to a running cluster instead of starting")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
     sub.add_parser("status", help="print every node of the running cluster")
     for name, what in (("drain", "finish the outer round and leave"), ("kill", "end the node's processes now")):
         sub.add_parser(name, help=what).add_argument("node")
@@ -230,7 +230,8 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
 
     app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,
                    heartbeat_timeout=heartbeat_timeout_of(profile))
-    return app.run() or 0
+    app.run()
+    return app.return_code or 0  # Textual sets 1 when the app ended on an error
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ real engines and store as detached processes.
     test_live_cluster_drain_kill_restart   nodes reach training; the table, header and chart show the live
                                        numbers; `d` drains node-b and the others go on; `k` kills node-c, it
                                        turns dead and node-a goes on; `r` restarts node-c and it rejoins; `q` -> stop
+    test_live_add_standby_joins        `a` picks the standby node-d: it joins the running mesh (members 4) and
+                                       trains; `q` -> leave running, and the engines outlive the console; a
+                                       new console with attach=True catches up and follows them; `q` -> stop
     test_keys_without_engines          filter, marks, help, palette, readonly, quit -> leave (no engine started)
     test_garbage_never_crashes         malformed lines and absurd values reach the screen without an exception
 
@@ -146,7 +149,12 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         chart = app.dashboard.query_one(LossChart)
         await until(pilot, lambda: set(trio) <= set(chart.series), 10, "a line per node")
         first = {n: len(chart.series[n][1]) for n in trio}
+        version, redraws, updates, t0 = fleet.version, app.redraws, table.cell_updates, time.monotonic()
         await until(pilot, lambda: all(len(chart.series[n][1]) > first[n] for n in trio), 60, "the chart to move")
+        # batched: at most one redraw per 0.5 s tick however many events arrived, cells updated in place
+        elapsed = time.monotonic() - t0
+        assert app.redraws - redraws <= elapsed / 0.5 + 2 < fleet.version - version
+        assert table.cell_updates > updates and table.rebuilds == 0
         for name in trio:
             history = [v for _, v in fleet.nodes[name].loss_history]
             ys = chart.series[name][1]
@@ -201,6 +209,42 @@ async def test_live_cluster_drain_kill_restart(local_profile):
     assert {fleet.nodes[n].state for n in ("node-a", "node-c")} == {NodeState.LEFT}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_live_add_standby_joins(local_profile):
+    """`a`, pick the standby host: it starts, joins the running mesh and trains; quit leaves the rest running."""
+    app, fleet = build(local_profile)
+    trio = ["node-a", "node-b", "node-c"]
+    async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, training(fleet, trio, 4), 150, "three nodes training", unless=tuple(trio))
+        await pilot.press("a")
+        assert isinstance(app.screen, AddNodeScreen) and app.screen.standby == ["node-d"]
+        await pilot.press("enter")  # the first standby host is highlighted
+        await until(pilot, training(fleet, ["node-d"]), 180, "node-d to join", unless=("node-d",))
+        await until(pilot, lambda: fleet.summary().members == 4, 60, "members 4")
+        before = steps(fleet, *trio, "node-d")
+        await until(pilot, advanced(fleet, before, 3), 120, "all four to train together")
+        assert_live_values(app, fleet, [*trio, "node-d"])
+        assert any(e.subject == "node-d" and e.change == "joined" for e in fleet.timeline)
+        await pilot.press("q", "l")  # leave training running: the engines outlive the console
+        await until(pilot, lambda: not app.is_running, 30, "the console to exit")
+    runs = Path(local_profile.run.dir)
+    for name in (*trio, "node-d"):
+        os.kill(int((runs / name / "pid").read_text().strip()), 0)  # still alive (raises if not)
+
+    # a new console re-attaches (--attach): it catches up on the events files and follows the live run
+    again, fleet = build(local_profile, attach=True)
+    async with again.run_test(size=SIZE) as pilot:
+        await until(pilot, training(fleet, [*trio, "node-d"]), 60, "the re-attached nodes training")
+        assert len(fleet.nodes["node-a"].loss_history) > 10  # history read back from the events file
+        before = steps(fleet, *trio, "node-d")
+        await until(pilot, advanced(fleet, before, 2), 120, "live steps after re-attaching")
+        assert_live_values(again, fleet, [*trio, "node-d"])
+        await pilot.press("q", "s")  # now stop them
+        await until(pilot, lambda: not again.is_running, 90, "the console to stop the cluster and exit")
+    assert {n.state for n in fleet.nodes.values() if n.name in (*trio, "node-d")} == {NodeState.LEFT}
+
+
 async def test_keys_without_engines(local_profile):
     """The keys that need no engine: filter, marks, help, the palette, readonly, and quit -> leave running."""
     app, fleet = build(local_profile, start=False)
@@ -248,6 +292,20 @@ async def test_keys_without_engines(local_profile):
         await pilot.press("l")
         assert type(app.screen).__name__ == "LogScreen"
         await pilot.press("escape")
+
+        # a typed address: written into the profile (comments kept), started, and its failure shown on its row
+        await pilot.press("a")
+        assert isinstance(app.screen, AddNodeScreen)
+        await pilot.press("tab", *"nobody@127.0.0.1:1", "enter")  # port 1: refused at once
+        await until(pilot, lambda: "127.0.0.1" in fleet.nodes and fleet.nodes["127.0.0.1"].state
+                    in (NodeState.UNREACHABLE, NodeState.FAILED), 30, "the new host to fail to connect")
+        app.tick()
+        assert table.cell_text("127.0.0.1", "state").split()[0] in ("unreachable", "failed")
+        assert fleet.nodes["127.0.0.1"].reason
+        text = Path(local_profile.path).read_text()
+        assert '[hosts."127.0.0.1"]' in text and "port = 1" in text and 'user = "nobody"' in text
+        assert "# ready to be added" in text  # the file's comments survive the write
+        assert all(fleet.nodes[n].state is NodeState.STANDBY for n in ("node-a", "node-d"))  # nothing else moved
 
         await pilot.press("q")
         assert isinstance(app.screen, QuitScreen)

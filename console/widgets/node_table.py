@@ -73,6 +73,7 @@ class NodeTable(DataTable):
         self.trend = TREND_METRICS[0]
         self._shown: dict[str, dict[str, Any]] = {}  # row key -> column key -> _key(value) on screen
         self.cell_updates = 0  # counted for the benchmark and the tests (proves updates are in place)
+        self.rebuilds = 0  # whole-table rebuilds: only when rows go away or reorder (a filter), never per tick
         self._stale = False  # rows out of view were skipped by the last sync
         self._synced_scroll = 0.0
 
@@ -162,6 +163,7 @@ class NodeTable(DataTable):
         return self._stale and self.scroll_y != self._synced_scroll
 
     def _rebuild(self, nodes: list[Any]) -> None:
+        self.rebuilds += 1
         selected = self.selected_name()
         self.clear()
         self._shown.clear()
