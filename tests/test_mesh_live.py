@@ -27,7 +27,7 @@ MESH_ARGS = dict(heartbeat_interval=HB, heartbeat_timeout=HB_TIMEOUT, store_time
 def node_main(argv: list[str]) -> int:
     sys.path.insert(0, str(ROOT))
     from engine.config import MeshConfig
-    from engine.mesh import Excluded, Mesh, MeshError, connect_store, forget_groups, make_group
+    from engine.mesh import Mesh, MeshError, connect_store, forget_groups
     from engine.telemetry import Telemetry
 
     p = argparse.ArgumentParser()
@@ -43,6 +43,7 @@ def node_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cfg = MeshConfig(**{**MESH_ARGS, "heartbeat_timeout": args.hb_timeout})
     tel = Telemetry(args.id, 0, json_out=sys.stdout)
+    mesh = None
     try:
         store = connect_store("127.0.0.1", args.port, cfg.store_timeout)
         # a test joiner starts with its imports done, at a known point of the run
@@ -56,6 +57,12 @@ def node_main(argv: list[str]) -> int:
     except MeshError as e:
         print(f"ERROR {e}", file=sys.stderr, flush=True)
         return 3
+    finally:
+        # a daemon heartbeat thread caught inside a store call at interpreter exit aborts the process
+        # ("terminate called without an active exception"): stop it, and drop the groups, before exiting
+        if mesh is not None:
+            mesh.close()
+        forget_groups()
 
 
 def outer_loop(args, store, mesh, joiner: bool) -> int:

@@ -11,8 +11,10 @@ tick per poll instead, so a single thread can drive several nodes over a MemoryS
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
+import weakref
 import time
 import uuid
 from contextlib import contextmanager
@@ -20,6 +22,17 @@ from typing import Any, Callable, Iterator
 
 from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Arrival, BoundaryView, Excluded, Keys, Liveness,
                                   MeshError, Plan, compute_plan, decide)
+
+
+_running: "weakref.WeakSet[Mesh]" = weakref.WeakSet()  # meshes whose heartbeat thread runs
+_exit_hook = False
+
+
+def _stop_at_exit() -> None:
+    # a daemon thread still inside a C++ store call when the interpreter finalizes aborts the whole process
+    # ("terminate called without an active exception"); atexit runs before daemon threads are torn down
+    for mesh in list(_running):
+        mesh.close()
 
 
 KEEP_STEPS = 3  # per-boundary keys of this many recent outer steps stay in the store
@@ -94,6 +107,11 @@ class Mesh:
             self._set_state("starting")
             self._hb_store = self.store.clone() if self._use_thread else self.store
             if self._use_thread:
+                global _exit_hook
+                if not _exit_hook:
+                    atexit.register(_stop_at_exit)
+                    _exit_hook = True
+                _running.add(self)
                 self._thread = threading.Thread(target=self._beat_loop, name=f"mesh-heartbeat-{self.node_id}",
                                                 daemon=True)
                 self._thread.start()
@@ -496,6 +514,7 @@ class Mesh:
 
     def _stop_thread(self) -> None:
         self._stop.set()
+        _running.discard(self)
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self.cfg.heartbeat_interval + self.cfg.store_timeout)
