@@ -112,8 +112,11 @@ class Checkpointer:
             return None
         path = self.resolve(self.cfg.resume)
         step = self.read_meta(path)["step"]
+        if path.parent.resolve() != self.dir.resolve() and (on_disk or (self.dir / POINTER).exists()):
+            raise ValueError(f"ckpt.dir: {self.dir} already holds checkpoints of another run (resuming from "
+                             f"{path}); choose another ckpt.dir")
         later = [s for s in on_disk if s > step]
-        if later and path.parent.resolve() == self.dir.resolve():
+        if later:
             raise ValueError(f"ckpt.resume: {path} is older than {self.dir / _step_name(later[-1])}; resuming "
                              f"there would overwrite newer checkpoints (use another ckpt.dir)")
         return path

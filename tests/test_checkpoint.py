@@ -17,6 +17,7 @@ from engine.parallel import build_inner
 from engine.world import World
 from test_train import run_engine
 
+torch.set_num_threads(1)  # as conftest does for engine processes: tiny models on shared cores
 WORLD = World(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
 
 
@@ -147,3 +148,13 @@ def test_nothing_on_disk_is_overwritten_by_accident(tmp_path):
     with pytest.raises(ValueError, match="exists and is not empty"):
         exporting.check_start()
     assert (export / "keep.txt").read_text() == "precious"
+    step(inner, data, progress)
+    ck.save(2, inner, data, progress, NoOuter())
+    older, _, _ = parts(tmp_path, resume=str(ck.dir / "step-00000001"))  # would overwrite step 2 later on
+    with pytest.raises(ValueError, match="would overwrite newer checkpoints"):
+        older.check_start()
+    elsewhere = tmp_path / "other"
+    parts(elsewhere)[0].save(1, inner, data, progress, NoOuter())
+    into_other_run, _, _ = parts(elsewhere, resume=str(ck.dir / "step-00000002"))
+    with pytest.raises(ValueError, match="holds checkpoints of another run"):
+        into_other_run.check_start()

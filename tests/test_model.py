@@ -14,6 +14,8 @@ from engine.outer import NoOuter, Progress
 from engine.parallel import Inner, build_inner, lr_factor
 from engine.world import World
 
+torch.set_num_threads(1)  # as conftest does for engine processes: tiny models on shared cores
+
 
 @pytest.mark.parametrize("preset, low, high", [
     ("debug", 1.5e6, 2.5e6), ("15m", 12e6, 18e6), ("150m", 140e6, 170e6), ("1b", 0.9e9, 1.2e9)])
