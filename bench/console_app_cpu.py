@@ -161,8 +161,9 @@ def main() -> None:
     args = parser.parse_args()
     cases = [("idle", 0.0, 2.0), ("load", args.rate, 2.0), ("load@10Hz", args.rate, 10.0)]
     results = {}
+    load = os.getloadavg()[0]
     print(f"console app CPU share: {args.nodes} nodes, 160x50 pty, {args.seconds:.0f}s per case "
-          f"(cpu count {os.cpu_count()})")
+          f"(cpu count {os.cpu_count()}, load average {load:.1f} at start: contention inflates every figure)")
     for label, rate, hz in cases:
         share = measure(args.nodes, rate, hz, args.warmup, args.seconds)
         results[label] = share

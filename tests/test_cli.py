@@ -74,6 +74,11 @@ def test_node_row_has_the_live_values():
     row = node_row(fleet.nodes["node-b"], heartbeat_timeout=6.0)
     assert row["name"].plain == "node-b" and row["state"].plain == "training"
     assert (row["step"].plain, row["loss"].plain, row["tps"].plain) == ("42", "2.2500", "1,234")
+    node = fleet.nodes["node-a"]
+    node.tps_history.extend((float(t), 1000.0 + (t % 2) * 500) for t in range(600))  # 512 kept; newest alternate
+    assert node_row(node, 6.0)["trend"].plain == "▁█" * 8  # the newest 16 values, oldest first
+    node.loss_history.extend((float(t), float(t)) for t in range(100))
+    assert node_row(node, 6.0, trend="loss")["trend"].plain == cells.sparkline(range(84, 100), 16)
 
 
 def test_filter_matches_name_host_or_state():

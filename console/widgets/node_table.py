@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import islice
 from typing import Any, Callable, Iterable, Sequence
 
 from rich.text import Text
@@ -30,6 +31,11 @@ TREND_METRICS = ("tokens/s", "loss")
 QUIET_STATES = frozenset({"left", "standby", "failed"})  # silent on purpose: their heartbeat age is no alarm
 
 
+def _last_values(history: Any, n: int) -> list[float]:
+    """The newest n values of a (ts, value) deque, oldest first, without walking its 512 points each tick."""
+    return [v for _, v in islice(reversed(history), n)][::-1]
+
+
 def _key(value: Any) -> Any:
     # rich's Text.__eq__ ignores the base style, so a colour change alone would be missed
     if isinstance(value, Text):
@@ -56,7 +62,7 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
                      justify="right"),
         "loss": Text(cells.loss_cell(node.loss), justify="right"),
         "tps": Text(cells.num_cell(node.tokens_per_s), justify="right"),
-        "trend": Text(cells.sparkline((v for _, v in list(history)), TREND_WIDTH), style=spark_style),
+        "trend": Text(cells.sparkline(_last_values(history, TREND_WIDTH), TREND_WIDTH), style=spark_style),
     }
 
 

@@ -32,11 +32,17 @@ class RunHeader(Static):
     """
 
     def show(self, summary: Any, readonly: bool = False) -> None:
+        line = summary_text(summary)
+        if line == self._shown:
+            return
+        self._shown = line
         text = Text("ZeroBand ", style="bold")
-        text.append(summary_text(summary))
+        text.append(line)
         if readonly:
             text.append("  [read-only]", style="bold yellow")
-        self.update(text)
+        self.update(text, layout=False)  # one fixed line: a relayout of the whole screen per tick buys nothing
+
+    _shown: str | None = None
 
 
 class LogPane(Log):
@@ -105,7 +111,7 @@ class Timeline(Static):
         text = Text()
         for entry, line in zip(shown, entries):
             text.append(line + "\n", style=_BAD.get(str(entry.change), ""))
-        self.update(text)
+        self.update(text)  # rare (membership changes); a relayout keeps its scroll extent right
 
 
 _BAD = {"dead": "bold red", "failed": "bold red", "unreachable": "magenta", "rejected": "yellow"}
