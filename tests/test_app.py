@@ -325,6 +325,12 @@ async def test_readonly_hides_actions(local_profile):
         commands = [c.title for c in app.get_system_commands(app.dashboard)]
         assert "Kill node" not in commands and "Node logs" in commands
         assert "[read-only]" in str(app.dashboard.query_one(RunHeader).render())
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen) and not app.screen.query("#stop")  # no way to stop training
+        await pilot.press("s")
+        assert isinstance(app.screen, QuitScreen) and app.is_running
+        await pilot.press("l")
+        await until(pilot, lambda: not app.is_running, 10, "the console to exit")
 
 
 async def test_garbage_never_crashes(local_profile):
