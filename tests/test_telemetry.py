@@ -60,3 +60,23 @@ def test_make_event_refuses_a_bad_producer_value():
     with pytest.raises(BadEvent):
         make_event("run_end", "n", 0, status="completed", step=1.5)
     assert json.loads(encode(make_event("run_end", "n", 0, status="completed", step=1)))["step"] == 1
+
+
+def test_resource_monitor_emits_valid_cpu_samples_and_stops():
+    import time
+
+    from engine.resources import ResourceMonitor
+    events = []
+    monitor = ResourceMonitor(lambda **f: events.append(make_event("resource", "n", 0, **f)), 0.05, gpu_indices=[])
+    assert monitor.kind == "cpu"  # no GPU asked for: psutil, never NVML
+    monitor.start()
+    deadline = time.monotonic() + 10
+    while len(events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    monitor.stop()
+    assert len(events) >= 2 and not monitor._thread.is_alive()
+    e = events[0]
+    assert e["device"] == "cpu" and 0 <= e["util"] <= 100 and 0 < e["mem_used"] < e["mem_total"]
+    count = len(events)
+    time.sleep(0.2)
+    assert len(events) == count  # nothing after stop()
