@@ -16,7 +16,6 @@ Every engine is killed by the pid files of the test's run dir at teardown, whate
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import signal

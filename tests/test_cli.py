@@ -380,3 +380,16 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
                 os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
             except (ProcessLookupError, ValueError, PermissionError):
                 pass
+
+
+def test_heartbeat_timeout_comes_from_the_engine_config(tmp_path, monkeypatch):
+    from console.profile import parse_profile
+    from procs import ROOT
+
+    monkeypatch.chdir(ROOT)  # the engine config path is relative to the checkout
+    plain = parse_profile(PROFILE_TEXT)
+    assert cli.heartbeat_timeout_of(plain) == 6.0  # configs/debug-diloco.toml keeps the mesh default
+    fast = parse_profile(PROFILE_TEXT.replace('config = "configs/debug-diloco.toml"',
+                                              'config = "configs/debug-diloco.toml"\n'
+                                              'overrides = { "mesh.heartbeat_timeout" = 2.5 }'))
+    assert cli.heartbeat_timeout_of(fast) == 2.5
