@@ -386,10 +386,15 @@ def test_heartbeat_timeout_comes_from_the_engine_config(tmp_path, monkeypatch):
     from console.profile import parse_profile
     from procs import ROOT
 
-    monkeypatch.chdir(ROOT)  # the engine config path is relative to the checkout
-    plain = parse_profile(PROFILE_TEXT)
-    assert cli.heartbeat_timeout_of(plain) == 6.0  # configs/debug-diloco.toml keeps the mesh default
-    fast = parse_profile(PROFILE_TEXT.replace('config = "configs/debug-diloco.toml"',
-                                              'config = "configs/debug-diloco.toml"\n'
-                                              'overrides = { "mesh.heartbeat_timeout" = 2.5 }'))
-    assert cli.heartbeat_timeout_of(fast) == 2.5
+    monkeypatch.chdir(ROOT)  # the engine config's own paths are relative to the checkout
+    config = tmp_path / "engine.toml"
+    config.write_text((ROOT / "configs" / "debug-diloco.toml").read_text() + "\n[mesh]\nheartbeat_timeout = 9.0\n")
+    text = PROFILE_TEXT.replace('config = "configs/debug-diloco.toml"', f'config = "{config}"')
+    assert cli.heartbeat_timeout_of(parse_profile(text)) == 9.0
+    typed = text.replace(f'config = "{config}"', f'config = "{config}"\n'
+                         'overrides = { "train.max_steps" = 40, "data.path" = "corpus/", "telemetry.human" = false }')
+    assert cli.heartbeat_timeout_of(parse_profile(typed)) == 9.0  # typed overrides pass through as the engine reads them
+    fast = text.replace(f'config = "{config}"', f'config = "{config}"\noverrides = {{ "mesh.heartbeat_timeout" = 2.5 }}')
+    assert cli.heartbeat_timeout_of(parse_profile(fast)) == 2.5
+    missing = text.replace(str(config), str(tmp_path / "absent.toml"))
+    assert cli.heartbeat_timeout_of(parse_profile(missing)) == cli.DEFAULT_HEARTBEAT_TIMEOUT
