@@ -465,16 +465,15 @@ class Cluster:
     async def stop(self) -> Outcome:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store."""
         running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
-        for name, proc in running.items():
+        for proc in running.values():
             proc.stopping = True
-            await self._signal_quietly(name, proc.pid, "TERM")  # type: ignore[arg-type]
+        await self._gather(*(self._signal_quietly(n, p.pid, "TERM") for n, p in running.items()))  # type: ignore
         waits = [p.done.wait() for p in running.values()]
         try:
             await asyncio.wait_for(asyncio.gather(*waits), self.profile.console.stop_timeout)
         except asyncio.TimeoutError:
-            for name, proc in running.items():
-                if not proc.done.is_set():
-                    await self._signal_quietly(name, proc.pid, "KILL")  # type: ignore[arg-type]
+            await self._gather(*(self._signal_quietly(n, p.pid, "KILL")  # type: ignore[arg-type]
+                                 for n, p in running.items() if not p.done.is_set()))
         store = self._store_pid or await self._live_pid(STORE, self.profile.store_host.name)
         if store is not None:
             await self._signal_quietly(self.profile.store_host.name, store, "TERM")

@@ -8,7 +8,7 @@
 
 Everything runs as root here (and in CI), but OpenSSH delivers channel signals only to non-root sessions and
 the console must not need root, so the tests log in as a non-root user (created with useradd if missing).
-root may log in by key as well, for runs whose interpreter the test user cannot reach (a venv under /root).
+(Never as root: killing a root login mid-startup left a stale pyenv lock that stalled every later root shell.)
 sshd is started with `-D` and killed by PID; the connection processes are found by walking /proc from it.
 """
 
@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -88,8 +89,7 @@ class Sshd:
             f"PidFile {self.root / 'sshd.pid'}", f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
             "StrictModes no",  # the key files live under /tmp, which is world-writable
             "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
-            # root may log in by key too: the engine's interpreter may sit where the test user cannot read it
-            "PermitRootLogin prohibit-password", f"AllowUsers {self.user} root", "MaxSessions 10",
+            "PermitRootLogin no", f"AllowUsers {self.user}", "MaxSessions 10",
             "LogLevel VERBOSE", "UseDNS no", ""]))
         return config
 
@@ -138,6 +138,21 @@ class Sshd:
             if candidate and _others_can_run(candidate):
                 return candidate
         raise RuntimeError("no python3 that a non-root user can run")
+
+    def user_python_env(self) -> tuple[str, dict[str, str]]:
+        """An interpreter and environment with which the non-root user runs this venv's packages (torch...).
+
+        This venv's interpreter may sit under /root (pyenv); a system python of the same minor version runs
+        the same wheels from the venv's site-packages.
+        """
+        if _others_can_run(sys.executable):
+            return sys.executable, {}
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        system = shutil.which(version, path="/usr/bin:/usr/local/bin:/bin")
+        if system is None or not _others_can_run(system):
+            raise RuntimeError(f"no {version} that a non-root user can run")
+        packages = sysconfig.get_paths()["purelib"]
+        return system, {"PYTHONPATH": packages}
 
     def connection_pids(self) -> list[int]:
         """Every process below the listening sshd: one monitor and one user process per connection, their shells."""

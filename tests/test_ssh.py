@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -239,7 +238,7 @@ known_hosts = "{known_hosts}"
 connect_timeout = 5.0
 python = "{python}"
 workdir = "{workdir}"
-env = {{ OMP_NUM_THREADS = "1" }}
+env = {{ OMP_NUM_THREADS = "1"{env} }}
 
 [hosts.node-a]
 
@@ -248,13 +247,14 @@ env = {{ OMP_NUM_THREADS = "1" }}
 
 
 def ssh_profile(sshd: Sshd, *, user: str, python: str, workdir: Path, run_dir: Path, config: str,
-                overrides: str = ""):
+                overrides: str = "", env: dict[str, str] | None = None):
     from console.profile import load_profile
 
     path = sshd.root / "profile.toml"
     path.write_text(SSH_PROFILE.format(run_dir=run_dir, store_port=free_port(), config=config, overrides=overrides,
                                        port=sshd.port, user=user, key=sshd.user_key, known_hosts=sshd.known_hosts,
-                                       python=python, workdir=workdir))
+                                       python=python, workdir=workdir,
+                                       env="".join(f', {k} = "{v}"' for k, v in (env or {}).items())))
     return load_profile(path)
 
 
@@ -323,16 +323,16 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
 
 @pytest.mark.slow
 async def test_real_engine_over_ssh(sshd, repo_root):
-    """The real engine through sshd (as root: this venv's interpreter may sit where the test user cannot read)."""
+    """The real engine through sshd as the non-root user: start, a dropped link, kill one, the other goes on."""
     from console.cluster import Cluster
     from console.fleet import Fleet, NodeState
 
-    (sshd.root / "root_known").write_text(sshd.known_hosts_line())
-    run_dir = sshd.root / "runs"
+    python, env = sshd.user_python_env()
+    run_dir = sshd.home / "runs"
     overrides = ('\n[engine.overrides]\n"data.path" = "corpus/stdlib_docstrings.jsonl"\n"inner.device" = "cpu"\n'
                  '"train.max_steps" = 400\n"train.log_interval" = 1\n"mesh.heartbeat_timeout" = 20.0\n')
-    profile = ssh_profile(sshd, user="root", python=sys.executable, workdir=repo_root, run_dir=run_dir,
-                          config="configs/debug-diloco.toml", overrides=overrides)
+    profile = ssh_profile(sshd, user=sshd.user, python=python, workdir=repo_root, run_dir=run_dir,
+                          config="configs/debug-diloco.toml", overrides=overrides, env=env)
     b = "node 'b' $(x)"
     fleet = Fleet()
     cluster = Cluster(profile, fleet)

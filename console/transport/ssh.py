@@ -27,6 +27,7 @@ from console.transport.base import Tail, Transport, TransportError
 MAX_CHANNELS = 8  # OpenSSH MaxSessions is 10 per connection; keep headroom
 KEEPALIVE_S = 1.0
 KEEPALIVE_COUNT = 3
+CLOSE_WAIT_S = 3.0
 CHANNEL_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 
@@ -189,10 +190,12 @@ class SshTransport(Transport):
         conn = await self._connection()
         async with self._channels:
             try:
-                # wait for the full channel close before the slot is free: sshd counts a session until then
-                async with await self._open_channel(conn, cmd) as proc:
+                proc = await self._open_channel(conn, cmd)
+                try:
                     result = await proc.wait(check=False, timeout=timeout)
-            except asyncssh.TimeoutError:
+                finally:
+                    await _close_channel(proc)
+            except (asyncssh.TimeoutError, asyncio.TimeoutError):
                 raise TransportError(f"command timed out after {timeout}s on {self.host.name}") from None
             except (OSError, asyncssh.Error) as e:
                 raise TransportError(self.lost_reason or self._describe(e), link=True) from None
@@ -252,15 +255,13 @@ class SshTail(Tail):
 
     async def aclose(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is not None:
-            proc.close()
-            try:  # sshd counts the session until the close completes; bounded, the link may be dead
-                await asyncio.wait_for(proc.wait_closed(), 2)
-            except (asyncio.TimeoutError, OSError, asyncssh.Error):
-                pass
-        if self._held:
-            self._held = False
-            self.transport._channels.release()
+        try:
+            if proc is not None:
+                await _close_channel(proc)
+        finally:  # even when cancelled mid-close: a slot lost here is lost for the connection's life
+            if self._held:
+                self._held = False
+                self.transport._channels.release()
 
 
 def parse_jump(text: str) -> tuple[str | None, str, int]:
@@ -270,6 +271,16 @@ def parse_jump(text: str) -> tuple[str | None, str, int]:
     if not host or (port and not port.isdigit()):
         raise TransportError(f"jump_host {text!r}: expected [user@]host[:port]", link=True)
     return user or None, host, int(port) if port else 22
+
+
+async def _close_channel(proc: asyncssh.SSHClientProcess) -> None:
+    """Close and wait for the close to complete before the slot is free (sshd counts a session until then);
+    bounded, since the link may be dead."""
+    proc.close()
+    try:
+        await asyncio.wait_for(proc.wait_closed(), CLOSE_WAIT_S)
+    except (asyncio.TimeoutError, OSError, asyncssh.Error):
+        pass
 
 
 def _text(value: object) -> str:
