@@ -33,7 +33,7 @@ from console.screens.help import HelpScreen
 from console.screens.modals import AddNodeScreen, ConfirmScreen, QuitScreen
 from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable
-from console.widgets.panes import LogPane, RunHeader
+from console.widgets.panes import LogPane, RunHeader, Timeline
 from procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +191,9 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         assert table.cell_text("node-c", "state").startswith("dead")
         assert table.cell_text("node-a", "step") == str(fleet.nodes["node-a"].step)
         assert any(e.subject == "node-c" and e.change == "dead" for e in fleet.timeline)
+        timeline = app.dashboard.query_one(Timeline)
+        assert any(" node-c dead" in line for line in timeline.entries)  # on screen, newest last
+        assert len(timeline.entries) <= timeline.content_region.height
 
         # r restarts the dead node-c: it joins node-a again
         await pilot.press("r")

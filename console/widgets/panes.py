@@ -93,7 +93,7 @@ class Timeline(Static):
     """Membership changes, newest last: who joined, drained, died, and the member count after it."""
 
     DEFAULT_CSS = """
-    Timeline { height: 1fr; border: round $secondary; overflow-y: auto; }
+    Timeline { height: 1fr; border: round $secondary; overflow: hidden; }
     """
     SHOWN = 40
 
@@ -103,15 +103,16 @@ class Timeline(Static):
         self.border_title = "membership"
 
     def show(self, timeline: Iterable[Any]) -> None:
-        shown = list(timeline)[-self.SHOWN:]
+        fits = self.content_region.height or self.SHOWN  # newest last, and always in view
+        shown = list(timeline)[-max(1, min(fits, self.SHOWN)):]
         entries = [timeline_line(e) for e in shown]
         if entries == self.entries:
             return
         self.entries = entries
-        text = Text()
-        for entry, line in zip(shown, entries):
-            text.append(line + "\n", style=_BAD.get(str(entry.change), ""))
-        self.update(text)  # rare (membership changes); a relayout keeps its scroll extent right
+        text = Text(no_wrap=True, overflow="ellipsis")  # one line per change, so the newest stays in view
+        for i, (entry, line) in enumerate(zip(shown, entries)):
+            text.append(("\n" if i else "") + line, style=_BAD.get(str(entry.change), ""))
+        self.update(text, layout=False)  # its size comes from the layout (1fr), never from its text
 
 
 _BAD = {"dead": "bold red", "failed": "bold red", "unreachable": "magenta", "rejected": "yellow"}
