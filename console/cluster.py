@@ -27,6 +27,7 @@ an engine that exits at start all become that node's state and reason, and the o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ class Cluster:
         self._store_pid: int | None = None
         self._store_task: asyncio.Task | None = None
         self._store_error: str | None = None
+        self._retries: dict[str, asyncio.Task] = {}  # attach again to hosts that were down at attach
         for host in profile.hosts.values():
             fleet.add_node(host.name, _host_label(host), NodeState.STANDBY)
 
@@ -195,7 +197,10 @@ class Cluster:
         try:
             text = await t.read_text(self._path(name, C.PID))
         except TransportError as e:
+            # the host is down as the console comes up: say so, and attach once it answers again
             self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            if name not in self._retries or self._retries[name].done():
+                self._retries[name] = asyncio.ensure_future(self._attach_later(host))
             return
         if not text or not text.strip().isdigit():
             return  # never started here: it stays standby
@@ -213,6 +218,20 @@ class Cluster:
         else:
             await self._settle(name)
             proc.done.set()
+
+    async def _attach_later(self, host: HostSpec) -> None:
+        for failures in itertools.count():
+            await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+            try:
+                await self.transport(host.name).connect()
+            except TransportError as e:
+                self.fleet.set_state(host.name, NodeState.UNREACHABLE, str(e))
+                continue
+            self.fleet.set_reachable(host.name)
+            if self.fleet.nodes[host.name].state is NodeState.STARTING:
+                self.fleet.set_state(host.name, NodeState.STANDBY)  # until its pid file says otherwise
+            await self._attach_node(host)
+            return
 
     # ---- the store -------------------------------------------------------------------------------------------
     async def _start_store(self) -> str | None:
@@ -500,7 +519,7 @@ class Cluster:
 
     async def close(self) -> None:
         """Stop watching and drop connections. The engines and the store keep running."""
-        tasks = [p.watcher for p in self._procs.values() if p.watcher is not None]
+        tasks = [p.watcher for p in self._procs.values() if p.watcher is not None] + list(self._retries.values())
         if self._store_task is not None:
             tasks.append(self._store_task)
         for task in tasks:

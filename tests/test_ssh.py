@@ -314,8 +314,20 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         assert fleet.nodes[b].state is NodeState.DEAD
         step = fleet.nodes["node-a"].step
         await until(lambda: fleet.nodes["node-a"].step > step + 3, 20, "node-a goes on")
+        # the console restarts while the host is down: the node shows unreachable, then attaches when it is back
+        await cluster.close()
+        sshd.stop()
+        later = Fleet()
+        cluster = Cluster(profile, later)
+        await cluster.attach()  # `zeroband-console PROFILE --attach`
+        assert later.nodes["node-a"].state is NodeState.UNREACHABLE and "refused" in later.nodes["node-a"].reason
+        sshd.start()
+        await until(lambda: later.nodes["node-a"].state is NodeState.TRAINING and later.nodes[b].state is
+                    NodeState.DEAD, 30, "attached after the outage")
+        assert later.nodes[b].reason.startswith("killed by the operator")
+        assert later.nodes["node-a"].step >= fleet.nodes["node-a"].step
         await cluster.stop()
-        assert fleet.nodes["node-a"].state is NodeState.LEFT and fleet.nodes["node-a"].reason == "stopped"
+        assert later.nodes["node-a"].state is NodeState.LEFT and later.nodes["node-a"].reason == "stopped"
     finally:
         await cluster.close()
         kill_run(run_dir)
