@@ -141,7 +141,10 @@ class Cluster:
 
     # ---- start and attach --------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Start the store and every non-standby node; attach instead if the cluster already runs."""
+        """Start the store and every non-standby node; attach instead if any engine of the profile already runs.
+
+        Only hosts that answer can be checked: after an outage, `attach()` (--attach) is the safe way back.
+        """
         try:
             check_engine_config(self.profile)  # the whole profile is valid before anything starts
         except ProfileError as e:
