@@ -146,6 +146,10 @@ class DilocoOuter:
         self._drain = threading.Event()
         self._left = False
         self._started = False  # mesh.start() succeeded: only then may close() say goodbye under this id
+        # committed rounds in this process. Every non-joiner member of a run's first plan (its formation, or a
+        # re-formation after all nodes stopped) has none, so they all agree to align their state on the source's:
+        # nodes resumed from checkpoints of different ages then start from one set of weights.
+        self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
 
     # ------------------------------------------------------------------ local group plumbing
@@ -371,8 +375,9 @@ class DilocoOuter:
             assert proposal is not None
             self._apply(proposal)
             progress.outer_step = plan.outer_step
-            if plan.joiners:
+            if plan.joiners or (self._rounds == 0 and plan.size > 1):
                 self._send_state(plan, progress)
+        self._rounds += 1
         self._emit("outer_step", outer_step=progress.outer_step, step=progress.step, generation=plan.generation,
                    members=list(plan.members), pgrad_norm=sq ** 0.5, bytes_sent=nbytes,
                    allreduce_s=stats.seconds if stats else 0.0, checksum=self._checksum())
@@ -406,7 +411,7 @@ class DilocoOuter:
 
     def _send_state(self, plan: Any, progress: Any) -> None:
         """Every member takes part in the broadcast; a member that is not the source compares what it got with
-        its own state, a free check that the members agree."""
+        its own state, a free check that the members agree, and adopts the source's state where it differs."""
         tensors = self._handoff_tensors(progress)
         try:
             self._broadcast(plan, tensors)
@@ -415,8 +420,13 @@ class DilocoOuter:
             self._emit("warning", message=f"state hand-off to {list(plan.joiners)} failed: {str(e)[:200]}")
             return
         if self.node_id != plan.source and not torch.equal(tensors[0], self.snapshot):
-            self._emit("warning", message=f"outer step {plan.outer_step}: parameters differ from "
-                                          f"source {plan.source}'s")
+            self._emit("warning", message=f"outer step {plan.outer_step}: parameters differed from source "
+                                          f"{plan.source}'s; adopted the source's")
+            if self.opt.keeps_momentum:
+                self.opt.momentum = tensors[1]
+            self.snapshot = tensors[0]
+            write_flat(self.inner.outer_params(), tensors[0])
+            self.inner.after_outer_update()
 
     def _receive_state(self, plan: Any, progress: Any) -> None:
         tensors = self._handoff_tensors(progress)
