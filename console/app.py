@@ -16,6 +16,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from textual.app import App, SystemCommand
+from textual.css.query import NoMatches
 from textual.screen import Screen
 
 from console.fleet import Fleet, NodeState
@@ -74,8 +75,14 @@ class ConsoleApp(App[int]):
 
     def tick(self) -> None:
         """Redraw from the fleet when it changed; otherwise only the heartbeat ages, once a second."""
-        if not self.dashboard.is_mounted:
+        if not self.dashboard.is_mounted or not self.is_running:
             return
+        try:
+            self._draw()
+        except NoMatches:  # the app is shutting down and the dashboard's widgets are already gone
+            return
+
+    def _draw(self) -> None:
         now = time.monotonic()
         if self.fleet.version != self._drawn_version or self.dashboard.table.needs_sync():
             self._drawn_version = self.fleet.version

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from console.fleet import Fleet, Node, NodeState
 from console.widgets import cells
-from console.widgets.panes import summary_text
+from console.widgets.cells import summary_text  # pure: shells and --headless never import Textual
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEFAULT_HEARTBEAT_TIMEOUT = 6.0
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--headless", action="store_true", help="no screen: print a status line per interval")
     mode.add_argument("--readonly", action="store_true", help="watch only: hide add, drain, kill, restart, stop")
     parser.add_argument("--attach", action="store_true", help="re-attach to a running cluster instead of starting")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the previous run from each node's checkpoints (default: a fresh run; the "
+                             "previous run's folders move to RUN_DIR/_archive/)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
     sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
     sub.add_parser("status", help="print every node of the running cluster")
@@ -213,10 +216,10 @@ async def _close(cluster: Any) -> None:
         await close()
 
 
-def make_cluster(profile: Any, fleet: Fleet) -> Any:
+def make_cluster(profile: Any, fleet: Fleet, resume: bool = False) -> Any:
     from console.cluster import Cluster
 
-    return Cluster(profile, fleet)
+    return Cluster(profile, fleet, resume=resume)
 
 
 def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
@@ -228,7 +231,7 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
     except SystemExit as e:
         return int(e.code or 0)
     fleet = Fleet(run=profile.run.name)
-    cluster = cluster_factory(profile, fleet)
+    cluster = cluster_factory(profile, fleet, **({"resume": True} if args.resume else {}))
     if args.command:
         return asyncio.run(run_command(cluster, fleet, args, out))
     if args.headless:

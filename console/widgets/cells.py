@@ -7,7 +7,7 @@ each format is unit-tested without an app.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 from rich.text import Text
 
@@ -134,3 +134,15 @@ def _finite(x: object) -> bool:
         return math.isfinite(float(x))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return False
+
+
+def summary_text(summary: Any) -> str:
+    """run, members, outer step, step/max, cluster tokens/s, loss and ETA: the header and the headless line."""
+    members = summary.members if isinstance(summary.members, int) else len(summary.members)
+    step = "-" if summary.step is None else str(summary.step)
+    if summary.max_steps:
+        step += f"/{summary.max_steps}"
+    outer = "-" if summary.outer_step is None else str(summary.outer_step)
+    return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
+            f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
+            f"ETA {eta_text(summary.eta_s)}")

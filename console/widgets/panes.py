@@ -10,20 +10,9 @@ from textual.content import Content
 from textual.widgets import Log, Static
 
 from console.widgets import cells
+from console.widgets.cells import summary_text
 
 LOG_TAIL = 300  # lines of the selected node shown in the pane (the fleet keeps 500)
-
-
-def summary_text(summary: Any) -> str:
-    """run, members, outer step, step/max, cluster tokens/s, loss and ETA: the header and the headless line."""
-    members = summary.members if isinstance(summary.members, int) else len(summary.members)
-    step = "-" if summary.step is None else str(summary.step)
-    if summary.max_steps:
-        step += f"/{summary.max_steps}"
-    outer = "-" if summary.outer_step is None else str(summary.outer_step)
-    return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
-            f"{cells.num_cell(summary.tokens_per_s)} tok/s | loss {cells.loss_cell(summary.loss)} | "
-            f"ETA {cells.eta_text(summary.eta_s)}")
 
 
 class RunHeader(Static):
