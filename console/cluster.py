@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ from console.transport import commands as C
 
 KILLED = "killed"  # written by kill(): any console that settles the node later knows the operator did it
 STORE = "_store"  # the store's directory under the run dir (not a valid-looking node name)
+ARCHIVE = "_archive"  # earlier runs' folders, moved here by a fresh start
 SETTLE_S = 0.3  # after a process is gone: let its last lines land before reading them
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
@@ -70,7 +72,10 @@ class Outcome:
 def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
     """`python -m engine.train CONFIG --k=v ...` (torch.distributed.run when the host runs several workers)."""
     node_dir = C.join(profile.run.dir, host.name)
-    overrides = {**engine_overrides(profile, host), "run.name": profile.run.name, "run.dir": node_dir,
+    # ckpt.resume=auto: a node restarted (or added back) continues from its own last checkpoint, and a DiLoCo
+    # joiner then takes the run's state anyway; a fresh start() moves the previous run's folders aside first
+    overrides = {"ckpt.resume": "auto", **engine_overrides(profile, host), "run.name": profile.run.name,
+                 "run.dir": node_dir,
                  "mesh.drain_file": C.join(node_dir, C.DRAIN)}
     args = [profile.engine.config, *(f"--{k}={_toml_value(v)}" for k, v in overrides.items())]
     if host.workers == 1:
@@ -110,8 +115,9 @@ def _host_label(host: HostSpec) -> str:
 
 class Cluster:
     def __init__(self, profile: Profile, fleet: Fleet,
-                 transports: Callable[[HostSpec], Transport] = make_transport):
+                 transports: Callable[[HostSpec], Transport] = make_transport, *, resume: bool = False):
         self.profile = profile
+        self.resume = resume  # start() continues the previous run's checkpoints instead of archiving them
         self.fleet = fleet
         self._make_transport = transports
         self._transports: dict[str, Transport] = {}
@@ -155,6 +161,8 @@ class Cluster:
             await self.attach()
             return
         await self._end_stale_store()
+        if not self.resume and not await self._archive_previous():
+            return
         active = self.profile.active_hosts()
         reason = await self._start_store()
         if reason is not None:  # no store, no mesh: say so on every node and start none
@@ -162,6 +170,22 @@ class Cluster:
                 self.fleet.set_state(host.name, NodeState.FAILED, reason)
             return
         await self._gather(*(self._launch(h) for h in active))
+
+    async def _archive_previous(self) -> bool:
+        """A fresh start: move every node's (and the store's) folder of an earlier run, with its checkpoints, to
+        RUN_DIR/_archive/<time>/ on its host, so the new run starts clean and nothing is lost. False (and node
+        states) when a host refused: starting on top of an old run would mix the two."""
+        archive = C.join(self.profile.run.dir, ARCHIVE, time.strftime("%Y%m%d-%H%M%S"))
+        names = [(h.name, h.name) for h in self.profile.hosts.values()] + [(STORE, self.profile.store_host.name)]
+        results = await self._gather(*(self.transport(host).archive(self.node_dir(name), archive)
+                                       for name, host in names))
+        failed = [(name, r) for (name, _), r in zip(names, results) if isinstance(r, BaseException)]
+        for name, err in failed:
+            reason = f"previous run not archived: {err}"
+            for host in self.profile.active_hosts():
+                if name in (host.name, STORE):
+                    self.fleet.set_state(host.name, NodeState.FAILED, reason)
+        return not failed
 
     async def _engines_running(self) -> bool:
         found = await self._gather(*(self._live_pid(h.name) for h in self.profile.hosts.values()))

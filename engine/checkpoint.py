@@ -105,12 +105,15 @@ class Checkpointer:
             if export.exists() and (not export.is_dir() or any(export.iterdir())):
                 raise ValueError(f"ckpt.export_dir: {export} exists and is not empty (refusing to overwrite)")
         on_disk = self.steps_on_disk()
-        if not self.cfg.resume:
+        resume = self.cfg.resume
+        if resume == "auto":  # continue this folder's run if it has one, else start fresh (console launches)
+            resume = "latest" if (self.dir / POINTER).is_file() else None
+        if not resume:
             if on_disk or (self.dir / POINTER).exists():
                 raise ValueError(f"ckpt.dir: {self.dir} already holds checkpoints; resume with "
                                  f"--ckpt.resume=latest or choose another ckpt.dir")
             return None
-        path = self.resolve(self.cfg.resume)
+        path = self.resolve(resume)
         step = self.read_meta(path)["step"]
         if path.parent.resolve() != self.dir.resolve() and (on_disk or (self.dir / POINTER).exists()):
             raise ValueError(f"ckpt.dir: {self.dir} already holds checkpoints of another run (resuming from "

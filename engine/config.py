@@ -117,7 +117,8 @@ class CkptConfig(_Section):
     dir: str | None = None  # None: <run.dir>/checkpoints
     interval: int = Field(default=0, ge=0)  # steps; 0: only at the end
     keep: int = Field(default=2, gt=0)
-    resume: str | None = None  # a checkpoint folder, or "latest"
+    # a checkpoint folder, "latest", or "auto" (latest when ckpt.dir has a checkpoint, else a fresh start)
+    resume: str | None = None
     export_dir: str | None = None  # transformers folder for the final weights; None: no export
 
 

@@ -39,6 +39,20 @@ def test_resumed_run_logs_the_same_losses(procs, tmp_path):
     assert resumed.of("step")[-1]["tokens"] == full.of("step")[-1]["tokens"]
 
 
+def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    """ckpt.resume=auto (what the console passes): nothing on disk -> fresh; a finished checkpoint -> resume it."""
+    ck, inner, data = parts(tmp_path, resume="auto")
+    assert ck.check_start() is None
+    progress = Progress()
+    step(inner, data, progress)
+    saved, _ = ck.save(progress.step, inner, data, progress, NoOuter())
+    again, _, _ = parts(tmp_path, resume="auto")
+    assert again.check_start() == saved
+    fresh, _, _ = parts(tmp_path)  # no resume asked: the folder's checkpoints are protected
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        fresh.check_start()
+
+
 def parts(tmp_path: Path, **ckpt):
     torch.manual_seed(0)
     tcfg = TrainConfig(micro_batch_size=2, batch_size=2, max_steps=10)

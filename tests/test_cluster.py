@@ -385,3 +385,34 @@ def await_free(cluster: Cluster, name: str) -> bool:
     """Whether the node's watcher is still running (it settles the node when its process is gone)."""
     proc = cluster._procs[name]
     return not proc.done.is_set()
+
+
+async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workdir, cleanup):
+    """Starting the same profile again begins a new run (the old folders move to _archive/, nothing is lost);
+    --resume starts on top of the previous run's folders, and every engine is told ckpt.resume=auto."""
+    profile = make_profile(workdir)
+    first = Cluster(profile, Fleet(run="t"))
+    await first.start()
+    await until(lambda: first.fleet.nodes["node-a"].state is NodeState.TRAINING, what="first run")
+    assert await first.stop()
+    await first.close()
+    old_events = (workdir / "runs/t/node-a/events.jsonl").read_text()
+    assert '"run_end"' in old_events
+
+    second = Cluster(profile, Fleet(run="t"))
+    await second.start()
+    await until(lambda: second.fleet.nodes["node-a"].state is NodeState.TRAINING, what="second run")
+    archived = list((workdir / "runs/t/_archive").glob("*/node-a/events.jsonl"))
+    assert len(archived) == 1 and archived[0].read_text() == old_events
+    assert (workdir / "runs/t/_archive" / archived[0].parts[-3] / "_store").is_dir()
+    assert '"run_end"' not in (workdir / "runs/t/node-a/events.jsonl").read_text()  # a new file, a new run
+    assert await second.stop()
+    await second.close()
+
+    third = Cluster(profile, Fleet(run="t"), resume=True)
+    await third.start()
+    await until(lambda: third.fleet.nodes["node-a"].state is NodeState.TRAINING, what="resumed run")
+    assert len(list((workdir / "runs/t/_archive").iterdir())) == 1  # nothing moved this time
+    assert '--ckpt.resume="auto"' in engine_argv(profile, profile.hosts["node-a"])
+    assert await third.stop()
+    await third.close()

@@ -119,6 +119,11 @@ class Transport(abc.ABC):
     async def remove(self, path: str) -> None:
         await self.run(C.remove_command(path, self.workdir))
 
+    async def archive(self, path: str, archive_dir: str) -> None:
+        rc, _, err = await self.run(C.archive_command(path, archive_dir, self.workdir))
+        if rc != 0:
+            raise TransportError(f"could not move {path} to {archive_dir}: {err.strip()}")
+
     async def preflight(self, config: str | None = None) -> str | None:
         """None when the host can run the engine; else why not (missing workdir, python or config)."""
         python = self.host.python_path

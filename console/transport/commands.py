@@ -123,6 +123,12 @@ def remove_command(path: str, workdir: str = ".") -> str:
     return f"cd {qpath(workdir)} && rm -f {qpath(path)}"
 
 
+def archive_command(path: str, archive_dir: str, workdir: str = ".") -> str:
+    """Move a previous run's folder into archive_dir (nothing is deleted); a no-op when it is not there."""
+    src, dst = qpath(path), qpath(archive_dir)
+    return f"cd {qpath(workdir)} && if [ -e {src} ]; then mkdir -p {dst} && mv {src} {dst}/; fi"
+
+
 def preflight_command(*, workdir: str, python: str, config: str | None = None) -> str:
     """Check a host before starting on it; the exit status keys PREFLIGHT_REASONS."""
     check_config = f" && {{ [ -f {qpath(config)} ] || exit 5; }}" if config else ""
