@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compression
-from engine.mesh.protocol import Excluded
+from engine.mesh.protocol import Excluded, MeshError
 
 _GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
 
@@ -118,7 +118,7 @@ def tensor_digest(flat: torch.Tensor) -> str:
     return hashlib.blake2b(flat.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
-class _Failed(RuntimeError):
+class _Failed(MeshError):
     """Local rank 0's mesh call raised; every local rank raises this with its text."""
 
 
@@ -273,7 +273,7 @@ class DilocoOuter:
             dist.all_gather_object(errs, err, group=self.local_group)
         bad = [e for e in errs if e]
         if bad:
-            raise RuntimeError(f"mesh: {bad[0]}")
+            raise MeshError(f"mesh: {bad[0]}")
 
     def request_drain(self) -> None:
         """Safe from a signal handler: only sets a flag, read at the next inner step."""

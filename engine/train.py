@@ -34,6 +34,7 @@ import torch.distributed as dist
 from engine.checkpoint import Checkpointer, export
 from engine.config import Config, digest, grad_accum_steps, load_config
 from engine.data import Data, TokenStream, build_data
+from engine.mesh.protocol import MeshError
 from engine.model import build_model, count_params, model_config
 from engine.outer import Outer, Progress, build_outer
 from engine.parallel import build_inner, setup_distributed
@@ -88,6 +89,7 @@ class Session:
     progress: Progress = field(default_factory=Progress)
     accum: int = 1
     draining: bool = False
+    training: bool = False  # outer.start() succeeded: a mesh error from now on is a failure, not bad input
     facts: dict[str, Any] = field(default_factory=dict)  # shown once on the "training" state event
 
 
@@ -187,6 +189,7 @@ def run(s: Session) -> str:
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     before = progress.step
     s.outer.start(progress)
+    s.training = True
     if progress.step != before:
         follow_handoff(s)
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
@@ -256,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         code = 0
     except ValueError as e:  # bad input: config, files, data, checkpoint
         code = 2
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        telemetry.emit("error", message=str(e))
+    except MeshError as e:  # the mesh said no: bad input before training (store, id, digest), a failure after
+        code = 1 if session is not None and session.training else 2
         print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
     except Exception as e:  # noqa: BLE001 - a crash: report it as an event too, then exit 1

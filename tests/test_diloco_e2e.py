@@ -230,8 +230,10 @@ def test_joiner_mid_run_receives_state_and_matches(three_nodes):
 
 def test_config_mismatch_rejected_without_disturbing_the_run(three_nodes):
     a, x = three_nodes["a"], three_nodes["x"]
-    assert three_nodes["codes"]["x"] != 0
-    assert "digest" in x.err and "inner_steps" in x.err, x.report()
+    assert three_nodes["codes"]["x"] == 2  # bad input: one line, no traceback
+    errors = [line for line in x.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "digest" in errors[0] and "inner_steps" in errors[0], x.report()
+    assert "Traceback" not in x.err
     assert not x.of("outer_step")
     assert all("x" not in e["members"] for e in a.of("outer_step"))
     assert not any("x" in json.dumps(e) for e in a.of("warning"))
