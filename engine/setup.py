@@ -77,11 +77,13 @@ def deepspeed_json(stage: int, offload_optimizer: bool, offload_params: bool, pr
     from engine.zero import deepspeed_config
     if workers < 1:
         raise ValueError(f"--workers: {workers} is not a positive number of processes per node")
+    from engine.model import model_config
     cfg = load_config(config_path, ["--data.fake=true"])  # the data source plays no part in a DeepSpeed config
     accum = grad_accum_steps(cfg.train, workers, source=config_path or "engine defaults")
+    hidden = getattr(model_config(cfg.model, 1, cfg.data.seq_len), "hidden_size", None)  # sizes the buckets
     return deepspeed_config(stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=accum,
                             precision=precision, clip_norm=cfg.optim.clip_norm,
-                            offload_optimizer=offload_optimizer, offload_params=offload_params)
+                            offload_optimizer=offload_optimizer, offload_params=offload_params, hidden_size=hidden)
 
 
 def fsdp_json(sharding: str, mixed_precision: str, cpu_offload: bool) -> dict[str, Any]:

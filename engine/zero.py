@@ -51,10 +51,13 @@ def zero_stage(strategy: str) -> int:
 
 def deepspeed_config(stage: int, *, micro_batch_size: int, grad_accum: int, precision: str, clip_norm: float,
                      offload_optimizer: bool = False, offload_params: bool = False,
-                     pin_memory: bool = False) -> dict[str, Any]:
+                     pin_memory: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
     """The DeepSpeed JSON config the engine passes to deepspeed.initialize (and `engine.setup deepspeed` writes).
 
     No "optimizer"/"scheduler" sections: the engine hands DeepSpeed a torch optimizer and its own LR schedule.
+    With the model's hidden_size, communication buckets are sized from it (what transformers' "auto" values
+    do): DeepSpeed's defaults (5e8-element reduce buckets, 5e7-element stage-3 prefetch) are sized for
+    billion-parameter models and would be most of a small model's memory.
     """
     if stage not in (1, 2, 3):
         raise ValueError(f"zero stage: {stage} is not 1, 2 or 3")
@@ -66,6 +69,12 @@ def deepspeed_config(stage: int, *, micro_batch_size: int, grad_accum: int, prec
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    if hidden_size is not None:
+        bucket = hidden_size * hidden_size
+        zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+        if stage == 3:
+            zero.update(stage3_prefetch_bucket_size=int(0.9 * bucket),
+                        stage3_param_persistence_threshold=10 * hidden_size)
     if stage == 3:
         # gather whole parameters for the export and for the transformers-format state dict at the end
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -138,7 +147,8 @@ def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainCon
     config = deepspeed_config(stage, micro_batch_size=train.micro_batch_size, grad_accum=accum,
                               precision=train.precision, clip_norm=optim.clip_norm,
                               offload_optimizer=inner.offload_optimizer, offload_params=inner.offload_params,
-                              pin_memory=device.type == "cuda")
+                              pin_memory=device.type == "cuda",
+                              hidden_size=getattr(getattr(model, "config", None), "hidden_size", None))
     deepspeed = import_deepspeed(inner.strategy, device)
     if train.precision == "fp16-mixed":
         from deepspeed.accelerator import get_accelerator

@@ -50,6 +50,20 @@ def test_config_maps_engine_keys():
     assert fp16["gradient_clipping"] == 0.0 and "offload_optimizer" not in fp16["zero_optimization"]
 
 
+def test_buckets_follow_the_hidden_size():
+    # DeepSpeed's defaults (5e8-element reduce buckets) would be most of a small model's memory
+    zero = deepspeed_config(3, micro_batch_size=1, grad_accum=1, precision="fp32", clip_norm=1.0,
+                            hidden_size=192)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 192 * 192
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 192 * 192)
+    assert zero["stage3_param_persistence_threshold"] == 1920
+    zero1 = deepspeed_config(1, micro_batch_size=1, grad_accum=1, precision="fp32", clip_norm=1.0,
+                             hidden_size=192)["zero_optimization"]
+    assert "stage3_prefetch_bucket_size" not in zero1 and zero1["reduce_bucket_size"] == 192 * 192
+    assert "reduce_bucket_size" not in deepspeed_config(2, micro_batch_size=1, grad_accum=1, precision="fp32",
+                                                        clip_norm=1.0)["zero_optimization"]
+
+
 def test_config_rejects_param_offload_below_stage3():
     with pytest.raises(ValueError, match="inner.offload_params: parameter offload needs ZeRO stage 3"):
         deepspeed_config(2, micro_batch_size=1, grad_accum=1, precision="fp32", clip_norm=1.0, offload_params=True)
