@@ -45,7 +45,11 @@ def _key(value: Any) -> Any:
 
 def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> dict[str, Any]:
     """The cells of one node's row, by column key. Pure: tested without an app."""
-    util, mem = cells.device_cells(node.device, node.util, node.mem_used, node.mem_total)
+    state = cells.state_name(node.state)
+    quiet = state in QUIET_STATES
+    # a node that no longer runs uses nothing: its last sample would read as a live 100% CPU
+    running = not quiet and state != "dead"
+    util, mem = cells.device_cells(node.device if running else None, node.util, node.mem_used, node.mem_total)
     history = node.loss_history if trend == "loss" else node.tps_history
     spark_style = "cyan" if trend == "loss" else "green"
     # every cell a Text: a str cell is parsed as markup on every render of the table
@@ -57,7 +61,7 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
         "util": util,
         "mem": mem,
         "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout,
-                             live=cells.state_name(node.state) not in QUIET_STATES),
+                             live=not quiet),
         "step": Text(cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
                      justify="right"),
         "loss": Text(cells.loss_cell(node.loss), justify="right"),
