@@ -48,14 +48,15 @@ class _Psutil:
         pass
 
 
-def make_sampler(gpu_indices: list[int]) -> _Nvml | _Psutil:
-    """NVML for these GPUs when it loads, psutil otherwise (no GPU, no driver, or no library)."""
+def make_sampler(gpu_indices: list[int]) -> tuple[_Nvml | _Psutil, str | None]:
+    """NVML for these GPUs when it loads, psutil otherwise (no GPU, no driver, or no library).
+    The second value says why a node training on GPUs reports CPU figures instead (None when it does not)."""
     if gpu_indices:
         try:
-            return _Nvml(gpu_indices)
-        except Exception:  # noqa: BLE001 - any NVML failure (no driver, no library) means: fall back to psutil
-            pass
-    return _Psutil()
+            return _Nvml(gpu_indices), None
+        except Exception as e:  # noqa: BLE001 - any NVML failure (no driver, no library) means: fall back to psutil
+            return _Psutil(), f"NVML unavailable ({type(e).__name__}: {e}); reporting CPU and RSS instead of GPUs"
+    return _Psutil(), None
 
 
 class ResourceMonitor:
@@ -63,7 +64,7 @@ class ResourceMonitor:
 
     def __init__(self, emit: Callable[..., Any], interval: float, gpu_indices: list[int]):
         self.emit, self.interval = emit, interval
-        self.sampler = make_sampler(gpu_indices)
+        self.sampler, self.fallback_reason = make_sampler(gpu_indices)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resources", daemon=True)
 

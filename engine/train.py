@@ -132,6 +132,8 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
             else list(range(world.world_size))
         session.resources = ResourceMonitor(lambda **f: telemetry.emit("resource", **f),
                                             cfg.telemetry.resource_interval, gpus).start()
+        if session.resources.fallback_reason:
+            telemetry.emit("warning", message=session.resources.fallback_reason)
     return session
 
 

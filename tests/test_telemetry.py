@@ -80,3 +80,22 @@ def test_resource_monitor_emits_valid_cpu_samples_and_stops():
     count = len(events)
     time.sleep(0.2)
     assert len(events) == count  # nothing after stop()
+
+
+def test_gpus_without_nvml_fall_back_to_cpu_and_say_why():
+    """Asking for GPU 0 where NVML cannot load (no driver here; on a GPU host, a real sample) never breaks the
+    sampler: it reports CPU figures and gives the reason the engine emits as a warning."""
+    import torch
+
+    from engine.resources import ResourceMonitor
+    monitor = ResourceMonitor(lambda **f: None, 60, gpu_indices=[0])
+    try:
+        if torch.cuda.is_available():
+            assert monitor.kind == "gpu" and monitor.fallback_reason is None
+            sample = monitor.sampler.samples()[0]
+            assert sample["device"] == "gpu" and sample["mem_total"] > 0 and "temp_c" in sample
+        else:
+            assert monitor.kind == "cpu" and monitor.fallback_reason.startswith("NVML unavailable")
+            assert monitor.sampler.samples()[0]["device"] == "cpu"
+    finally:
+        monitor.stop()
