@@ -1,0 +1,48 @@
+"""The CUDA/NCCL paths of features whose CPU/gloo paths are tested elsewhere (test_train, test_checkpoint,
+test_diloco_e2e, test_telemetry). Skipped only where the hardware is absent: these need one or two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_train import PARITY_TOL, run_engine
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (the CPU path is tested in test_train.py)")
+two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs (the gloo path is tested in test_train.py)")
+
+pytestmark = pytest.mark.gpu
+
+
+@one_gpu
+def test_single_gpu_bf16_trains_and_reports_nvml(procs, tmp_path):
+    r = run_engine(procs, tmp_path / "gpu", "--train.max_steps=12", "--inner.device=cuda",
+                   "--train.precision=bf16-mixed", "--telemetry.resource_interval=0.2")
+    assert r.rc == 0, r.stderr[-3000:]
+    losses = r.losses()
+    assert losses[12] < losses[1] - 0.5, losses
+    gpu = [e for e in r.of("resource") if e["device"] == "gpu"]
+    assert gpu and gpu[0]["mem_total"] > 0 and "temp_c" in gpu[0] and "power_w" in gpu[0]
+
+
+@one_gpu
+def test_gpu_and_cpu_fp32_losses_agree(procs, tmp_path):
+    """Same seed, data and fp32 math on CUDA and CPU: the first steps agree within a loose bound (kernels differ)."""
+    steps = ["--train.max_steps=4"]
+    gpu = run_engine(procs, tmp_path / "g", *steps, "--inner.device=cuda")
+    cpu = run_engine(procs, tmp_path / "c", *steps, "--inner.device=cpu")
+    assert gpu.rc == cpu.rc == 0, gpu.stderr[-2000:] + cpu.stderr[-2000:]
+    assert all(abs(gpu.losses()[s] - cpu.losses()[s]) < 1e-2 for s in range(1, 5))
+
+
+@two_gpus
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_nccl_two_gpus_match_one_gpu(procs, tmp_path, strategy):
+    steps = ["--train.max_steps=6", "--inner.device=cuda"]
+    one = run_engine(procs, tmp_path / "one", *steps)
+    two = run_engine(procs, tmp_path / strategy, *steps, f"--inner.strategy={strategy}", nproc=2)
+    assert one.rc == two.rc == 0, two.stderr[-3000:]
+    a, b = one.losses(), two.losses()
+    # NCCL reductions in another order than one process: looser than the gloo PARITY_TOL
+    assert all(abs(a[s] - b[s]) < 100 * PARITY_TOL for s in a), (a, b)
