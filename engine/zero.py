@@ -249,12 +249,12 @@ class ZeroInner:
     def _init_optimizer_state(self) -> None:
         """Create AdamW's state now (zeros, step 0: exactly what its first step would create) so that a
         checkpoint template built before the first step already holds every tensor DCP must fill."""
-        if not isinstance(self.optimizer, torch.optim.AdamW):
-            return
+        # torch AdamW counts steps in a float tensor; DeepSpeedCPUAdam (offload on GPU runs) in an int
+        first_step = (lambda: torch.tensor(0.0)) if isinstance(self.optimizer, torch.optim.AdamW) else (lambda: 0)
         for p in self.outer_params():  # the tensors the torch optimizer steps, keyed by identity
             if not self.optimizer.state[p]:
-                self.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                           "exp_avg_sq": torch.zeros_like(p)}
+                self.optimizer.state[p] = {"step": first_step(), "exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                           "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
 
     @contextlib.contextmanager
     def _optimizer_groups(self):

@@ -170,25 +170,69 @@ def test_engine_zero_matches_fsdp2(procs, tmp_path, fsdp_losses, stage):
     assert start["strategy"] == f"zero{stage}" and start["world_size"] == 2
 
 
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    """zero3 for 6 steps with checkpoints at 3 and 6 and an export at the end."""
+    from procs import ProcessTracker
+    tracker, root = ProcessTracker(), tmp_path_factory.mktemp("zero3")
+    try:
+        losses, events = _engine(tracker, root / "a", "--inner.strategy=zero3", "--ckpt.interval=3",
+                                 f"--ckpt.export_dir={root / 'export'}")
+    finally:
+        tracker.kill_all()
+    return {"losses": losses, "events": events, "root": root}
+
+
 @pytest.mark.slow
-def test_engine_zero3_matches_fsdp2_resumes_and_exports(procs, tmp_path, fsdp_losses):
-    import torch
-    from transformers import AutoModelForCausalLM
-    export = tmp_path / "export"
-    losses, events = _engine(procs, tmp_path / "a", "--inner.strategy=zero3", "--ckpt.interval=3",
-                             f"--ckpt.export_dir={export}")
+def test_engine_zero3_matches_fsdp2(zero3_run, fsdp_losses):
+    losses = zero3_run["losses"]
+    assert losses.keys() == fsdp_losses.keys()
     worst = max(abs(losses[s] - fsdp_losses[s]) for s in losses)
     assert worst < PARITY_TOL, (worst, losses, fsdp_losses)
-    assert [e["step"] for e in events if e["type"] == "checkpoint"] == [3, 6]
-    # a new run resuming the step-3 checkpoint repeats steps 4..6 of the uninterrupted one
-    resumed, _ = _engine(procs, tmp_path / "b", "--inner.strategy=zero3",
-                         f"--ckpt.resume={tmp_path / 'a' / 'checkpoints' / 'step-00000003'}")
+    assert [e["step"] for e in zero3_run["events"] if e["type"] == "checkpoint"] == [3, 6]
+
+
+@pytest.mark.slow
+def test_engine_zero3_resume_repeats_the_uninterrupted_run(procs, zero3_run):
+    root = zero3_run["root"]
+    resumed, _ = _engine(procs, root / "b", "--inner.strategy=zero3",
+                         f"--ckpt.resume={root / 'a' / 'checkpoints' / 'step-00000003'}")
     assert sorted(resumed) == [4, 5, 6]
+    losses = zero3_run["losses"]
     assert max(abs(resumed[s] - losses[s]) for s in resumed) < 1e-6, (resumed, losses)
-    # the export gathers ZeRO-3's partitions into a whole transformers model
-    model = AutoModelForCausalLM.from_pretrained(export)
-    assert sum(p.numel() for p in model.parameters()) > 1_000_000
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_engine_zero3_export_is_the_whole_model(zero3_run):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.model import build_model
+    model = AutoModelForCausalLM.from_pretrained(zero3_run["root"] / "export")
+    fresh = build_model(ModelConfig(preset="debug"), 258, 64, seed=1337)  # the same shapes, untrained
+    trained, start = model.state_dict(), fresh.state_dict()
+    assert trained.keys() == start.keys()
+    assert all(trained[k].shape == start[k].shape for k in start)  # gathered, not ZeRO-3's empty partitions
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    moved = sum(float((trained[k] - start[k]).abs().max()) > 0 for k in start if k.endswith("proj.weight"))
+    assert moved == len([k for k in start if k.endswith("proj.weight")])  # every layer was trained
+
+
+@pytest.mark.slow
+def test_engine_without_deepspeed(procs, tmp_path):
+    """DeepSpeed absent (an import of it fails): DDP still trains, and zero2 is one line saying how to install it."""
+    hide = ("import runpy, sys; sys.modules['deepspeed'] = None; sys.argv[0] = 'engine.train'; "
+            "runpy.run_module('engine.train', run_name='__main__')")
+    base = [PYTHON, "-c", hide, "configs/debug.toml", "--data.fake=true", "--data.seq_len=32", "--train.max_steps=1",
+            "--train.eval_interval=0", "--telemetry.human=false"]
+    ddp = procs.run([*base, f"--run.dir={tmp_path / 'ddp'}"], timeout=60)
+    assert ddp.returncode == 0, ddp.stderr[-2000:]
+    zero = procs.run([*base, "--inner.strategy=zero2", f"--run.dir={tmp_path / 'zero'}"], timeout=60)
+    assert zero.returncode == 2
+    errors = [line for line in zero.stderr.splitlines() if line.startswith("error")]
+    assert errors == [f"error: inner.strategy=zero2 needs DeepSpeed, which is not installed: {INSTALL_HINT}"], \
+        zero.stderr[-2000:]
 
 
 @pytest.mark.slow
