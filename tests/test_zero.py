@@ -254,6 +254,29 @@ def test_diloco_over_zero3_two_nodes_of_two_workers(procs, tmp_path):
     assert all(n.of("run_end")[-1]["status"] == "completed" for n in nodes)
 
 
+# -- the CUDA side (skipped only where no GPU is present; the CPU path of each is tested above) --------------
+
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU (the CPU path is tested above)")
+@pytest.mark.parametrize("extra", [
+    ["--inner.strategy=zero2", "--inner.offload_optimizer=true", "--train.precision=bf16-mixed"],  # DeepSpeedCPUAdam
+    ["--inner.strategy=zero3", "--train.precision=fp16-mixed"],  # dynamic loss scaling
+], ids=["zero2-offload-bf16", "zero3-fp16"])
+def test_gpu_zero_trains(procs, tmp_path, extra):
+    from engine.telemetry import parse_line
+    done = procs.run([PYTHON, "-m", "engine.train", "configs/debug.toml", *SMALL, "--train.max_steps=12",
+                      "--inner.device=cuda", f"--run.dir={tmp_path / 'run'}", *extra], timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    events = [parse_line(line) for line in done.stdout.splitlines() if line.strip()]
+    losses = {e["step"]: e["loss"] for e in events if e["type"] == "step"}
+    assert losses[12] < losses[1] - 0.5, losses
+
+
 def _batch(step: int, n: int, seq: int, vocab: int):
     import torch
     g = torch.Generator().manual_seed(1000 + step)
