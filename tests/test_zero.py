@@ -254,6 +254,23 @@ def test_diloco_over_zero3_two_nodes_of_two_workers(procs, tmp_path):
     assert all(n.of("run_end")[-1]["status"] == "completed" for n in nodes)
 
 
+@pytest.mark.slow
+def test_engine_fp16_on_cpu_is_refused_in_one_line(procs, tmp_path):
+    """DeepSpeed's CPU accelerator has fp16 only on CPUs with AVX512-FP16; elsewhere the engine says so up front
+    (exit 2, one line) instead of failing inside DeepSpeed. Where the CPU has it, the run must complete."""
+    done = procs.run([PYTHON, "-m", "engine.train", "configs/debug.toml", "--data.fake=true", "--data.seq_len=32",
+                      "--train.max_steps=2", "--train.eval_interval=0", "--telemetry.human=false",
+                      "--inner.strategy=zero1", "--train.precision=fp16-mixed", f"--run.dir={tmp_path}"],
+                     timeout=90, env=engine_env(DS_ACCELERATOR="cpu"))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
+    if done.returncode == 0:
+        assert not errors and '"status": "completed"' in done.stdout.replace('":"', '": "')
+    else:
+        assert done.returncode == 2 and errors == [
+            "error: train.precision: fp16-mixed is not supported by DeepSpeed on this cpu (use bf16-mixed)"], \
+            done.stderr[-2000:]
+
+
 # -- the CUDA side (skipped only where no GPU is present; the CPU path of each is tested above) --------------
 
 def _gpus() -> int:
