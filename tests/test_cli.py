@@ -314,7 +314,7 @@ async def test_headless_failed_start_is_one_line_and_exit_1(unit_profile, capsys
 FAST = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
         "train.eval_interval": 0, "diloco.inner_steps": 3, "diloco.allreduce_timeout": 20.0,
         "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0, "mesh.polling_interval": 0.05,
-        "train.max_steps": 100000}
+        "train.max_steps": 100000, "diloco.min_nodes": 3}
 
 
 def _console(procs, *args, timeout: float = 60.0):
