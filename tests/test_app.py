@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import tomlkit
+from textual.command import CommandList
 
 from console.app import ConsoleApp, make_app
 from console.cluster import Cluster
@@ -291,6 +292,12 @@ async def test_keys_without_engines(local_profile):
         await pilot.press("escape")
         commands = [c.title for c in app.get_system_commands(app.dashboard)]
         assert {"Add node", "Drain node", "Kill node", "Restart node", "Node logs", "Quit console"} <= set(commands)
+        await pilot.press("ctrl+p", *"Drain node")  # the palette runs the same action as the key
+        await until(pilot, lambda: any(c.option_count for c in app.screen.query(CommandList)), 10, "palette hits")
+        await pilot.press("down", "enter")  # the best hit first
+        await until(pilot, lambda: isinstance(app.screen, ConfirmScreen), 10, "the drain confirmation")
+        assert app.screen.question == "Drain node-b, node-c?"
+        await pilot.press("n")
 
         await pilot.press("l")
         assert type(app.screen).__name__ == "LogScreen"
