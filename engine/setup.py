@@ -158,8 +158,9 @@ def launcher_script(profile, node_rank: int, source: str) -> str:
     ]
     if profile.store_host.name == host.name:
         lines += [
-            "# this host runs the membership store every node dials; it ends with this script",
-            f"{' '.join(q(a) for a in store_argv(profile))} &",
+            "# this host runs the membership store every node dials; it ends with this script. setsid: Ctrl-C",
+            "# stops the engine (which still says goodbye to the store), not the store",
+            f"setsid {' '.join(q(a) for a in store_argv(profile))} &",
             "store_pid=$!",
             'trap \'kill "$store_pid" 2>/dev/null || true\' EXIT',
         ]
