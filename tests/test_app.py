@@ -151,7 +151,8 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         await until(pilot, lambda: set(trio) <= set(chart.series), 10, "a line per node")
         first = {n: len(chart.series[n][1]) for n in trio}
         version, redraws, updates, t0 = fleet.version, app.redraws, table.cell_updates, time.monotonic()
-        await until(pilot, lambda: all(len(chart.series[n][1]) > first[n] for n in trio), 60, "the chart to move")
+        await until(pilot, lambda: all(len(chart.series[n][1]) > first[n] for n in trio)
+                    and table.cell_updates > updates, 60, "the chart and the table to move")
         # batched: at most one redraw per 0.5 s tick however many events arrived, cells updated in place
         elapsed = time.monotonic() - t0
         assert app.redraws - redraws <= elapsed / 0.5 + 2 < fleet.version - version
@@ -350,6 +351,7 @@ async def test_garbage_never_crashes(local_profile):
         fleet.ingest("node-a", "this is not json {")
         fleet.ingest("node-a", b"\xff\xfe binary")
         fleet.ingest("node-a", '{"v": 1, "type": "step", "ts": 1, "node": "node-a", "rank": 0}')
+        fleet.ingest("node-b", '{"v":1,"type":"state","ts":1,"node":"node-b","rank":0,"state":"training"}')
         fleet.ingest("node-b", '{"v":1,"type":"step","ts":1e12,"node":"node-b","rank":0,"step":7,'
                                '"loss":1e308,"lr":0,"tokens_per_s":-5,"grad_norm":null}')
         fleet.ingest("node-b", '{"v":1,"type":"resource","ts":1,"node":"node-b","rank":0,"device":"tpu",'

@@ -409,3 +409,15 @@ def test_shell_commands_and_headless_do_not_load_textual():
 
     probe = "import sys, console.cli; sys.exit(1 if 'textual' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, timeout=60).returncode == 0
+
+
+def test_resume_reaches_the_cluster(unit_profile):
+    seen = []
+
+    def factory(profile, fleet, **kw):
+        seen.append(kw)
+        return RecordingCluster(profile, fleet)
+
+    assert cli.main([unit_profile, "--resume", "status"], cluster_factory=factory, out=io.StringIO()) == 0
+    assert cli.main([unit_profile, "status"], cluster_factory=factory, out=io.StringIO()) == 0
+    assert seen == [{"resume": True}, {}]  # a fresh run unless asked
