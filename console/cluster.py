@@ -77,7 +77,7 @@ def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
     overrides = {"ckpt.resume": "auto", **engine_overrides(profile, host), "run.name": profile.run.name,
                  "run.dir": node_dir,
                  "mesh.drain_file": C.join(node_dir, C.DRAIN)}
-    args = [profile.engine.config, *(f"--{k}={_toml_value(v)}" for k, v in overrides.items())]
+    args = [profile.engine.config, *(f"--{k}={toml_value(v)}" for k, v in overrides.items())]
     if host.workers == 1:
         return [host.python_path, "-m", "engine.train", *args]
     if host.rdzv_port is not None:
@@ -100,7 +100,7 @@ def store_argv(profile: Profile) -> list[str]:
             "--port", str(profile.store.port)]
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -152,6 +152,16 @@ class Config(_Section):
         if self.train.batch_size % self.train.micro_batch_size:
             raise ValueError(f"train.batch_size ({self.train.batch_size}) is not a multiple of "
                              f"train.micro_batch_size ({self.train.micro_batch_size})")
+        strategy = self.inner.strategy
+        if self.inner.cpu_offload and strategy != "fsdp":
+            raise ValueError(f"inner.cpu_offload is FSDP2's offload: it needs inner.strategy fsdp, not {strategy} "
+                             f"(DeepSpeed: inner.offload_optimizer / inner.offload_params)")
+        if self.inner.offload_optimizer and not strategy.startswith("zero"):
+            raise ValueError(f"inner.offload_optimizer is DeepSpeed's: it needs inner.strategy zero1/zero2/zero3, "
+                             f"not {strategy}")
+        if self.inner.offload_params and strategy != "zero3":
+            raise ValueError(f"inner.offload_params needs inner.strategy zero3 (parameters are partitioned only "
+                             f"there), not {strategy}")
         if self.train.precision == "fp16-mixed" and self.inner.strategy == "fsdp":
             raise ValueError("train.precision fp16-mixed is not supported with inner.strategy fsdp (use bf16-mixed)")
         return self

@@ -117,12 +117,13 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
     ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy, device, group)
     resume_from = ckpt.check_start()  # before the expensive part: refuse bad folders early
     model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
+    params = count_params(model)  # before sharding: ZeRO-3 empties the partitioned tensors
     inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
     outer = build_outer(cfg, world, inner, telemetry, local_group=group)
     session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt,
                       Signals(cfg.mesh.drain_file), resources=None,
                       accum=grad_accum_steps(cfg.train, world.world_size))
-    session.facts = {"params": count_params(model), "device": str(device), "grad_accum": session.accum}
+    session.facts = {"params": params, "device": str(device), "grad_accum": session.accum}
     if resume_from is not None:
         ckpt.load(resume_from, inner, data, session.progress, outer)
         session.facts["resumed_from"] = str(resume_from)

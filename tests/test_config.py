@@ -75,3 +75,17 @@ def test_digest_ignores_per_node_knobs(tmp_path):
     base = digest(load_config(path))
     assert digest(load_config(path, ["--optim.lr=1e-2", "--diloco.min_nodes=3"])) == base
     assert digest(load_config(path, ["--data.seq_len=64"])) != base
+
+
+@pytest.mark.parametrize("override, strategy, message", [
+    ("--inner.cpu_offload=true", "ddp", "inner.cpu_offload is FSDP2's offload"),
+    ("--inner.offload_optimizer=true", "fsdp", "inner.offload_optimizer is DeepSpeed's"),
+    ("--inner.offload_params=true", "zero2", "inner.offload_params needs inner.strategy zero3"),
+])
+def test_offload_knobs_belong_to_their_strategy(tmp_path, override, strategy, message):
+    path = write(tmp_path, "[data]\nfake = true\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override, f"--inner.strategy={strategy}"])
+    good = {"--inner.cpu_offload=true": "fsdp", "--inner.offload_optimizer=true": "zero1",
+            "--inner.offload_params=true": "zero3"}[override]
+    assert load_config(path, [override, f"--inner.strategy={good}"]).inner.strategy == good
