@@ -353,15 +353,35 @@ def check_engine_config(profile: Profile) -> None:
     from engine.config import ConfigError, load_config  # the engine's own rules, not a copy of them
 
     lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
+    diloco: bool | None = None
     for host in profile.hosts.values():
         if host.transport != "local":
             continue
         config = Path(host.workdir) / profile.engine.config
         overrides = engine_overrides(profile, host)
         try:
-            load_config(config, overrides)
+            diloco = load_config(config, overrides).diloco.enabled
         except ConfigError as e:
             raise ProfileError(_engine_error(str(e), profile, host, lines)) from None
+    if diloco is None and Path(profile.engine.config).is_file():  # remote hosts only: this checkout's copy
+        try:
+            diloco = load_config(profile.engine.config, profile.engine.overrides).diloco.enabled
+        except ConfigError:
+            diloco = None  # the hosts' own engines will say what is wrong, on their nodes
+    if diloco:
+        _check_equal_workers(profile, lines)
+
+
+def _check_equal_workers(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    """DiLoCo pairs local rank r of every node (FSDP: shard r), so the engines refuse a node whose worker count
+    differs from the run's; say so here, at the host's line, before anything starts."""
+    first, *rest = profile.hosts.values()
+    for host in rest:
+        if host.workers != first.workers:
+            line = lines.get(("hosts", host.name, "workers")) or lines.get(("hosts", host.name), 0)
+            raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.workers: {host.workers} differs from "
+                               f"{first.name}'s {first.workers}; every node of a DiLoCo run needs the same number "
+                               f"of workers (local rank r of each node exchanges with local rank r of the others)")
 
 
 def _engine_error(message: str, profile: Profile, host: HostSpec, lines: dict[tuple[str, ...], int]) -> str:

@@ -45,8 +45,8 @@ def test_shipped_local_profile():
 def test_shipped_lab_profile_documents_every_option():
     profile = load_profile(ROOT / "profiles" / "lab.toml")
     b, c, d = profile.hosts["node-b"], profile.hosts["node-c"], profile.hosts["node-d"]
-    assert (b.port, b.user, b.workers) == (2222, "alice", 4)
-    assert b.env == {"NCCL_SOCKET_IFNAME": "eth0", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # defaults merged
+    assert (b.port, b.user, b.workers) == (2222, "alice", 8)  # from [defaults]
+    assert b.env == {"NCCL_SOCKET_IFNAME": "eth0", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}  # defaults merged
     assert c.jump_host == "ops@bastion.example.org:22" and c.python_path == "/usr/bin/python3"
     assert d.ssh_alias == "gpu-d" and d.target == "gpu-d"
     assert engine_overrides(profile, d)["inner.device"] == "cuda"
@@ -145,3 +145,21 @@ def test_key_lines_and_split_key():
     lines = key_lines(MINIMAL)
     assert lines[("run", "name")] == 3 and lines[("hosts", "node b")] == 17
     assert lines[("engine", "overrides")] == 8 and lines[("hosts", "node-a", "env")] == 15
+
+
+def test_hosts_with_different_worker_counts_are_refused_at_the_host_line():
+    text = (ROOT / "profiles" / "local.toml").read_text().replace("[hosts.node-b]\n", "[hosts.node-b]\nworkers = 2\n")
+    lines = text.splitlines()
+    path = ROOT / "profiles" / "_workers_test.toml"  # beside local.toml: its workdir "." is the checkout
+    path.write_text(text)
+    try:
+        with pytest.raises(ProfileError) as err:
+            check_engine_config(load_profile(path))  # configs/debug-diloco.toml: DiLoCo on
+    finally:
+        path.unlink()
+    line = lines.index("workers = 2") + 1
+    assert str(err.value).startswith(f"{path}:{line}: hosts.node-b.workers: 2 differs from node-a's 1")
+    # without DiLoCo each host trains on its own (e.g. a DeepSpeed hostfile): different counts are fine
+    plain = parse_profile(text.replace("configs/debug-diloco.toml", "configs/debug.toml"), "local.toml")
+    check_engine_config(plain)  # does not raise
+    assert plain.hosts["node-b"].workers == 2
