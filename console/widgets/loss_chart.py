@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import islice
 from typing import Any, Iterable
 
 from rich.text import Text
@@ -17,6 +18,10 @@ PLOTTABLE = 1e12  # plotext scales its axis labels by 10**8: values near float m
 
 def plottable(v: float) -> bool:
     return math.isfinite(v) and abs(v) < PLOTTABLE
+
+
+def _newest(history: Any, n: int) -> list:
+    return list(islice(reversed(history), n))[::-1]
 
 
 def downsample(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tuple[float, float]]:
@@ -62,7 +67,8 @@ class LossChart(PlotextPlot):
         """One line per node; past MAX_LINES nodes, the cluster mean plus the `focus` (selected, marked) nodes."""
         nodes = [n for n in nodes if n.loss_history]
         limit = max(16, min(MAX_POINTS, 2 * (self.size.width or MAX_POINTS)))
-        histories = {str(n.name): [(float(t), float(v)) for t, v in list(n.loss_history) if plottable(float(v))]
+        # the newest `limit` points per node are all a plot this wide can show
+        histories = {str(n.name): [(float(t), float(v)) for t, v in _newest(n.loss_history, limit) if plottable(v)]
                      for n in nodes}
         histories = {name: h for name, h in histories.items() if h}
         if self._t0 is None and histories:

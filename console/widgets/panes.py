@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from itertools import islice
 from typing import Any, Iterable
 
 from rich.text import Text
@@ -44,37 +46,50 @@ class LogPane(Log):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(max_lines=LOG_TAIL * 2, **kwargs)
         self.node_name: str | None = None
-        self._tail: list[str] = []
+        self._last: object = None  # the newest log entry shown, as stored (compared by identity)
+        self._title = ""
 
     def show(self, node: Any | None) -> None:
         if node is None:
             if self.node_name is not None:
-                self.node_name, self._tail = None, []
+                self.node_name, self._last, self._title = None, None, "log"
                 self.clear()
                 self.border_title = "log"
             return
-        tail = list(node.log)[-LOG_TAIL:]
-        if node.name == self.node_name and tail == self._tail:
+        raw = _raw_tail(node.log, LOG_TAIL)
+        same = node.name == self.node_name
+        if same and raw and raw[-1] is self._last:
             return
-        new = _new_lines(self._tail, tail) if node.name == self.node_name else None
+        new = _after(raw, self._last) if same else None
         follow = None  # appending: follow only if the reader is at the end (tail -f; scrolling up pauses it)
         if new is None:
             self.clear()
-            new, follow = tail, True
-        self.write_lines(new, scroll_end=follow)
-        self.node_name, self._tail = node.name, tail
-        # a border title is markup: a node name is data
-        self.border_title = Content(f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else ""))
+            new, follow = raw, True
+        self.write_lines([str(entry) for entry in new], scroll_end=follow)
+        if follow:  # a new node: start at its newest line once the new length is laid out
+            self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
+        self.node_name, self._last = node.name, (raw[-1] if raw else None)
+        title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
+        if title != self._title:  # setting a title repaints the whole pane: only when it changes
+            self._title = title
+            self.border_title = Content(title)  # a border title is markup: a node name is data
 
 
-def _new_lines(old: list[str], new: list[str]) -> list[str] | None:
-    """The lines of `new` after the end of `old`, or None when they do not overlap (then redraw)."""
-    if not old:
-        return new
-    for shift in range(len(old)):  # old[shift:] must be a prefix of new
-        overlap = len(old) - shift
-        if overlap <= len(new) and old[shift:] == new[:overlap]:
-            return new[overlap:]
+def _raw_tail(log: Any, n: int) -> list:
+    """The newest n log entries as stored: the fleet formats an engine event only when it is read, and reading
+    the whole 500-line buffer every tick to show its tail was the log pane's main cost."""
+    if isinstance(log, deque):
+        return list(islice(deque.__reversed__(log), n))[::-1]
+    return list(log)[-n:]
+
+
+def _after(raw: list, last: object) -> list | None:
+    """The entries after `last` (found by identity), or None when it is gone from the tail (then redraw)."""
+    if last is None:
+        return raw
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] is last:
+            return raw[i + 1:]
     return None
 
 
