@@ -168,6 +168,8 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             if outcome is not None:
                 for node in fleet.nodes.values():
                     print("  " + node_line(node, heartbeat_timeout), file=out, flush=True)
+                if outcome != EXIT_INTERRUPTED:
+                    await cluster.stop()  # every engine has ended: the store would otherwise outlive the run
                 return outcome
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):

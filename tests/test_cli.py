@@ -290,7 +290,7 @@ async def test_headless_prints_lines_until_the_outcome(unit_profile):
     code = await cli.run_headless(cluster, fleet, attach=False, interval=0.1, out=out)
     lines = out.getvalue().splitlines()
     status = [line for line in lines if " | " in line]
-    assert code == 0 and cluster.calls[-1] == "close"
+    assert code == 0 and cluster.calls[-2:] == [("stop", "all"), "close"]  # the run is over: the store ends too
     assert 2 <= len(status) <= 6 and "training 2" in status[0] and status[-1].endswith("left 2")
     assert any(line.split()[:3] == ["node-a", "local", "left"] for line in lines)
 
