@@ -161,9 +161,10 @@ class Cluster:
             await self.attach()
             return
         await self._end_stale_store()
-        if not self.resume and not await self._archive_previous():
+        blocked = set() if self.resume else await self._archive_previous()
+        active = [h for h in self.profile.active_hosts() if h.name not in blocked]
+        if not active:
             return
-        active = self.profile.active_hosts()
         reason = await self._start_store()
         if reason is not None:  # no store, no mesh: say so on every node and start none
             for host in active:
@@ -171,21 +172,30 @@ class Cluster:
             return
         await self._gather(*(self._launch(h) for h in active))
 
-    async def _archive_previous(self) -> bool:
+    async def _archive_previous(self) -> set[str]:
         """A fresh start: move every node's (and the store's) folder of an earlier run, with its checkpoints, to
-        RUN_DIR/_archive/<time>/ on its host, so the new run starts clean and nothing is lost. False (and node
-        states) when a host refused: starting on top of an old run would mix the two."""
+        RUN_DIR/_archive/<time>/ on its host, so the new run starts clean and nothing is lost. Returns the nodes
+        that must not start: a host that refused the move (starting on top of an old run would mix the two), or
+        every node when the store's host refused. An unreachable host is left to _launch, which says so."""
         archive = C.join(self.profile.run.dir, ARCHIVE, time.strftime("%Y%m%d-%H%M%S"))
         names = [(h.name, h.name) for h in self.profile.hosts.values()] + [(STORE, self.profile.store_host.name)]
-        results = await self._gather(*(self.transport(host).archive(self.node_dir(name), archive)
-                                       for name, host in names))
-        failed = [(name, r) for (name, _), r in zip(names, results) if isinstance(r, BaseException)]
-        for name, err in failed:
-            reason = f"previous run not archived: {err}"
-            for host in self.profile.active_hosts():
-                if name in (host.name, STORE):
-                    self.fleet.set_state(host.name, NodeState.FAILED, reason)
-        return not failed
+        async def move(name: str, host: str) -> TransportError | None:
+            try:
+                await self.transport(host).archive(self.node_dir(name), archive)
+            except TransportError as e:
+                return e
+            return None
+
+        results = await self._gather(*(move(name, host) for name, host in names))
+        blocked: set[str] = set()
+        for (name, _), result in zip(names, results):
+            if not isinstance(result, TransportError) or result.link:
+                continue
+            hit = [h.name for h in self.profile.active_hosts()] if name == STORE else [name]
+            for node in hit:
+                self.fleet.set_state(node, NodeState.FAILED, f"previous run not archived: {result}")
+            blocked.update(hit)
+        return blocked
 
     async def _engines_running(self) -> bool:
         found = await self._gather(*(self._live_pid(h.name) for h in self.profile.hosts.values()))
@@ -352,6 +362,8 @@ class Cluster:
             await asyncio.sleep(SETTLE_S)
             await self._catch_up(name)
             await self._settle(name)
+        except TransportError as e:  # the link went as the process did: say so rather than leave a stale state
+            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
         finally:
             proc.done.set()
 

@@ -304,7 +304,11 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         written = (run_dir / b / "events.jsonl").read_text().count('"type": "step"')
         assert written > fleet.nodes[b].step  # training went on without the console
         sshd.start()
-        await until(lambda: all(n.state is NodeState.TRAINING for n in fleet.nodes.values()), 40, "re-attached")
+        try:
+            await until(lambda: all(n.state is NodeState.TRAINING for n in fleet.nodes.values()), 40, "re-attached")
+        except AssertionError as e:
+            states = {n.name: (n.state.value, n.reason, list(map(str, n.log))[-4:]) for n in fleet.nodes.values()}
+            raise AssertionError(f"{e}: {states}") from None
         await until(lambda: fleet.nodes[b].step >= written, 20, "caught up")
         steps = [e["step"] for e in map(json.loads, (run_dir / b / "events.jsonl").read_text().splitlines())
                  if e["type"] == "step"]

@@ -199,7 +199,11 @@ class SshTransport(Transport):
                 raise TransportError(f"command timed out after {timeout}s on {self.host.name}") from None
             except (OSError, asyncssh.Error) as e:
                 raise TransportError(self.lost_reason or self._describe(e), link=True) from None
-        rc = result.exit_status if result.exit_status is not None and result.exit_status >= 0 else -1
+        if result.exit_status is None:
+            # the channel closed without an exit status: the link went down under the command. Saying "exit -1"
+            # here read as "no such process" to alive() and the watcher settled a live node while sshd restarted
+            raise TransportError(self.lost_reason or f"no exit status from {self.host.name} (link lost?)", link=True)
+        rc = result.exit_status if result.exit_status >= 0 else -1
         out = result.stdout if isinstance(result.stdout, bytes) else b""
         return rc, out, _text(result.stderr)
 
