@@ -323,6 +323,7 @@ class DilocoOuter:
         index = plan.outer_step if joining else progress.outer_step + 1
         attempt = plan.attempt if joining else 0
         pgrad = None
+        rejoined = False  # left out mid-run and admitted again: say "training" once it has the state
         if not joining:
             assert self.snapshot is not None
             pgrad = self.snapshot - flat_params(self.inner.outer_params())
@@ -335,8 +336,10 @@ class DilocoOuter:
                     self._emit("warning", message=f"{e}")
                     self._emit("state", state="joining")
                     plan = self._on_leader("mesh admission", lambda: self.mesh.wait_admission())
-                    joining, index = True, plan.outer_step
+                    joining, index, rejoined = True, plan.outer_step, True
             if self._attempt(plan, pgrad, progress):
+                if rejoined:
+                    self._emit("state", state="training")
                 return
             attempt, plan = plan.attempt + 1, None
         raise RuntimeError(f"outer step {index}: no attempt committed in {self.cfg.max_attempts} tries "

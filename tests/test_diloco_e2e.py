@@ -396,7 +396,9 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
     for n in nodes:
         assert finish(n, 180, nodes) == 0, n.report()
     assert any("re-join" in e["message"] for e in b.of("warning")), b.report()
-    assert any(e["state"] == "joining" for e in b.of("state"))
+    states = [e["state"] for e in b.of("state")]
+    rejoin = max(i for i, st in enumerate(states) if st == "joining")
+    assert "training" in states[rejoin:], states  # the console shows it training again, not joining forever
     back = min(k for k, e in b.outer().items() if k > 2)
     assert a.outer()[back]["members"] == ["a", "b"]
     assert_identical(nodes)

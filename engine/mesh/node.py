@@ -63,7 +63,9 @@ class Mesh:
         self._base_generation = 0
         self._forming = True
         self._plan: Plan | None = None  # the last plan this node accepted
-        self._recent: frozenset[str] = frozenset()  # members of the last two accepted plans (for death reports)
+        # every node that was a member of a plan this node accepted (for death reports): outer steps can be faster
+        # than heartbeats, so "the last two plans" may already have dropped a node when its death is seen
+        self._recent: frozenset[str] = frozenset()
         self._committed: Plan | None = None  # the last plan this node saw committed
         self._lock = threading.Lock()
         self._liveness = Liveness(cfg.heartbeat_timeout)
@@ -151,7 +153,7 @@ class Mesh:
                     self.epoch = plan.epoch
                     self._forming = False
                     self._plan = plan
-                    self._recent = frozenset(plan.members)
+                    self._recent = self._recent | frozenset(plan.members)
                     return plan
                 if self.clock() > deadline:
                     raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
@@ -403,7 +405,7 @@ class Mesh:
             self._release_lease()
             raise Excluded(f"node {self.node_id}: left out of outer step {plan.outer_step} attempt {plan.attempt} "
                            f"(generation {plan.generation}, members {list(plan.members)}): re-join as a joiner")
-        self._recent = frozenset(plan.members) | frozenset(self._plan.members if self._plan else ())
+        self._recent = self._recent | frozenset(plan.members)
         self._plan = plan
         self._forming = False
         if self.node_id not in plan.joiners:
@@ -466,7 +468,7 @@ class Mesh:
             self._report_peer(node, dead, gone)
 
     def _report_peer(self, node: str, dead: bool, gone: bool) -> None:
-        """Emit a peer's death once, if it was a member of one of this node's last two plans."""
+        """Emit a peer's death once, if it was a member of a plan this node accepted."""
         if not dead:
             self._reported.discard(node)
             return
