@@ -14,7 +14,7 @@ def write(tmp_path, text: str):
 
 
 def test_shipped_configs_load(repo_root):
-    for name in ("debug", "debug-diloco", "15m", "150m", "1b"):
+    for name in ("debug", "debug-diloco", "15m", "150m", "150m-diloco", "1b", "1b-diloco"):
         cfg = load_config(repo_root / "configs" / f"{name}.toml")
         assert cfg.model.preset == name.removesuffix("-diloco")
     diloco = load_config(repo_root / "configs" / "debug-diloco.toml")
