@@ -13,19 +13,28 @@ from typing import Any, Callable
 import psutil
 
 
+def nvml_ids(cuda_indices: list[int], visible: tuple[str, ...] | None) -> list[str]:
+    """NVML ignores CUDA_VISIBLE_DEVICES: cuda:i is the i-th visible GPU, an NVML index or a GPU UUID."""
+    if visible is None:
+        return [str(i) for i in cuda_indices]
+    return [visible[i] for i in cuda_indices if i < len(visible)]
+
+
 class _Nvml:
-    def __init__(self, indices: list[int]):
+    def __init__(self, ids: list[str]):
         import pynvml
         pynvml.nvmlInit()
         self.nvml = pynvml
-        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(int(i)) if i.isdigit()
+                         else pynvml.nvmlDeviceGetHandleByUUID(i)) for i in ids]
 
     def samples(self) -> list[dict[str, Any]]:
         n = self.nvml
         out = []
         for index, h in self.handles:
             mem = n.nvmlDeviceGetMemoryInfo(h)
-            out.append(dict(device="gpu", index=index, util=float(n.nvmlDeviceGetUtilizationRates(h).gpu),
+            gpu = int(index) if index.isdigit() else index  # the NVML index, or the UUID it was named by
+            out.append(dict(device="gpu", index=gpu, util=float(n.nvmlDeviceGetUtilizationRates(h).gpu),
                             mem_used=int(mem.used), mem_total=int(mem.total),
                             temp_c=int(n.nvmlDeviceGetTemperature(h, n.NVML_TEMPERATURE_GPU)),
                             power_w=n.nvmlDeviceGetPowerUsage(h) / 1000.0))
@@ -48,7 +57,7 @@ class _Psutil:
         pass
 
 
-def make_sampler(gpu_indices: list[int]) -> tuple[_Nvml | _Psutil, str | None]:
+def make_sampler(gpu_indices: list[str]) -> tuple[_Nvml | _Psutil, str | None]:
     """NVML for these GPUs when it loads, psutil otherwise (no GPU, no driver, or no library).
     The second value says why a node training on GPUs reports CPU figures instead (None when it does not)."""
     if gpu_indices:
@@ -62,9 +71,10 @@ def make_sampler(gpu_indices: list[int]) -> tuple[_Nvml | _Psutil, str | None]:
 class ResourceMonitor:
     """Start with .start(); .stop() ends the thread within one interval. `emit(**fields)` sends one event."""
 
-    def __init__(self, emit: Callable[..., Any], interval: float, gpu_indices: list[int]):
+    def __init__(self, emit: Callable[..., Any], interval: float, gpu_indices: list[int],
+                 visible: tuple[str, ...] | None = None):
         self.emit, self.interval = emit, interval
-        self.sampler, self.fallback_reason = make_sampler(gpu_indices)
+        self.sampler, self.fallback_reason = make_sampler(nvml_ids(gpu_indices, visible))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="resources", daemon=True)
 

@@ -132,7 +132,7 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
         gpus = [] if device.type != "cuda" else [device.index] if cfg.telemetry.all_ranks \
             else list(range(world.world_size))
         session.resources = ResourceMonitor(lambda **f: telemetry.emit("resource", **f),
-                                            cfg.telemetry.resource_interval, gpus).start()
+                                            cfg.telemetry.resource_interval, gpus, world.visible_gpus).start()
         if session.resources.fallback_reason:
             telemetry.emit("warning", message=session.resources.fallback_reason)
     return session

@@ -25,6 +25,9 @@ class World:
     global_world_size: int | None = None
     log_level: str = "INFO"
     launched_by_torchrun: bool = False
+    # CUDA_VISIBLE_DEVICES as listed (indices or GPU UUIDs); None when unset. CUDA renumbers the visible GPUs
+    # from 0, NVML does not: cuda:i is the NVML device visible_gpus[i]
+    visible_gpus: tuple[str, ...] | None = None
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -46,6 +49,12 @@ def _int(environ: Mapping[str, str], name: str, default: int | None) -> int | No
         raise ValueError(f"environment: {name}={raw!r} is not an integer") from None
 
 
+def _visible(raw: str | None) -> tuple[str, ...] | None:
+    if raw is None:
+        return None
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
 def read_world(environ: Mapping[str, str] | None = None) -> World:
     environ = dict(os.environ if environ is None else environ)
     world_size = _int(environ, "WORLD_SIZE", 1)
@@ -63,5 +72,6 @@ def read_world(environ: Mapping[str, str] | None = None) -> World:
         global_world_size=_int(environ, "GLOBAL_WORLD_SIZE", None),
         log_level=environ.get("ZERO_BAND_LOG_LEVEL", "INFO").upper(),
         launched_by_torchrun="TORCHELASTIC_RUN_ID" in environ or "MASTER_ADDR" in environ,
+        visible_gpus=_visible(environ.get("CUDA_VISIBLE_DEVICES")),
         env=relevant,
     )

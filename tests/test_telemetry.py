@@ -99,3 +99,17 @@ def test_gpus_without_nvml_fall_back_to_cpu_and_say_why():
             assert monitor.sampler.samples()[0]["device"] == "cpu"
     finally:
         monitor.stop()
+
+
+def test_nvml_follows_cuda_visible_devices():
+    """cuda:i is the i-th GPU CUDA_VISIBLE_DEVICES lists; NVML numbers GPUs physically, so sample that one."""
+    from engine.resources import nvml_ids
+    from engine.world import read_world
+
+    assert read_world({}).visible_gpus is None
+    world = read_world({"CUDA_VISIBLE_DEVICES": "4,5, 6,7"})
+    assert world.visible_gpus == ("4", "5", "6", "7")
+    assert nvml_ids([0, 1], world.visible_gpus) == ["4", "5"]
+    assert nvml_ids([0, 1], None) == ["0", "1"]
+    uuid = "GPU-8c2a1f0e-0000-4000-8000-000000000001"
+    assert nvml_ids([0], (uuid,)) == [uuid]
