@@ -63,3 +63,27 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 
     deadline = time.monotonic() + wait
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+# profiles/local.toml's debug DiLoCo config made quick for a loaded 2-core CI machine: short sequences, a step
+# event per step, outer rounds every 3 steps, heartbeats fast enough that a killed node is declared dead in ~2 s
+FAST_LOCAL = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
+              "train.eval_interval": 0, "telemetry.resource_interval": 1.0, "diloco.inner_steps": 3,
+              "diloco.allreduce_timeout": 20.0, "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0,
+              "mesh.store_timeout": 30.0, "mesh.start_timeout": 60.0, "mesh.join_timeout": 120.0,
+              "mesh.polling_interval": 0.05, "train.max_steps": 100000,
+              "diloco.min_nodes": 3}  # the first outer step waits for all three: a loaded machine starts them unevenly
+
+
+def fast_local_profile(tmp_path: Path) -> Path:
+    """profiles/local.toml, as shipped, with its run dir under tmp_path, a free store port and FAST_LOCAL."""
+    import tomlkit
+
+    doc = tomlkit.parse((ROOT / "profiles" / "local.toml").read_text())
+    doc["run"]["dir"] = str(tmp_path / "runs")
+    doc["store"]["port"] = free_port()
+    for key, value in FAST_LOCAL.items():
+        doc["engine"]["overrides"][key] = value
+    path = tmp_path / "local.toml"
+    path.write_text(tomlkit.dumps(doc))
+    return path

@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-import tomlkit
 from textual.command import CommandList
 
 from console.app import ConsoleApp, make_app
@@ -35,33 +34,16 @@ from console.screens.modals import AddNodeScreen, ConfirmScreen, QuitScreen
 from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable
 from console.widgets.panes import LogPane, RunHeader, Timeline
-from procs import free_port
+from procs import fast_local_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (160, 50)
-
-# the debug DiLoCo config made quick for a loaded 2-core CI machine: short sequences, a step event per step,
-# outer rounds every 3 steps, heartbeats fast enough that a killed node is declared dead in ~2 s
-FAST = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
-        "train.eval_interval": 0, "telemetry.resource_interval": 1.0, "diloco.inner_steps": 3,
-        "diloco.allreduce_timeout": 20.0, "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0,
-        "mesh.store_timeout": 30.0, "mesh.start_timeout": 60.0, "mesh.join_timeout": 120.0,
-        "mesh.polling_interval": 0.05, "train.max_steps": 100000,
-        "diloco.min_nodes": 3}  # the first outer step waits for all three: a loaded machine starts them unevenly
-
 
 @pytest.fixture
 def local_profile(tmp_path, monkeypatch):
     """profiles/local.toml, as shipped, with the run dir, the store port and the speed knobs of this test."""
     monkeypatch.chdir(ROOT)  # the profile's paths (.venv, the corpus, configs/) are relative to the checkout
-    doc = tomlkit.parse((ROOT / "profiles" / "local.toml").read_text())
-    doc["run"]["dir"] = str(tmp_path / "runs")
-    doc["store"]["port"] = free_port()
-    for key, value in FAST.items():
-        doc["engine"]["overrides"][key] = value
-    path = tmp_path / "local.toml"
-    path.write_text(tomlkit.dumps(doc))
-    yield load_profile(path)
+    yield load_profile(fast_local_profile(tmp_path))
     for pid_file in (tmp_path / "runs").glob("*/pid"):  # engines are detached: end them by their recorded group
         try:
             os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)

@@ -311,12 +311,6 @@ async def test_headless_failed_start_is_one_line_and_exit_1(unit_profile, capsys
 
 
 # ---- end to end: a headless console and shell commands on the real local cluster ------------------------------
-FAST = {"train.micro_batch_size": 2, "train.batch_size": 2, "data.seq_len": 32, "train.log_interval": 1,
-        "train.eval_interval": 0, "diloco.inner_steps": 3, "diloco.allreduce_timeout": 20.0,
-        "mesh.heartbeat_interval": 0.25, "mesh.heartbeat_timeout": 2.0, "mesh.polling_interval": 0.05,
-        "train.max_steps": 100000, "diloco.min_nodes": 3}
-
-
 def _console(procs, *args, timeout: float = 60.0):
     return procs.run([sys.executable, "-m", "console", *args], timeout=timeout)
 
@@ -326,17 +320,9 @@ def _console(procs, *args, timeout: float = 60.0):
 def test_cli_against_a_running_cluster(tmp_path, procs):
     """`--headless` runs the cluster (no terminal: pipes); `status`, `kill`, `drain`, `stop` from other processes
     act on it; the headless console sees it all and exits with the run's outcome (a node died: 1)."""
-    import tomlkit
+    from procs import fast_local_profile
 
-    from procs import ROOT, free_port
-
-    doc = tomlkit.parse((ROOT / "profiles" / "local.toml").read_text())
-    doc["run"]["dir"] = str(tmp_path / "runs")
-    doc["store"]["port"] = free_port()
-    for key, value in FAST.items():
-        doc["engine"]["overrides"][key] = value
-    profile = tmp_path / "local.toml"
-    profile.write_text(tomlkit.dumps(doc))
+    profile = fast_local_profile(tmp_path)
     try:
         headless = procs.start([sys.executable, "-m", "console", str(profile), "--headless", "--interval", "1"])
         deadline = time.monotonic() + 180
