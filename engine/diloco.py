@@ -388,8 +388,14 @@ class DilocoOuter:
 
     def _apply(self, proposal: Proposal) -> None:
         self.opt.commit(proposal)
-        self.snapshot = proposal.params
-        write_flat(self.inner.outer_params(), proposal.params)
+        self._adopt(proposal.params)
+
+    def _adopt(self, params: torch.Tensor, handoff: list[torch.Tensor] | None = None) -> None:
+        """Make params this node's weights and snapshot (and, from a hand-off, the outer momentum too)."""
+        if handoff is not None and self.opt.keeps_momentum:
+            self.opt.momentum = handoff[1]
+        self.snapshot = params
+        write_flat(self.inner.outer_params(), params)
         self.inner.after_outer_update()
 
     # ------------------------------------------------------------------ state hand-off to joiners
@@ -425,11 +431,7 @@ class DilocoOuter:
         if self.node_id != plan.source and not torch.equal(tensors[0], self.snapshot):
             self._emit("warning", message=f"outer step {plan.outer_step}: parameters differed from source "
                                           f"{plan.source}'s; adopted the source's")
-            if self.opt.keeps_momentum:
-                self.opt.momentum = tensors[1]
-            self.snapshot = tensors[0]
-            write_flat(self.inner.outer_params(), tensors[0])
-            self.inner.after_outer_update()
+            self._adopt(tensors[0], tensors)
 
     def _receive_state(self, plan: Any, progress: Any) -> None:
         tensors = self._handoff_tensors(progress)
@@ -437,10 +439,6 @@ class DilocoOuter:
             self._broadcast(plan, tensors)
         except _GROUP_ERRORS as e:
             raise RuntimeError(f"join: state from {plan.source} did not arrive: {str(e)[:200]}") from None
-        params, counters = tensors[0], tensors[-1].tolist()
-        if self.opt.keeps_momentum:
-            self.opt.momentum = tensors[1]
-        self.snapshot = params
-        write_flat(self.inner.outer_params(), params)
-        self.inner.after_outer_update()
+        self._adopt(tensors[0], tensors)
+        counters = tensors[-1].tolist()
         progress.step, progress.outer_step, progress.tokens = (int(c) for c in counters)

@@ -64,7 +64,8 @@ class Signals:
 
     def poll(self, world: World, group) -> tuple[bool, bool]:
         """(stop, drain), the same on every rank. A collective when the node has several ranks."""
-        drain = self.drain or bool(self.drain_file and os.path.exists(self.drain_file))
+        # one rank looks at the file (it may sit on a network filesystem); the MAX below tells the others
+        drain = self.drain or bool(self.drain_file and world.rank == 0 and os.path.exists(self.drain_file))
         if world.world_size == 1:
             return self.stop, drain
         flags = torch.tensor([float(self.stop), float(drain)])  # CPU tensor: gloo (or NCCL's gloo side)

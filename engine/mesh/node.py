@@ -66,7 +66,6 @@ class Mesh:
         # every node that was a member of a plan this node accepted (for death reports): outer steps can be faster
         # than heartbeats, so "the last two plans" may already have dropped a node when its death is seen
         self._recent: frozenset[str] = frozenset()
-        self._committed: Plan | None = None  # the last plan this node saw committed
         self._lock = threading.Lock()
         self._liveness = Liveness(cfg.heartbeat_timeout)
         self._registry: list[str] = []
@@ -422,7 +421,6 @@ class Mesh:
         if self.node_id in plan.joiners:
             self.store.delete_key(self.keys.join(self.node_id))
             self._set_state("draining" if self._draining else "training")
-        self._committed = plan
 
     def _decided(self, plan: Plan) -> bool:
         return self._get(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)) is not None
