@@ -119,10 +119,8 @@ class ConsoleApp(App[int]):
         return result
 
     def _report(self, node: str | None, message: str, ok: bool) -> None:
-        target = self.fleet.nodes.get(node) if node else None
-        if not ok and target is not None:
-            target.log.append(f"[console] {message}")
-            self.fleet.version += 1  # the log pane shows it on the next tick
+        if not ok and node in self.fleet.nodes:
+            self.fleet.note(node, message)  # the log pane shows it on the next tick
         # markup=False: cluster messages carry node names, paths and error text, any of which may hold "[...]"
         self.notify(message, severity="information" if ok else "error", timeout=4 if ok else 8, markup=False)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import sys
 import time
@@ -129,16 +128,12 @@ def heartbeat_timeout_of(profile: Any) -> float:
     try:
         from engine.config import load_config
 
-        as_text = {k: _override_text(v) for k, v in overrides.items()}  # as the engine reads its command line
+        from console.profile import toml_value
+
+        as_text = {k: toml_value(v) for k, v in overrides.items()}  # as the engine reads its command line
         return float(load_config(profile.engine.config, as_text).mesh.heartbeat_timeout)
     except Exception:  # noqa: BLE001 -- a remote-only config is not readable here; the default is documented
         return DEFAULT_HEARTBEAT_TIMEOUT
-
-
-def _override_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value) if isinstance(value, (int, float)) else json.dumps(str(value))
 
 
 async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: float, out: TextIO,

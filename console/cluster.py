@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from console.fleet import Fleet, NodeState
-from console.profile import HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides
+from console.profile import (HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides,
+                             toml_value)
 from console.transport import Transport, TransportError, make_transport
 from console.transport import commands as C
 
@@ -98,15 +98,6 @@ def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> 
 def store_argv(profile: Profile) -> list[str]:
     return [profile.store_host.python_path, "-m", "engine.store", "--host", profile.store_bind,
             "--port", str(profile.store.port)]
-
-
-def toml_value(value: Any) -> str:
-    """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))  # a TOML basic string
 
 
 def _host_label(host: HostSpec) -> str:
@@ -291,9 +282,10 @@ class Cluster:
         """Until the store says ready: if it exits first, no engine can form the mesh, so say why on each."""
         t = self.transport(self.profile.store_host.name)
         assert self._store_pid is not None
+        offset = 0
         while True:
             try:
-                lines, _ = await t.read_from(self._path(STORE, C.EVENTS), 0)
+                lines, offset = await t.read_from(self._path(STORE, C.EVENTS), offset)  # only what is new
                 if any(b'"ready"' in line for line in lines):
                     return
                 if not await t.alive(self._store_pid, C.TAG):

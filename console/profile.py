@@ -19,6 +19,7 @@ A bad profile is one line naming the file, the line and the key; nothing starts 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -339,6 +340,15 @@ def add_host(path: str | os.PathLike, name: str, **fields: Any) -> Profile:
 
 
 # ---- the engine config -----------------------------------------------------------------------------------
+def toml_value(value: Any) -> str:
+    """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string
+
+
 def engine_overrides(profile: Profile, host: HostSpec) -> dict[str, Any]:
     """The profile's engine overrides with the host's own on top."""
     return {**profile.engine.overrides, **host.overrides}

@@ -201,7 +201,7 @@ def _sbatch_word(value: str, flag: str) -> str:
 
 def _slurm_engine_args(profile, host, layout: str, nodes: int) -> list[str]:
     """The engine command line words after `-m engine.train`, with the node's name left to the shell."""
-    from console.cluster import toml_value
+    from console.profile import toml_value
     from console.profile import engine_overrides
     overrides = {**engine_overrides(profile, host), "run.name": profile.run.name}
     if layout == "diloco":  # the job's nodes are the DiLoCo nodes; the first outer step waits for all of them
