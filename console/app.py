@@ -19,6 +19,7 @@ from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
+from console.cli import DEFAULT_HEARTBEAT_TIMEOUT, heartbeat_timeout_of
 from console.fleet import Fleet, NodeState
 from console.screens.dashboard import DashboardScreen
 from console.screens.help import HelpScreen
@@ -28,7 +29,6 @@ from console.screens.modals import QUIT_LEAVE, QUIT_STOP, AddNodeScreen, Confirm
 REFRESH_INTERVAL = 0.5  # 2 Hz: a 64-row table redrawn at 10 Hz cost 29% of a core here, at 2 Hz 6%
 AGE_INTERVAL = 1.0  # heartbeat ages move with the clock even when no event arrives
 CHART_INTERVAL = 2.0  # the chart is the costliest redraw (plotext rebuilds the whole plot): every 2 s
-DEFAULT_HEARTBEAT_TIMEOUT = 6.0  # engine mesh.heartbeat_timeout default
 
 # which nodes each action makes sense for; the others are skipped with a notice
 ACTION_STATES: dict[str, frozenset[NodeState]] = {
@@ -231,7 +231,7 @@ def make_app(profile: Any, cluster: Any, *, fleet: Fleet | None = None, readonly
     if fleet is None:
         raise ValueError("make_app: no fleet given and the cluster has none")
     if heartbeat_timeout is None:
-        heartbeat_timeout = _profile_heartbeat_timeout(profile)
+        heartbeat_timeout = heartbeat_timeout_of(profile)
 
     def standby() -> list[str]:
         hosts = profile.standby_hosts() if hasattr(profile, "standby_hosts") else ()
@@ -239,8 +239,3 @@ def make_app(profile: Any, cluster: Any, *, fleet: Fleet | None = None, readonly
 
     return ConsoleApp(profile, cluster, fleet, readonly=readonly, attach=attach, start=start,
                       heartbeat_timeout=heartbeat_timeout, standby=standby, refresh_interval=refresh_interval)
-
-
-def _profile_heartbeat_timeout(profile: Any) -> float:
-    value = getattr(profile, "heartbeat_timeout", None)
-    return float(value) if isinstance(value, (int, float)) and value > 0 else DEFAULT_HEARTBEAT_TIMEOUT
