@@ -100,7 +100,7 @@ def test_corpus_folder_glob_and_jsonl(tmp_path, repo_root):
 
 @pytest.mark.parametrize("setup, message", [
     (lambda p: None, "does not exist"),
-    (lambda p: p.mkdir(), "no .txt, .md or .jsonl files"),
+    (lambda p: p.mkdir(), "no .txt, .md, .jsonl, .parquet or .arrow files"),
     (lambda p: (p.mkdir(), (p / "x.jsonl").write_text('{"text": "ok"}\nnot json\n')), r"x\.jsonl:2: not a JSON"),
     (lambda p: (p.mkdir(), (p / "x.jsonl").write_text('{"content": "ok"}\n')), r"x\.jsonl:1: no string field"),
     (lambda p: (p.mkdir(), (p / "x.txt").write_text("tiny")), "fewer than data.seq_len"),
