@@ -1,11 +1,12 @@
 """The membership store as its own small process, so that no training node is special:
 
-    python -m engine.store --host 0.0.0.0 --port 29600
+    python -m engine.store --host 10.0.0.1 --port 29600     # the address the engines dial (GLOBAL_ADDR)
 
 Runs a torch.distributed TCPStore server and nothing else. Prints one telemetry line (type "state", state "ready",
 node "store", rank -1, with host, port and pid) when it accepts clients, and one (state "stopped") on SIGTERM or
 SIGINT, then exits 0. A port in use or a bad address is one line on stderr and exit status 2. The store holds only
-membership keys (docs/mesh.md): if it is restarted, the nodes fail cleanly and a restarted run re-forms.
+membership keys (docs/mesh.md), no training state: restarted on the same address within mesh.store_lost_timeout,
+it comes back empty and the nodes, which kept training meanwhile, register again and re-form the run in it.
 """
 
 from __future__ import annotations
@@ -21,30 +22,38 @@ from datetime import timedelta
 from engine.telemetry import encode, make_event
 
 
-def _port_free(host: str, port: int) -> str | None:
-    """None if the port can be bound (as TCPStore binds it), else the reason."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("" if host in ("0.0.0.0", "") else host, port))
-        except OSError as e:
-            return e.strerror or str(e)
-    return None
+def _listen(host: str, port: int) -> socket.socket | str:
+    """A listening socket on host:port only (TCPStore alone would listen on every interface), or the reason not."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind(("" if host in ("0.0.0.0", "") else host, port))
+        s.listen(512)
+    except OSError as e:
+        s.close()
+        return e.strerror or str(e)
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.store", description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="0.0.0.0", help="address to announce and bind (default 0.0.0.0)")
+    # whoever reaches the store can steer the run (TCPStore has no authentication): bind only the address the
+    # engines dial, loopback by default; all interfaces (0.0.0.0) only when asked, with a warning
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind and announce: the one the engines dial (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=29600)
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         print(f"engine.store: --port {args.port}: not a TCP port", file=sys.stderr)
         return 2
-    reason = _port_free(args.host, args.port)
-    if reason is not None:
-        print(f"engine.store: cannot listen on {args.host}:{args.port}: {reason} (another store running? "
+    listener = _listen(args.host, args.port)
+    if isinstance(listener, str):
+        print(f"engine.store: cannot listen on {args.host}:{args.port}: {listener} (another store running? "
               f"choose another --port)", file=sys.stderr)
         return 2
+    if args.host in ("0.0.0.0", ""):
+        print(f"engine.store: warning: listening on every interface: anyone who reaches port {args.port} can steer "
+              f"the run (docs/operations.md, threat model); bind the address the engines dial", file=sys.stderr)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -54,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     client_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
     try:
         # is_master: this process is the server; wait_for_workers=False: clients come and go for the whole run
-        store = dist.TCPStore(client_host, args.port, None, True, timedelta(seconds=30), wait_for_workers=False)
+        store = dist.TCPStore(client_host, args.port, None, True, timedelta(seconds=30), wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
     except RuntimeError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"engine.store: cannot listen on {args.host}:{args.port}: {first}", file=sys.stderr)

@@ -45,8 +45,30 @@ def test_port_in_use_is_one_clear_line_and_exit_2(procs, port):
     second = procs.run([sys.executable, "-m", "engine.store", "--port", str(port)], timeout=30)
     assert second.returncode == 2 and time.monotonic() - t0 < 30
     lines = second.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"cannot listen on 0.0.0.0:{port}: Address already in use" in lines[0]
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in lines[0]
     assert first.poll() is None  # the running store is untouched
+
+
+def _listening(pid: int, port: int) -> set[str]:
+    import psutil
+
+    return {c.laddr.ip for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def test_store_binds_loopback_by_default_and_warns_when_asked_for_every_interface(procs, port):
+    """Whoever reaches the store can steer the run: by default it listens where nobody else can reach it."""
+    default = procs.start([sys.executable, "-m", "engine.store", "--port", str(port)])
+    _ready(default)
+    assert _listening(default.pid, port) == {"127.0.0.1"}
+    default.send_signal(signal.SIGTERM)
+    assert default.wait(timeout=10) == 0 and "warning" not in default.stderr.read()
+    every = procs.start([sys.executable, "-m", "engine.store", "--host", "0.0.0.0", "--port", str(port)])
+    _ready(every)
+    assert _listening(every.pid, port) <= {"0.0.0.0", "::"}
+    every.send_signal(signal.SIGTERM)
+    assert every.wait(timeout=10) == 0
+    assert "warning: listening on every interface" in every.stderr.read()
 
 
 def test_unreachable_store_fails_within_its_timeout(port):
@@ -73,3 +95,34 @@ def test_lost_store_mid_run_is_a_clear_error_within_bounded_time(procs, port):
     assert time.monotonic() - t0 < 30
     assert "lost the membership store" in node.err, node.err[-2000:]
     assert node.proc.wait(timeout=60) == 3
+
+
+def _contract(store) -> list:
+    """Every store operation the mesh uses, in the forms it uses them (engine/mesh/memstore.py lists them)."""
+    out = [store.add("c", 1), store.add("c", 0), store.add("c", -2)]
+    store.set("k", "v")
+    out += [store.get("k"), store.check(["k"]), store.check(["k", "absent"])]
+    out += [store.compare_set("new", "", "x"), store.get("new")]  # absent, expected "": set
+    out += [store.compare_set("absent2", "y", "z"), store.check(["absent2"])]  # absent, expected set: nothing
+    out += [store.compare_set("k", "v", "w"), store.compare_set("k", "nope", "u"), store.get("k")]
+    out += [store.compare_set("read", "", ""), store.check(["read"]), store.compare_set("k", "", "")]  # the read
+    store.multi_set(["m1", "m2"], ["1", "2"])
+    out += [store.multi_get(["m1", "m2", "k"])]
+    store.wait(["m1", "m2"])
+    before = store.num_keys()
+    out += [store.delete_key("m1"), store.delete_key("m1"), store.num_keys() - before]
+    return out
+
+
+def test_memory_store_answers_every_op_of_the_mesh_like_tcpstore(port):
+    """MemoryStore stands in for TCPStore in the protocol tests and the scale benchmark; any other backend (etcd)
+    must answer these the same way."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.mesh import MemoryStore
+    server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=5), wait_for_workers=False)
+    assert _contract(MemoryStore()) == _contract(client)
+    del client, server

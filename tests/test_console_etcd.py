@@ -1,0 +1,189 @@
+"""The console on the etcd backend: a profile's [store] asks for a 3-member etcd on three of its hosts; the console
+makes the run's CA, starts the members detached (data under the run dir), hands each engine its client certificate
+(0600), the engines train on etcd, the header shows the members up and the leader, and `stop` ends the members.
+Real etcd, real engines, LocalTransport."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from console.cluster import Cluster
+from console.etcd import engine_store_overrides, member_argv, plan_members
+from console.fleet import Fleet, NodeState
+from console.profile import ProfileError, load_profile, parse_profile
+from console.widgets.cells import summary_text
+from procs import free_port
+from test_cluster import kill_everything, states, until
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROFILE = """\
+[run]
+name = "etcd-e2e"
+dir = "{run_dir}"
+
+[store]
+backend = "etcd"
+etcd_hosts = ["node-a", "node-b", "node-c"]
+etcd_client_port = {client}
+etcd_peer_port = {peer}
+
+[engine]
+config = "configs/debug-diloco.toml"
+
+[engine.overrides]
+"data.path" = "corpus/stdlib_docstrings.jsonl"
+"inner.device" = "cpu"
+"train.max_steps" = 400
+"train.micro_batch_size" = 2
+"train.batch_size" = 2
+"data.seq_len" = 32
+"train.log_interval" = 1
+"diloco.inner_steps" = 3
+"diloco.min_nodes" = 2
+"mesh.heartbeat_interval" = 0.5
+"mesh.heartbeat_timeout" = 3.0
+
+[console]
+poll_interval = 0.5
+stop_timeout = 30
+
+[defaults]
+transport = "local"
+python = "{python}"
+workdir = "{root}"
+env = {{ OMP_NUM_THREADS = "1" }}
+
+[hosts.node-a]
+
+[hosts.node-b]
+
+[hosts.node-c]
+standby = true
+"""
+
+
+def _port_block(n: int) -> int:
+    """A base port whose next n-1 ports are free too (member i uses base + 2i)."""
+    for _ in range(50):
+        base = free_port()
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no free block of ports")
+
+
+def _profile(tmp_path: Path):
+    base = _port_block(6)
+    path = tmp_path / "etcd.toml"
+    path.write_text(PROFILE.format(run_dir=tmp_path / "run", client=base, peer=base + 1, python=sys.executable,
+                                   root=ROOT))
+    return load_profile(path)
+
+
+def test_profile_rules_and_engine_overrides(tmp_path):
+    profile = _profile(tmp_path)
+    members = plan_members(profile)
+    assert [(m.name, m.address) for m in members] == [("node-a", "127.0.0.1"), ("node-b", "127.0.0.1"),
+                                                      ("node-c", "127.0.0.1")]
+    assert members[1].client_port == members[0].client_port + 2 and members[0].peer_port == members[0].client_port + 1
+    over = engine_store_overrides(profile, "node-b")
+    assert over["mesh.store_backend"] == "etcd" and over["mesh.etcd_prefix"] == "zeroband/etcd-e2e/"
+    assert over["mesh.etcd_endpoints"] == ",".join(m.endpoint for m in members)
+    assert over["mesh.etcd_cert"] == f"{tmp_path / 'run'}/node-b/pki/client.crt"
+    argv = member_argv("etcd", members[0], members, data_dir="d", pki_dir="p", token="t")
+    assert "--client-cert-auth" in argv and "--peer-client-cert-auth" in argv
+    assert argv[argv.index("--listen-client-urls") + 1] == f"https://127.0.0.1:{members[0].client_port}"
+    text = (tmp_path / "etcd.toml").read_text()
+    with pytest.raises(ProfileError, match=r"etcd.toml:\d+: store.etcd_hosts: an odd number"):
+        parse_profile(text.replace('"node-b", "node-c"]', '"node-b"]'), str(tmp_path / "etcd.toml"))
+    with pytest.raises(ProfileError, match=r"store.etcd_hosts: 'node-z' is not a host"):
+        parse_profile(text.replace('"node-c"]', '"node-z"]'), "etcd.toml")
+    with pytest.raises(ProfileError, match="etcd_endpoints needs etcd_ca, etcd_cert and etcd_key"):
+        parse_profile(text.replace('etcd_hosts = ["node-a", "node-b", "node-c"]',
+                                        'etcd_endpoints = ["10.0.0.1:2379"]'), "etcd.toml")
+    lab = (ROOT / "profiles" / "lab.toml").read_text()  # the shipped example, its etcd lines uncommented
+    on = parse_profile(lab.replace('# backend = "etcd"', 'backend = "etcd"').replace("# etcd_hosts", "etcd_hosts"),
+                       "lab.toml")
+    assert on.store.backend == "etcd" and [m.endpoint for m in plan_members(on)] == [
+        "10.0.0.1:2379", "10.0.0.2:2381", "10.0.1.3:2383"]
+    with pytest.raises(ProfileError, match="not both"):
+        parse_profile(text.replace("[engine]\n", 'etcd_endpoints = ["a:1"]\n\n[engine]\n'), "etcd.toml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_console_starts_etcd_hands_certificates_trains_and_stops(tmp_path):
+    profile = _profile(tmp_path)
+    fleet = Fleet(run="etcd-e2e")
+    cluster = Cluster(profile, fleet)
+    run = tmp_path / "run"
+    try:
+        await cluster.start()
+        await until(lambda: all(fleet.nodes[n].state is NodeState.TRAINING and (fleet.nodes[n].outer_step or 0) >= 1
+                                for n in ("node-a", "node-b")), timeout=240,
+                    what=f"training on etcd: {states(fleet)} {[fleet.nodes[n].reason for n in fleet.nodes]}")
+        await until(lambda: (fleet.store_status or "").startswith("etcd 3/3 up, leader node-"), timeout=30,
+                    what=f"the header's store health: {fleet.store_status}")
+        assert " | etcd 3/3 up, leader node-" in summary_text(fleet.summary())
+        for node in ("node-a", "node-b"):  # the client certificate: in the node's folder, owner-only
+            pki = run / node / "pki"
+            assert stat.S_IMODE(pki.stat().st_mode) == 0o700
+            assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in pki.iterdir()} == dict.fromkeys(
+                ("ca.crt", "client.crt", "client.key"), 0o600)
+        for member in ("node-a", "node-b", "node-c"):
+            assert (run / "_etcd" / member / "data" / "member").is_dir()  # the Raft data under the run dir
+            assert stat.S_IMODE((run / "_etcd" / member / "pki" / "member.key").stat().st_mode) == 0o600
+        key = (tmp_path / ".zeroband-pki" / "etcd-e2e" / "client.key").read_bytes()
+        for entry in Path("/proc").iterdir():  # no key material in any command line
+            if entry.name.isdigit():
+                try:
+                    assert key.splitlines()[1] not in (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+        pids = [int((run / "_etcd" / m / "pid").read_text()) for m in ("node-a", "node-b", "node-c")]
+        assert (await cluster.stop()).ok
+        for pid in pids:  # stop ends the members too
+            for _ in range(100):
+                if not os.path.exists(f"/proc/{pid}"):
+                    break
+                await asyncio.sleep(0.1)
+            assert not os.path.exists(f"/proc/{pid}"), f"etcd member {pid} outlived stop"
+    finally:
+        await cluster.close()
+        kill_everything(tmp_path)
+        for pid_file in run.glob("_etcd/*/pid"):
+            try:
+                os.killpg(int(pid_file.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_path):
+    path = tmp_path / "etcd.toml"
+    profile = _profile(tmp_path)
+    path.write_text(path.read_text().replace("[engine]\n", 'etcd_binary = "/nonexistent/etcd"\n\n[engine]\n', 1))
+    profile = load_profile(path)
+    fleet = Fleet(run="etcd-e2e")
+    cluster = Cluster(profile, fleet)
+    try:
+        await asyncio.wait_for(cluster.start(), 30)  # at once, not after the quorum wait
+        for node in ("node-a", "node-b"):
+            assert fleet.nodes[node].state is NodeState.FAILED
+            assert fleet.nodes[node].reason.startswith("etcd could not start: member node-"), fleet.nodes[node].reason
+            assert "/nonexistent/etcd" in fleet.nodes[node].reason
+        assert not list((tmp_path / "run").glob("node-*/pid"))  # no engine started
+    finally:
+        await cluster.close()
+        kill_everything(tmp_path)
