@@ -15,9 +15,20 @@ PYTHON = sys.executable
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports: every socket stays bound until all are chosen (one after another, the
+    kernel may hand out the same port twice: an etcd member once got one port for its peer and client URLs)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def engine_env(**extra: str) -> dict[str, str]:

@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 HB, HB_TIMEOUT = 0.2, 1.5
 MESH_ARGS = dict(heartbeat_interval=HB, heartbeat_timeout=HB_TIMEOUT, store_timeout=5.0, start_timeout=30.0,
@@ -47,7 +49,7 @@ def node_main(argv: list[str]) -> int:
     try:
         store = connect_store("127.0.0.1", args.port, cfg.store_timeout)
         # a test joiner starts with its imports done, at a known point of the run
-        while args.start_after >= 0 and not (store.check(["zb/plan/latest"]) and
+        while args.start_after >= 0 and not (store.check(["zb/plan/latest"]) and store.get("zb/plan/latest") and
                                              json.loads(store.get("zb/plan/latest"))["outer_step"] >= args.start_after):
             time.sleep(0.05)
         mesh = Mesh(store, args.id, cfg, digest=args.digest, info={"host": "local", "pid": os.getpid()},
@@ -249,6 +251,210 @@ def test_duplicate_live_id_and_other_digest_are_rejected_without_disturbing_the_
     wait_for(lambda: len(a.committed()) > before + 2, 30, "a still committing", [a])
     assert a.proc.poll() is None and all(r["members"] == ["a"] for r in a.results)
     assert time.monotonic() - t0 < 60
+
+
+# ---- the engine (python -m engine.train) in the mesh's hard cases: stop in a wait, a frozen peer, store loss -------
+
+def _engine():
+    import test_diloco_e2e as e2e  # its helpers: engine nodes with short heartbeats, primed launchers
+    return e2e
+
+
+def test_sigterm_while_waiting_for_min_nodes_exits_0_within_2s_with_a_checkpoint(procs, port, tmp_path):
+    e2e = _engine()
+    e2e.start_store(procs, port)
+    a = e2e.start_node(procs, port, "a", tmp_path, "--train.max_steps=30", "--diloco.min_nodes=2",
+                       "--mesh.start_timeout=120")
+    wait_for(lambda: a.last_step() >= e2e.H, 120, "a at its first boundary", [a])
+    time.sleep(1.0)  # inside the formation's wait for a second node
+    signalled = time.time()
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(timeout=60) == 0, a.report()
+    end = a.of("run_end")[-1]
+    assert end["status"] == "stopped" and end["step"] == e2e.H
+    assert end["ts"] - signalled < 2.0, end["ts"] - signalled
+    assert [c["step"] for c in a.of("checkpoint")] == [e2e.H]  # the round it could not send is saved
+    assert "Traceback" not in a.err
+
+
+# the drain (SIGUSR1) comes while the node waits in the round of outer step N, after it arrived as a contributor
+DRAIN_IN_BOUNDARY_WAIT = """import os, signal
+from engine.mesh.node import Mesh
+_arrive = Mesh.arrive
+def _arriving(self, outer_step, attempt, **kw):
+    _arrive(self, outer_step, attempt, **kw)
+    if outer_step == {n} and attempt == 0:
+        os.kill(os.getpid(), signal.SIGUSR1)
+Mesh.arrive = _arriving
+"""
+
+
+def test_a_drain_that_comes_during_the_boundary_wait_contributes_that_round_then_leaves(procs, port, tmp_path):
+    """Before, a drain requested while the node waited in a round it had arrived at as a contributor ended the
+    wait at once: it left without its pseudo-gradient, and its peers waited out the all-reduce timeout for it,
+    then redid the step without it (the chaos lab's `drain` fault: a 30 s stall). Now the round finishes and the
+    node leaves right after its commit."""
+    e2e = _engine()
+    e2e.start_store(procs, port)
+    n_drain = 3
+    steps = ["--train.max_steps=24", "--diloco.allreduce_timeout=60", "--diloco.min_nodes=2"]  # formed by both
+    go = tmp_path / "go"
+    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=b",
+            f"--run.dir={tmp_path / 'b'}"]
+    b = e2e.Node(procs, "b", [sys.executable, "-c", DRAIN_IN_BOUNDARY_WAIT.format(n=n_drain) + e2e.PRIMED, str(go),
+                              *args])
+    e2e.primed(b)
+    a = e2e.start_node(procs, port, "a", tmp_path, *steps)
+    go.touch()
+    nodes = [a, b]
+    assert e2e.finish(b, 180, nodes) == 0, b.report()
+    assert e2e.finish(a, 180, nodes) == 0, a.report()
+    assert b.of("run_end")[-1]["status"] == "drained"
+    assert [d["outer_step"] for d in b.of("drained")] == [n_drain]
+    for n in (a, b):  # its pseudo-gradient entered the mean of outer step N, in both nodes' view
+        e = n.outer()[n_drain]
+        assert sorted(e["contributors"]) == ["a", "b"] and e["weights"] == [1.0, 1.0], e
+    assert a.outer()[n_drain]["checksum"] == b.outer()[n_drain]["checksum"]
+    assert b.of("checkpoint")[-1]["step"] == n_drain * e2e.H  # nothing trained after the round it contributed
+    assert a.outer()[n_drain + 1]["members"] == ["a"]
+    # no all-reduce timeout waited out, no step redone
+    assert not [w for w in a.of("warning") if "aborted" in w["message"]], a.report()
+
+
+FREEZE_IN_ALLREDUCE = """import os, signal, sys, time
+import engine.compression as comp
+_gather, _calls = comp._all_gather, [0]
+def _freezing(pg, mine):
+    _calls[0] += 1
+    if _calls[0] == {n}:
+        print(f"FROZEN {{time.time()}}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return _gather(pg, mine)
+comp._all_gather = _freezing
+"""
+
+
+FREEZE_IN_RENDEZVOUS = """import os, signal, sys, time
+import engine.mesh
+_make = engine.mesh.make_group
+def _freezing(*args, **kw):
+    print(f"FROZEN {time.time()}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return _make(*args, **kw)
+engine.mesh.make_group = _freezing
+"""
+
+
+@pytest.mark.parametrize("phase", ["rendezvous", "all-reduce"])
+def test_a_peer_frozen_in_the_rendezvous_or_the_all_reduce_stalls_the_survivors_one_heartbeat_timeout(
+        procs, port, tmp_path, phase):
+    """SIGSTOP of c as the first plan appears (before its gloo rendezvous of outer step 1), or inside the all-reduce
+    of outer step 2 (after the reduce-scatter): the survivors' rendezvous or collective would wait
+    diloco.allreduce_timeout (60 s here); they give it up when c's heartbeat stops and commit that step without it
+    within heartbeat_timeout + about a second."""
+    e2e = _engine()
+    e2e.start_store(procs, port)
+    steps = ["--train.max_steps=18", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
+    fault, k = (FREEZE_IN_RENDEZVOUS, 1) if phase == "rendezvous" else (FREEZE_IN_ALLREDUCE.format(n=2), 2)
+    go = tmp_path / "go"
+    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
+            f"--run.dir={tmp_path / 'c'}"]
+    c = e2e.Node(procs, "c", [sys.executable, "-c", fault + e2e.PRIMED, str(go), *args])
+    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    e2e.primed(c)
+    go.touch()
+    nodes = [a, b, c]
+    e2e.wait_for(lambda: "FROZEN" in c.err, 180, f"c frozen in the {phase} of outer step {k}", nodes)
+    frozen = float(c.err.split("FROZEN ")[1].split()[0])
+    e2e.wait_for(lambda: all(k in n.outer() for n in (a, b)), 40, f"the survivors' outer step {k}", nodes)
+    stall = max(n.outer()[k]["ts"] for n in (a, b)) - frozen
+    assert stall < e2e.HB_TIMEOUT + 2.5, stall  # goal: heartbeat_timeout + 1 s (a loaded 2-core machine: slack)
+    assert all(n.outer()[k]["members"] == ["a", "b"] for n in (a, b))
+    assert all(e2e.finish(n, 120, nodes) == 0 for n in (a, b))
+    e2e.assert_identical([a, b])
+
+
+def test_every_node_stopped_then_restarted_with_the_store_running_resumes_as_one_run(procs, port, tmp_path):
+    """Both nodes get SIGTERM a moment apart (their checkpoints may be an outer step apart); restarted under their
+    ids with the store still running, each sees the other's new process beating: they must form one new life of
+    the run together (before: each waited to join the other, and both failed after minutes)."""
+    e2e = _engine()
+    e2e.start_store(procs, port)
+    steps = ["--train.max_steps=45", "--diloco.min_nodes=2", "--ckpt.resume=auto"]
+    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    e2e.wait_for(lambda: all(2 in n.outer() for n in (a, b)), 180, "outer step 2", [a, b])
+    for n in (a, b):
+        n.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    for n in (a, b):
+        assert n.proc.wait(timeout=60) == 0, n.report()
+        assert n.of("run_end")[-1]["status"] == "stopped"
+    saved = {n.name: n.of("checkpoint")[-1]["step"] for n in (a, b)}
+    a2, b2 = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    nodes = [a2, b2]
+    for n in nodes:
+        assert e2e.finish(n, 240, nodes) == 0, n.report()
+        assert n.of("run_end")[-1]["status"] == "completed"
+    # A node stopped mid-round checkpoints its inner steps past its last committed outer step (a stop while
+    # its peer was already gone leaves outer step k+1 uncommitted): the new life goes on from the last outer step
+    # committed before the stop, neither redone nor skipped, and from the checkpoints, not from step 0.
+    committed = max(max(a.outer()), max(b.outer()))
+    resumed = set(a2.outer()) & set(b2.outer())
+    assert max(resumed) == 15 and min(resumed) == committed + 1, (committed, sorted(resumed))
+    assert min(a2.outer()) > max(a.outer()) and min(b2.outer()) > max(b.outer())
+    assert all(n.of("step")[0]["step"] > 1 for n in (a2, b2)), saved
+    e2e.assert_identical(nodes)
+
+
+# a store restarted at a chosen moment: its imports (seconds on a loaded machine) are done beforehand
+PRIMED_STORE = """import os, sys, time
+import torch.distributed
+print("primed", file=sys.stderr, flush=True)
+go, deadline = sys.argv[1], time.monotonic() + 600
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.02)
+from engine.store import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_store_killed_and_restarted_the_nodes_go_on_then_store_gone_for_good_they_checkpoint_and_fail(
+        procs, port, tmp_path):
+    e2e = _engine()
+    store = e2e.start_store(procs, port)
+    steps = ["--train.max_steps=3000", "--diloco.min_nodes=2", "--mesh.store_lost_timeout=8"]
+    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    nodes = [a, b, store]
+    e2e.wait_for(lambda: all(2 in n.outer() for n in (a, b)), 180, "outer step 2", nodes)
+    go = tmp_path / "go-store"
+    again = e2e.Node(procs, "store (restarted)", [sys.executable, "-c", PRIMED_STORE, str(go), "--host", "127.0.0.1",
+                                                  "--port", str(port)])
+    wait_for(lambda: "primed" in again.err, 120, "the second store's imports", [again])
+    os.killpg(store.proc.pid, signal.SIGKILL)
+    before = {n.name: max(n.outer()) for n in (a, b)}
+    time.sleep(2.0)
+    trained = a.last_step()
+    time.sleep(1.0)
+    assert a.proc.poll() is None and b.proc.poll() is None, a.report() + b.report()
+    go.touch()  # the same port, an empty store
+    store = again
+    nodes = [a, b, store]
+    e2e.wait_for(lambda: all(max(n.outer()) >= max(before.values()) + 3 for n in (a, b)), 120,
+                 "three more outer steps in the re-formed run", nodes)
+    assert a.last_step() > trained  # inner steps went on while the store was away or right after
+    common = set(a.outer()) & set(b.outer())
+    after = [k for k in common if k > max(before.values()) + 1]
+    assert after and all(a.outer()[k]["checksum"] == b.outer()[k]["checksum"] for k in after)
+    assert any("restarted empty" in w["message"] for w in a.of("warning"))
+
+    os.killpg(store.proc.pid, signal.SIGKILL)  # now for good
+    lost = time.time()
+    for n in (a, b):
+        assert n.proc.wait(timeout=60) == 1, n.report()
+        end = n.of("run_end")[-1]
+        assert end["status"] == "failed" and end["ts"] - lost < 8 + 10
+        assert n.of("checkpoint")[-1]["step"] == end["step"]  # nothing trained is lost
+        assert "Traceback" not in n.err and "store_lost_timeout" in n.err
 
 
 def _tree(root: int) -> set[int]:

@@ -4,30 +4,65 @@ sleep beats the hearts of the nodes that are "alive", so deaths are simply nodes
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+import threading
+import time
+
 import pytest
 
 from engine.config import MeshConfig
 from engine.mesh import (ABORT, COMMIT, Arrival, BoundaryView, Excluded, Liveness, MemoryStore, Mesh, MeshError,
-                         Plan, compute_plan, decide)
+                         Plan, Reformed, Stopped, compute_plan, decide)
+from engine.mesh.heartbeat import Registry
+from engine.mesh.node import KEEP_STEPS
+from engine.mesh.protocol import Keys
 from engine.telemetry import make_event
 
 CFG = MeshConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, store_timeout=3.0, start_timeout=5.0,
-                 join_timeout=10.0, polling_interval=0.1)
+                 join_timeout=10.0, polling_interval=0.1, store_lost_timeout=20.0)
 
 
 # ---- pure rules -----------------------------------------------------------------------------------------------
 
 def test_liveness_counts_silence_on_the_observers_clock():
     live = Liveness(timeout=1.5)
-    live.observe("a", 7, now=100.0)
+
+    def see(counter: int, now: float, **kw) -> None:
+        live.look(now)
+        live.observe("a", counter, now, **kw)
+    see(7, now=100.0)
     assert not live.is_dead("a", 101.4) and not live.moved("a")  # first sight: a full timeout of grace
-    live.observe("a", 7, now=101.4)
+    see(7, now=101.4)
     assert live.is_dead("a", 101.6)
-    live.observe("a", 8, now=101.7)  # the counter moved again: alive, age restarts
+    see(8, now=101.7)  # the counter moved again: alive, age restarts
     assert live.moved("a") and not live.is_dead("a", 103.1) and live.age("a", 102.2) == pytest.approx(0.5)
-    live.observe("a", 8, now=102.0, gone=True)  # bye: dead at once
+    see(8, now=102.0, gone=True)  # left: dead at once
     assert live.is_dead("a", 102.0)
     assert not live.is_dead("never-seen", 1e9)
+    live.look(200.0)
+    live.observe("b", 3, now=200.0)
+    live.look(200.5)
+    live.expire("b", now=200.5)  # its leased heartbeat key vanished (etcd): dead at once, but not a clean exit
+    assert live.is_dead("b", 200.5) and not live.is_gone("b")
+    live.look(201.0)
+    live.observe("b", 1, now=201.0)  # the key written again (the process woke up): alive
+    assert not live.is_dead("b", 201.0)
+    live.expire("c", now=202.0)  # never seen, already gone from the store: dead, and prunable from now on
+    assert live.is_dead("c", 202.0) and live.silent_for("c", 204.0) == pytest.approx(0.5)
+
+
+def test_a_stale_observer_declares_no_one_dead_and_regrants_grace():
+    """An observer frozen for 2x the timeout must not judge from its old table (it would plan healthy nodes out)."""
+    live = Liveness(timeout=1.5)
+    live.look(100.0)
+    live.observe("a", 7, 100.0)
+    assert not live.is_dead("a", 103.0)  # 3 s since the observer last looked: its table says nothing
+    assert live.look(103.0) is False  # the look after the blind spell
+    live.observe("a", 7, 103.0)  # a's counter may not have moved in the observer's poll yet
+    live.look(104.0)
+    live.observe("a", 7, 104.0)
+    assert not live.is_dead("a", 104.4) and live.is_dead("a", 104.6)  # a fresh timeout of grace from 103.0
 
 
 def test_decision_rule():
@@ -79,6 +114,23 @@ def test_plan_admits_joiners_and_drops_drained_at_once():
                                      arrived={"a": Arrival(), "b": Arrival()})) is None
 
 
+def test_a_member_that_restarted_and_asks_to_join_is_a_joiner_not_awaited_as_a_member():
+    """b was a member of the last committed plan, left (a drain, a crash) and its new process asks to join. Before,
+    every join request of a member of that plan was read as an admission by the commit: b was awaited as a member
+    until the boundary timed out (a 30 s stall of the chaos lab's `drain` fault), and only then admitted."""
+    prev = _prev(["a", "b", "c"], joiners=["c"])
+    view = BoundaryView(epoch=0, outer_step=5, attempt=0, prev=prev, prev_committed=True,
+                        arrived={"a": Arrival(), "c": Arrival()}, joining=frozenset({"b", "c"}))
+    plan = compute_plan(view)  # c's state still says joining: the commit admitted it, it is a member now
+    assert plan is not None and plan.members == ("a", "b", "c") and plan.joiners == ("b",)
+    assert plan.contributors == ("a", "c") and plan.source == "a"
+    # c, admitted by the commit, is awaited as a member like any other
+    assert compute_plan(replace(view, arrived={"a": Arrival()})) is None
+    # b's new process has not asked to join yet (starting): the step goes on without it, not after a timeout
+    early = compute_plan(replace(view, joining=frozenset({"c"}), starting=frozenset({"b"})))
+    assert early is not None and early.members == ("a", "c") and early.joiners == ()
+
+
 def test_formation_waits_for_min_nodes_and_fails_clearly_below_it():
     one = {"a": Arrival()}
     view = dict(epoch=0, outer_step=0, attempt=0, prev=None, prev_committed=False, min_nodes=2)
@@ -99,14 +151,32 @@ def test_plan_json_round_trip():
         plan.rank_of("z")
 
 
-# ---- whole nodes over a MemoryStore -----------------------------------------------------------------------------
+# ---- whole nodes over a MemoryStore, and over a real etcd cluster ----------------------------------------------
+
+@pytest.fixture(params=["memory", "etcd"])
+def store(request):
+    """The same scenarios on both backends: the in-memory store, and the etcd store (a fresh key prefix of the
+    session's real 3-member cluster; its lease keeps the heartbeat keys, the fake clock decides liveness)."""
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    import uuid
+
+    from engine.etcd_store import EtcdStore
+
+    cluster = request.getfixturevalue("etcd_cluster")
+    etcd = EtcdStore(cluster.endpoints, prefix=f"protocol/{uuid.uuid4().hex[:8]}/", tls=cluster.tls, timeout=10.0,
+                     lease_ttl=CFG.heartbeat_timeout)
+    yield etcd
+    etcd.close()
+
 
 class Sim:
     """A fake clock whose sleeps beat every live node's heart."""
 
-    def __init__(self) -> None:
+    def __init__(self, store=None) -> None:
         self.t = 1000.0
-        self.store = MemoryStore()
+        self.store = MemoryStore() if store is None else store
         self.nodes: dict[str, Mesh] = {}
         self.alive: set[str] = set()
         self.events: list[dict] = []
@@ -117,17 +187,20 @@ class Sim:
     def sleep(self, dt: float) -> None:
         self.t += dt
         for name in sorted(self.alive):
-            self.nodes[name].tick()
+            self.nodes[name]._beat()  # a heartbeat thread's loop body: store errors are handled, not raised
 
     def advance(self, seconds: float) -> None:
         for _ in range(round(seconds / CFG.heartbeat_interval)):
             self.sleep(CFG.heartbeat_interval)
 
-    def node(self, name: str, *, digest: str = "d1", min_nodes: int = 1, key: str | None = None) -> Mesh:
+    def node(self, name: str, *, digest: str = "d1", min_nodes: int = 1, key: str | None = None,
+             interrupt=None, store=None) -> Mesh:
         def emit(type_: str, **fields) -> None:
             self.events.append(make_event(type_, name, 0, **fields))  # validates the telemetry schema
-        mesh = Mesh(self.store, name, CFG, digest=digest, info={"host": "h", "pid": 1}, min_nodes=min_nodes,
-                    emit=emit, clock=self.clock, sleep=self.sleep, heartbeat_thread=False)
+        mesh = Mesh(self.store if store is None else store, name, CFG, digest=digest, info={"host": "h", "pid": 1},
+                    min_nodes=min_nodes,
+                    emit=emit, clock=self.clock, sleep=self.sleep, heartbeat_thread=False, interrupt=interrupt,
+                    reconnect=lambda: self.store)
         self.nodes[key or name] = mesh
         return mesh
 
@@ -165,9 +238,8 @@ class Sim:
         raise AssertionError(f"no plan for {names} at ({k}, {a})")
 
     def commit(self, plan: Plan, results: dict[str, bool]) -> dict[str, str]:
-        k = self.store
         for n, ok in results.items():
-            k.set(self.nodes[n].keys.ok(plan.epoch, plan.outer_step, plan.attempt, n), "ok" if ok else "fail")
+            self.nodes[n].post(plan, ok)
         out: dict[str, str] = {}
         for _ in range(100):
             for n in results:
@@ -186,7 +258,7 @@ class Sim:
 def _post_all_ok(sim: Sim, plan: Plan, names) -> None:
     """Every node posts before any blocks in commit() (one thread plays them all)."""
     for n in names:
-        sim.store.set(sim.nodes[n].keys.ok(plan.epoch, plan.outer_step, plan.attempt, n), "ok")
+        sim.nodes[n].post(plan, True)
 
 
 def _run_committed(sim: Sim, k: int, names, **flags) -> Plan:
@@ -199,8 +271,8 @@ def _run_committed(sim: Sim, k: int, names, **flags) -> Plan:
     return plan
 
 
-def test_formation_one_leader_one_plan_and_commit():
-    sim = Sim()
+def test_formation_one_leader_one_plan_and_commit(store):
+    sim = Sim(store)
     assert sim.start("a", "b", "c") == [False, False, False]
     assert sim.leader() == "a"
     plan = _run_committed(sim, 0, ["a", "b", "c"])
@@ -210,8 +282,8 @@ def test_formation_one_leader_one_plan_and_commit():
     assert set(beats[-1]["peers"]) == {"b", "c"} and max(beats[-1]["peers"].values()) < CFG.heartbeat_timeout
 
 
-def test_dead_follower_is_evicted_and_its_missing_vote_aborts():
-    sim = Sim()
+def test_dead_follower_is_evicted_and_its_missing_vote_aborts(store):
+    sim = Sim(store)
     sim.start("a", "b", "c")
     _run_committed(sim, 0, ["a", "b", "c"])
     plan = sim.boundary(1, 0, ["a", "b", "c"])["a"]
@@ -224,15 +296,15 @@ def test_dead_follower_is_evicted_and_its_missing_vote_aborts():
     assert ("a", "c") in sim.changes("dead")
 
 
-def test_one_failed_allreduce_aborts_everyone():
-    sim = Sim()
+def test_one_failed_allreduce_aborts_everyone(store):
+    sim = Sim(store)
     sim.start("a", "b")
     plan = sim.boundary(0, 0, ["a", "b"])["a"]
     assert sim.commit(plan, {"a": True, "b": False}) == {"a": ABORT, "b": ABORT}
 
 
-def test_leader_death_hands_the_lease_over_within_a_timeout_and_the_run_goes_on():
-    sim = Sim()
+def test_leader_death_hands_the_lease_over_within_a_timeout_and_the_run_goes_on(store):
+    sim = Sim(store)
     sim.start("a", "b", "c")
     first = _run_committed(sim, 0, ["a", "b", "c"])
     sim.kill("a")
@@ -246,8 +318,8 @@ def test_leader_death_hands_the_lease_over_within_a_timeout_and_the_run_goes_on(
     assert sim.changes("leader") >= {("b", sim.leader()), ("c", sim.leader())}
 
 
-def test_drained_node_contributes_then_leaves_without_a_heartbeat_wait():
-    sim = Sim()
+def test_drained_node_contributes_then_leaves_without_a_heartbeat_wait(store):
+    sim = Sim(store)
     sim.start("a", "b", "c")
     _run_committed(sim, 0, ["a", "b", "c"])
     plan = _run_committed(sim, 1, ["a", "b", "c"], b={"draining": True})
@@ -260,8 +332,8 @@ def test_drained_node_contributes_then_leaves_without_a_heartbeat_wait():
     assert ("a", "b") in sim.changes("drained") and sim.nodes["b"].state == "left"
 
 
-def test_straggler_is_excluded_and_rejoins_as_a_joiner():
-    sim = Sim()
+def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
+    sim = Sim(store)
     sim.start("a", "b", "c")
     _run_committed(sim, 0, ["a", "b", "c"])
     for n in ("a", "b"):
@@ -277,8 +349,7 @@ def test_straggler_is_excluded_and_rejoins_as_a_joiner():
     _post_all_ok(sim, plan, "ab")
     for n in ("a", "b"):
         sim.nodes[n].commit(plan, True)
-    sim.store.set(sim.nodes["c"].keys.join("c"), "1")  # what wait_admission() posts first
-    sim.nodes["c"]._set_state("joining")
+    sim.nodes["c"]._set_state("joining")  # what wait_admission() posts first
     admitted = sim.boundary(2, 0, ["a", "b"])["a"]
     assert admitted.members == ("a", "b", "c") and admitted.joiners == ("c",) and admitted.source == "a"
     assert sim.nodes["c"].wait_admission() == admitted
@@ -289,13 +360,12 @@ def test_straggler_is_excluded_and_rejoins_as_a_joiner():
     assert again.joiners == () and again.generation == admitted.generation  # same group: no rebuild
 
 
-def test_joiner_stays_a_joiner_across_an_aborted_attempt():
-    sim = Sim()
+def test_joiner_stays_a_joiner_across_an_aborted_attempt(store):
+    sim = Sim(store)
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
     assert sim.start("j") == [True]
-    sim.store.set(sim.nodes["j"].keys.join("j"), "1")
-    sim.nodes["j"]._set_state("joining")
+    sim.nodes["j"]._set_state("joining")  # what wait_admission() posts first
     plan = sim.boundary(1, 0, ["a", "b"])["a"]
     assert plan.joiners == ("j",)
     assert sim.commit(plan, {"a": True, "b": True, "j": False})["a"] == ABORT
@@ -303,8 +373,8 @@ def test_joiner_stays_a_joiner_across_an_aborted_attempt():
     assert retry.joiners == ("j",) and retry.generation == plan.generation + 1
 
 
-def test_duplicate_live_id_is_rejected_without_disturbing_the_run():
-    sim = Sim()
+def test_duplicate_live_id_is_rejected_without_disturbing_the_run(store):
+    sim = Sim(store)
     sim.start("a", "b")
     plan = _run_committed(sim, 0, ["a", "b"])
     intruder = sim.node("b", key="b2")
@@ -315,8 +385,8 @@ def test_duplicate_live_id_is_rejected_without_disturbing_the_run():
     assert _run_committed(sim, 1, ["a", "b"]).members == plan.members
 
 
-def test_restart_with_a_dead_nodes_id_rejoins_as_a_joiner():
-    sim = Sim()
+def test_restart_with_a_dead_nodes_id_rejoins_as_a_joiner(store):
+    sim = Sim(store)
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
     sim.kill("b")
@@ -324,8 +394,81 @@ def test_restart_with_a_dead_nodes_id_rejoins_as_a_joiner():
     assert sim.nodes["b"].state == "joining"
 
 
-def test_a_node_declared_dead_that_wakes_up_stops_beating_under_its_taken_id():
-    sim = Sim()
+def test_restart_of_an_id_the_leader_is_pruning_keeps_its_new_keys(store):
+    """A node killed long enough ago to be pruned (its id in `gone`, its keys due for deletion at the leader's
+    next prune) and started again then. Before, the deletion landed in the middle of its claim and read as a live
+    counter ("in use by a live node"), or after its claim and deleted its new keys (the console's restart of a
+    killed node failed in CI that way)."""
+    sim = Sim(store)
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    sim.kill("b")
+    for _ in range(100):
+        sim.advance(CFG.heartbeat_interval)
+        if "b" in Registry.read(sim.store, Keys())[1].gone:
+            break
+    else:
+        raise AssertionError("b was never pruned")
+    assert sim.start("b") == [True]
+    sim.advance(4 * CFG.heartbeat_interval)  # the leader's prunes go on meanwhile
+    mine = json.loads(sim.store.get("zb/info/b"))
+    assert mine["token"] == sim.nodes["b"].info["token"]
+    assert "b" in Registry.read(sim.store, Keys())[1].ids and "b" not in Registry.read(sim.store, Keys())[1].gone
+    sim.nodes["b"].tick()  # still the holder of its id: beats without "a newer process took its id over"
+
+
+def test_a_node_pruned_while_cut_off_registers_again_with_its_keys(store):
+    """c is cut off long enough for the others to go on without it and the leader to prune it and delete its keys,
+    then its link comes back. It registers again; before, without its state key: every planner's multi_get of the
+    registered ids then waited for that key (TCPStore blocks on an absent key; this store raises), and the run
+    stalled store_timeout (the 50-fault soak, a link down 5.1 s)."""
+    sim = Sim(store)
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    sim.kill("c")  # no beats: cut off
+    k = 1
+    while sim.store.check(["zb/state/c"]):
+        _run_committed(sim, k, ["a", "b"])
+        sim.advance(CFG.heartbeat_interval)  # a round of inner steps
+        k += 1
+        assert k < 50, "c's keys were never deleted"
+    sim.alive.add("c")  # the link is back: its next beat registers it again
+    sim.advance(CFG.heartbeat_interval)
+    assert "c" in Registry.read(sim.store, Keys())[1].ids
+    assert sim.store.check(["zb/state/c", "zb/info/c", "zb/hb/c"])  # whoever finds the id registered finds its keys
+    t0 = sim.t
+    assert _run_committed(sim, k, ["a", "b"]).members == ("a", "b")  # planned without waiting for c
+    assert sim.t - t0 < CFG.heartbeat_timeout
+
+
+def test_a_node_cut_off_in_its_commit_wait_while_the_run_moved_on_does_not_wait_for_a_collected_decision(store):
+    """c posted ok for outer step 1 and was cut off before it read the decision; a and b committed and went on
+    for more than KEEP_STEPS outer steps, so that decision is collected. Back, c cannot learn it: before, c waited
+    out store_timeout and then wrote an abort over the commit the others applied. Now it takes it as its own abort
+    at once (writing nothing), and its next boundary finds the run moved past it: it re-joins."""
+    sim = Sim(store)
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    plan = sim.boundary(1, 0, ["a", "b", "c"])["a"]
+    _post_all_ok(sim, plan, ["a", "b", "c"])
+    assert sim.nodes["a"].commit(plan, True) and sim.nodes["b"].commit(plan, True)
+    sim.kill("c")
+    for k in range(2, 3 + KEEP_STEPS + 1):
+        _run_committed(sim, k, ["a", "b"])
+    key = Keys().decision(plan.epoch, plan.outer_step, plan.attempt)
+    assert not sim.store.check([key])  # collected
+    sim.alive.add("c")
+    sim.advance(CFG.heartbeat_interval)
+    c = sim.nodes["c"]
+    c._posted_at = sim.t - 2 * CFG.heartbeat_timeout  # it posted long ago
+    assert c.poll_decision(plan) == ABORT
+    assert not sim.store.check([key]) or sim.store.get(key) in (b"", "")  # nothing written over the commit
+    with pytest.raises(Excluded, match="moved past"):
+        c.boundary(1, 1)
+
+
+def test_a_node_declared_dead_that_wakes_up_stops_beating_under_its_taken_id(store):
+    sim = Sim(store)
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
     old_b = sim.nodes["b"]
@@ -335,15 +478,15 @@ def test_a_node_declared_dead_that_wakes_up_stops_beating_under_its_taken_id():
         old_b.tick()
 
 
-def test_digest_mismatch_is_rejected():
-    sim = Sim()
+def test_digest_mismatch_is_rejected(store):
+    sim = Sim(store)
     sim.start("a")
     with pytest.raises(MeshError, match="digest d2 differs from the run's d1"):
         sim.node("x", digest="d2").start()
 
 
-def test_run_reforms_in_a_new_epoch_when_every_member_is_gone():
-    sim = Sim()
+def test_run_reforms_in_a_new_epoch_when_every_member_is_gone(store):
+    sim = Sim(store)
     sim.start("a", "b")
     old = _run_committed(sim, 0, ["a", "b"])
     for n in ("a", "b"):
@@ -354,18 +497,255 @@ def test_run_reforms_in_a_new_epoch_when_every_member_is_gone():
     assert plan.members == ("a",) and plan.epoch == old.generation and plan.generation == old.generation + 1
 
 
-def test_old_boundary_keys_are_collected():
-    sim = Sim()
+def test_old_boundary_keys_are_collected(store):
+    sim = Sim(store)
     sim.start("a", "b")
     for k in range(6):
         _run_committed(sim, k, ["a", "b"])
-    steps = {key.split("/")[4] for key in sim.store.keys() if key.startswith("zb/r/0/")}
+    steps = {key.split("/")[4] for key in store.keys() if key.startswith("zb/r/0/")}
     assert steps == {"3", "4", "5"}  # the last KEEP_STEPS outer steps only
 
 
-def test_lost_store_is_one_clear_error():
+def test_store_that_never_returns_fails_after_store_lost_timeout_with_one_line():
     sim = Sim()
     sim.start("a")
     sim.store.down = True
-    with pytest.raises(MeshError, match="node a: outer step 0 attempt 0: lost the membership store"):
+    t0 = sim.t
+    with pytest.raises(MeshError, match=r"node a: heartbeat stopped: the membership store did not come back "
+                                        r"within mesh.store_lost_timeout \(20s\): memory store is down"):
         sim.nodes["a"].boundary(0, 0)
+    assert CFG.store_lost_timeout <= sim.t - t0 <= CFG.store_lost_timeout + 1
+
+
+def test_store_restarted_empty_mid_commit_the_nodes_reform_with_their_state_and_go_on():
+    sim = Sim()
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    plan = sim.boundary(1, 0, ["a", "b"])["a"]
+    sim.store.down = True  # SIGKILL of the store process inside outer step 1
+    sim.advance(5.0)  # the nodes keep training meanwhile (their heartbeats fail and retry)
+    assert all(sim.nodes[n]._hb_error is None for n in "ab")
+    sim.store.restart()  # the same port, an empty store
+    with pytest.raises(Reformed, match="restarted empty"):
+        sim.nodes["a"].commit(plan, True)  # the step in flight is void: nobody can know its decision
+    sim.advance(0.4)
+    assert sim.store.check(["zb/digest", "zb/info/a", "zb/info/b"])  # registered again by their heartbeats
+    # b registered second (the digest was back already) and knows the store restarted all the same: it had
+    # registered in another life of the store (Keys.life), so its step in flight is void too
+    with pytest.raises(Reformed, match="restarted empty"):
+        sim.nodes["b"].commit(plan, True)
+    again = _run_committed(sim, 1, ["a", "b"])  # a formation in the new store, same outer step
+    assert again.members == ("a", "b") and again.epoch == 0 and again.generation == 1
+    assert _run_committed(sim, 2, ["a", "b"]).members == ("a", "b")
+
+
+def test_formation_takes_nodes_whose_checkpoints_are_one_outer_step_apart():
+    """A stop lands in one node's boundary wait: it resumes one outer step behind the other. The run forms at the
+    newer step; the node behind takes part as a joiner (it receives the state)."""
+    sim = Sim()
+    sim.start("a", "b", min_nodes=2)
+    t0 = sim.t
+    sim.nodes["a"].arrive(5, 0)
+    sim.nodes["b"].arrive(4, 0)
+    plans: dict[str, Plan] = {}
+    while len(plans) < 2:
+        for n, k in (("a", 5), ("b", 4)):
+            if n not in plans and (p := sim.nodes[n].poll_plan(k, 0)) is not None:
+                plans[n] = p
+        sim.sleep(CFG.polling_interval)
+        assert sim.t - t0 < CFG.start_timeout, "the formation waited for a node that had arrived"
+    plan = plans["a"]
+    assert plans["b"] == plan and plan.outer_step == 5 and plan.members == ("a", "b")
+    assert plan.joiners == ("b",) and plan.source == "a" and plan.contributors == ("a",)
+    _post_all_ok(sim, plan, "ab")
+    assert all(sim.nodes[n].commit(plan, True) for n in "ab")
+    assert sim.nodes["b"].state == "training"
+    assert _run_committed(sim, 6, ["a", "b"]).joiners == ()
+
+
+def test_resume_after_every_node_stopped_with_the_store_running_forms_one_run():
+    """Both nodes stop; both restart under their ids. Each sees the other's new process beating: that is not
+    the old run alive (it is starting), so both form a new life together instead of waiting to join."""
+    sim = Sim()
+    sim.start("a", "b", min_nodes=2)
+    old = _run_committed(sim, 0, ["a", "b"])
+    for n in "ab":
+        sim.nodes[n].leave("failed")  # what a stop says (it is not a completion)
+        sim.kill(n)
+    sim.advance(1.0)
+    assert sim.start("a", min_nodes=2) == [False]
+    sim.advance(1.0)  # a's new process beats under the old id
+    assert sim.start("b", min_nodes=2) == [False]
+    plan = _run_committed(sim, 1, ["a", "b"])
+    assert plan.members == ("a", "b") and plan.epoch == old.generation
+
+
+def test_a_stale_join_request_does_not_survive_a_restart():
+    sim = Sim()
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    sim.nodes["b"]._set_state("joining")  # b was excluded and asked to be admitted again, then everything died
+    sim.kill("a")
+    sim.kill("b")
+    sim.advance(3 * CFG.heartbeat_timeout)
+    assert sim.start("b") == [False]  # forms a new life alone (min_nodes 1)
+    plan = _run_committed(sim, 1, ["b"])
+    assert plan.members == ("b",) and plan.joiners == ()
+
+
+def test_a_leader_frozen_for_twice_the_timeout_does_not_plan_from_its_old_liveness_table():
+    sim = Sim()
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    assert sim.leader() == "a"
+    sim.kill("a")  # SIGSTOP: no beats, no polls
+    sim.advance(2 * CFG.heartbeat_timeout)
+    assert sim.leader() in ("b", "c")
+    before = sim.store.get("zb/plan/latest")
+    sim.alive.add("a")  # SIGCONT: a still believes it leads, and its table says b and c went silent long ago
+    sim.nodes["a"].arrive(1, 0)
+    assert sim.nodes["a"].poll_plan(1, 0) is None  # no plan from a stale table (it would leave b and c out)
+    assert sim.store.get("zb/plan/latest") == before
+    sim.advance(0.4)  # a beats again: it re-learns liveness, gives up the lease, and b sees it alive
+    assert not sim.nodes["a"].is_leader and not sim.nodes["a"].is_dead("b")
+    plan = sim.boundary(1, 0, ["a", "b", "c"])["b"]
+    assert plan.members == ("a", "b", "c")
+
+
+def test_an_old_epoch_node_that_resumes_after_the_run_reformed_cannot_commit_as_a_separate_run():
+    sim = Sim()
+    sim.start("a")
+    _run_committed(sim, 0, ["a"])
+    plan = sim.boundary(1, 0, ["a"])["a"]  # a has its plan for outer step 1, then freezes before posting
+    sim.kill("a")
+    sim.advance(2 * CFG.heartbeat_timeout)
+    assert sim.start("b") == [False]  # every member of the last plan is silent: b forms a new life
+    new = _run_committed(sim, 1, ["b"])
+    assert new.epoch > plan.epoch
+    sim.alive.add("a")  # SIGCONT
+    assert sim.nodes["a"].commit(plan, True) is False  # the old epoch's step aborts: no second run
+    with pytest.raises(Excluded, match="re-formed"):
+        sim.nodes["a"].boundary(1, 1)
+    assert Plan.from_json(sim.store.get("zb/plan/latest")) == new
+
+
+def test_a_stop_ends_every_wait_within_a_poll():
+    stop: list[str] = []
+    sim = Sim()
+    sim.start("a", min_nodes=2, interrupt=lambda: stop[0] if stop else None)
+    sim.nodes["a"].arrive(0, 0)
+    for _ in range(10):  # waiting for a second node (diloco.min_nodes=2)
+        assert sim.nodes["a"].poll_plan(0, 0) is None
+        sim.sleep(CFG.polling_interval)
+    stop.append("stopped")
+    t0 = sim.t
+    with pytest.raises(Stopped, match="stopped while outer step 0 attempt 0"):
+        sim.nodes["a"].boundary(0, 0)
+    with pytest.raises(Stopped, match="stopped while waiting for admission"):
+        sim.nodes["a"].wait_admission()
+    assert sim.t - t0 <= CFG.polling_interval
+
+
+# ---- cost and size: store round trips per heartbeat, keys over a long run -------------------------------------
+
+class CountingStore:
+    """A MemoryStore that counts the round trips the mesh makes."""
+
+    OPS = ("set", "get", "add", "compare_set", "check", "delete_key", "multi_get", "multi_set", "wait", "num_keys")
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.ops = 0
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.inner, name)
+        if name not in self.OPS:
+            return fn
+
+        def call(*args, **kw):
+            self.ops += 1
+            return fn(*args, **kw)
+        return call
+
+    def clone(self) -> "CountingStore":
+        return self
+
+
+def _tick_cost(sim: Sim, name: str) -> int:
+    before = sim.store.ops
+    sim.nodes[name].tick()
+    return sim.store.ops - before
+
+
+def test_a_heartbeat_costs_three_round_trips_whatever_the_size_and_history_of_the_run():
+    sim = Sim()
+    sim.store = CountingStore()
+    sim.start("a", "b", "c", "d")
+    sim.advance(1.0)
+    small = _tick_cost(sim, "b")
+    for i in range(30):  # 30 nodes come and go (half leave cleanly, half die)
+        sim.start(f"x{i}")
+        if i % 2:
+            sim.nodes[f"x{i}"].leave("completed")
+        sim.kill(f"x{i}")
+    sim.advance(4 * CFG.heartbeat_timeout)  # long dead: pruned from the registry, their keys deleted
+    assert json.loads(sim.store.get("zb/ids"))["ids"] == ["a", "b", "c", "d"]
+    assert not [k for k in sim.store.keys() if "/x" in k]
+    after_history = _tick_cost(sim, "b")
+    sim.start(*[f"n{i}" for i in range(40)])
+    sim.advance(1.0)
+    large = _tick_cost(sim, "b")
+    assert small == after_history == large == 3, (small, after_history, large)
+
+
+def test_two_hundred_membership_changes_leave_a_store_bounded_by_the_live_nodes():
+    sim = Sim()
+    sim.start("a", "b", "c")
+    k = 0
+    _run_committed(sim, k, ["a", "b", "c"])
+    most = 0
+    for i in range(100):  # a join and a departure each time: 200 changes
+        j = f"j{i}"
+        assert sim.start(j) == [True]
+        sim.nodes[j]._set_state("joining")  # what wait_admission() posts first
+        k += 1
+        plan = sim.boundary(k, 0, ["a", "b", "c"])["a"]
+        assert plan.joiners == (j,)
+        _post_all_ok(sim, plan, ["a", "b", "c", j])
+        assert all(sim.nodes[n].commit(plan, True) for n in ("a", "b", "c", j))
+        if i % 2:
+            sim.nodes[j].leave("completed")
+        sim.kill(j)
+        k += 1
+        assert _run_committed(sim, k, ["a", "b", "c"]).members == ("a", "b", "c")
+        most = max(most, len(sim.store.keys()))
+    sim.advance(4 * CFG.heartbeat_timeout)
+    live = 3
+    # per live node: info, hb, state; run-wide: digest, life, ids, leader, plan/latest; decisions of KEEP_STEPS steps
+    assert len(sim.store.keys()) <= 3 * live + 5 + KEEP_STEPS + 1, sim.store.keys()
+    assert most <= 3 * (live + 2) + 5 + 2 * (KEEP_STEPS + 1), most  # never more than a couple of departed ids
+
+
+def test_a_blocked_stdout_never_stops_the_heartbeat():
+    """The heartbeat thread hands its events to a writer thread: an emit that blocks (a stalled pipe, a full disk)
+    must not stop the beats, or the node is declared dead with a misleading error."""
+    blocked = threading.Event()
+    released = threading.Event()
+
+    def emit(type_: str, **fields) -> None:
+        if type_ == "heartbeat":
+            blocked.set()
+            released.wait(10)
+    cfg = MeshConfig(heartbeat_interval=0.05, heartbeat_timeout=0.5, store_timeout=2.0, polling_interval=0.02)
+    store = MemoryStore()
+    mesh = Mesh(store, "a", cfg, digest="d", info={}, min_nodes=1, emit=emit)
+    try:
+        mesh.start()
+        assert blocked.wait(5)
+        first = int(store.get("zb/hb/a"))
+        time.sleep(1.0)
+        assert int(store.get("zb/hb/a")) >= first + 5  # ~20 beats at 0.05 s, on a loaded machine at least 5
+        assert mesh._hb_error is None
+    finally:
+        released.set()
+        mesh.close()

@@ -1,16 +1,22 @@
 """Store connection and the per-generation global process group (gloo), independent of torchrun's default group.
 
+    store = open_store(cfg.mesh)                    # mesh.store_backend: a TCPStore client or an EtcdStore
+    store = open_store(cfg.mesh, probe_timeout=beat, like=lost)   # the heartbeat's reconnect (etcd: same lease)
     store = connect_store(addr, port, timeout)      # MeshError within `timeout` when unreachable
     group = make_group(store, plan, node_id, local_rank, timeout)
 
 A group lives under its own store prefix zb/pg/<generation>/<local_rank>, so a rebuilt group never meets the
 rendezvous keys of a broken one, and local rank i of every node meets only local rank i of the others (FSDP
 shards). Consecutive plans of one generation have the same members: the group is reused (one cached group per
-local rank), so a run with a stable membership pays the gloo rendezvous once.
+local rank), so a run with a stable membership pays the gloo rendezvous once. gloo writes one key per rank
+(`<prefix>/0/<rank>`); a node deletes its key of the previous generation when it builds the next one, and the
+mesh's pruner deletes the key of a node that died (from the group recorded in its state), so the store keeps at
+most one such key per live node and local rank.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from datetime import timedelta
@@ -19,14 +25,51 @@ from typing import Any
 from engine.mesh.protocol import Keys, MeshError, Plan
 
 _groups: dict[tuple[str, int], tuple[int, Any]] = {}  # (node_id, local_rank) -> (generation, group)
+_own_keys: dict[tuple[str, int], str] = {}  # (node_id, local_rank) -> this rank's rendezvous key of its last group
 
 
-def connect_store(addr: str, port: int, timeout: float) -> Any:
-    """A TCPStore client. The TCP port is probed first so that an unreachable store fails within `timeout`
-    (TCPStore's own connect retries can take a multiple of it)."""
+def open_store(m: Any, probe_timeout: float | None = None, like: Any = None) -> Any:
+    """The membership store mesh config `m` names: the TCPStore at store_addr:store_port, or the run's prefix of an
+    etcd cluster (engine/etcd_store.py). Either way a MeshError within `probe_timeout` (default m.store_timeout)
+    when it cannot be reached. The heartbeat's reconnect passes the lost client as `like`: on etcd the new client
+    shares its lease (the node's heartbeat key stays its own; a new lease would leave the old one renewed)."""
+    if m.store_backend == "etcd":
+        return connect_etcd(m, probe_timeout, like)
+    return connect_store(m.store_addr, m.store_port, m.store_timeout, probe_timeout)
+
+
+def connect_etcd(m: Any, probe_timeout: float | None = None, like: Any = None) -> Any:
+    from engine.etcd_gateway import EtcdError, Tls
+    from engine.etcd_store import EtcdStore
+
+    tls = None
+    if not m.etcd_insecure:
+        for name in ("etcd_ca", "etcd_cert", "etcd_key"):
+            if not os.path.isfile(getattr(m, name)):
+                raise MeshError(f"mesh.{name}: {getattr(m, name)}: no such file")
+        tls = Tls(m.etcd_ca, m.etcd_cert, m.etcd_key)
+    # heartbeat keys are leased for one heartbeat timeout: a dead node's key vanishes by itself.
+    # one HTTP request may take half a heartbeat timeout: a silent member (a cut link) is left for the next one
+    # in time for the heartbeat to land.
+    # a reconnect (`like`) probes through the lost client and clones it only once the cluster answers: the gateway
+    # fails over by itself, and a clone per failed beat would only pile up connection pools during an outage
+    store = like if like is not None else EtcdStore(
+        m.etcd_endpoints, prefix=m.etcd_prefix, tls=tls, timeout=m.store_timeout, lease_ttl=m.heartbeat_timeout,
+        request_timeout=min(m.heartbeat_timeout / 2, m.store_timeout))
+    try:
+        store.reach(probe_timeout)  # an unreachable cluster fails here, within the probe timeout
+    except EtcdError as e:
+        raise MeshError(f"membership store {e}") from None
+    return store.clone() if like is not None else store
+
+
+def connect_store(addr: str, port: int, timeout: float, probe_timeout: float | None = None) -> Any:
+    """A TCPStore client whose operations time out after `timeout`. The TCP port is probed first so that an
+    unreachable store fails within `probe_timeout` (default: `timeout`; TCPStore's own connect retries can take a
+    multiple of it). The heartbeat's reconnect probes for one beat, but its client keeps the full timeout."""
     import torch.distributed as dist
 
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (timeout if probe_timeout is None else probe_timeout)
     last: OSError | None = None
     while True:
         remaining = deadline - time.monotonic()
@@ -36,7 +79,8 @@ def connect_store(addr: str, port: int, timeout: float) -> Any:
         except OSError as e:
             last = e
         if time.monotonic() + 0.2 > deadline:
-            raise MeshError(f"membership store {addr}:{port} unreachable within {timeout:g}s ({last}); start it "
+            raise MeshError(f"membership store {addr}:{port} unreachable within "
+                            f"{timeout if probe_timeout is None else probe_timeout:g}s ({last}); start it "
                             f"with `python -m engine.store --port {port}` or fix mesh.store_addr/GLOBAL_ADDR")
         time.sleep(0.2)
     try:
@@ -69,7 +113,12 @@ def make_group(store: Any, plan: Plan, node_id: str, local_rank: int, timeout: f
     if cached is not None and cached[0] == plan.generation:
         return cached[1]
     _groups.pop((node_id, local_rank), None)  # drop the old generation's group before building the new one
-    prefix = Keys().group_prefix(plan.generation, local_rank)
+    old_key = _own_keys.pop((node_id, local_rank), None)
+    if old_key is not None:
+        store.delete_key(old_key)  # every member that needed it connected long ago (that group ran collectives)
+    keys = Keys()
+    prefix = keys.group_prefix(plan.generation, local_rank)
+    _own_keys[(node_id, local_rank)] = keys.group_key(plan.generation, local_rank, rank)
     prefix_store = dist.PrefixStore(prefix, store)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=timeout)

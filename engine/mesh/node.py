@@ -1,9 +1,14 @@
-"""One node's side of the membership protocol: the I/O around the pure rules of protocol.py.
+"""One node's side of the membership protocol: the API the outer loop calls, and its bounded waits.
 
-The node's local rank 0 owns one Mesh. A heartbeat thread bumps this node's counter, watches every registered
-peer's counter (liveness), takes over the leader lease when the leader is dead, and emits heartbeat events. The
-caller's thread does the boundary and commit waits. Every wait is a bounded polling loop with a deadline taken
-from MeshConfig; nothing recurses. docs/mesh.md is the protocol description.
+The node's local rank 0 owns one Mesh. Its heartbeat (engine/mesh/heartbeat.py, a thread) beats, watches every
+registered peer (liveness), takes the leader lease and survives store loss; its planner (engine/mesh/planner.py)
+reads a boundary and writes plans. The caller's thread does the boundary, admission and commit waits here.
+
+Every wait is a bounded polling loop with a deadline from MeshConfig, and every poll first checks, in this order:
+the heartbeat gave up (MeshError), the store restarted empty (Reformed), a stop or drain was requested
+(`interrupt()` returns "stopped" or "drained": Stopped). A store error in a wait is not fatal: the wait pauses
+until the heartbeat has the store back (bounded by mesh.store_lost_timeout, interruptible) and starts over.
+docs/mesh.md is the protocol description.
 
 For tests the clock and sleep are injectable, and with heartbeat_thread=False each wait loop runs one heartbeat
 tick per poll instead, so a single thread can drive several nodes over a MemoryStore deterministically.
@@ -14,15 +19,18 @@ from __future__ import annotations
 import atexit
 import json
 import threading
-import weakref
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Arrival, BoundaryView, Excluded, Keys, Liveness,
-                                  MeshError, Plan, compute_plan, decide)
+from engine.mesh.heartbeat import STORE_ERRORS, Heartbeat, Outbox, Registry, first_line, text
+from engine.mesh.planner import KEEP_STEPS, Planner
+from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, NodeState,
+                                  Plan, Reformed, Stopped, decide)
 
+__all__ = ["KEEP_STEPS", "Mesh"]
 
 _running: "weakref.WeakSet[Mesh]" = weakref.WeakSet()  # meshes whose heartbeat thread runs
 _exit_hook = False
@@ -35,17 +43,16 @@ def _stop_at_exit() -> None:
         mesh.close()
 
 
-KEEP_STEPS = 3  # per-boundary keys of this many recent outer steps stay in the store
+class _StoreDown(Exception):
+    """A store call of the caller's thread failed: wait for the heartbeat to get the store back, then retry."""
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-class Mesh:
+class Mesh(Heartbeat, Planner):
     def __init__(self, store: Any, node_id: str, cfg: Any, *, digest: str, info: dict[str, Any], min_nodes: int,
                  emit: Callable[..., Any], clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep, heartbeat_thread: bool = True) -> None:
+                 sleep: Callable[[float], None] = time.sleep, heartbeat_thread: bool = True,
+                 interrupt: Callable[[], str | None] | None = None,
+                 reconnect: Callable[[], Any] | None = None) -> None:
         if not node_id or "/" in node_id:
             raise ValueError(f"mesh.node_id {node_id!r}: must be non-empty and contain no '/'")
         self.store = store
@@ -53,10 +60,13 @@ class Mesh:
         self.cfg = cfg
         self.digest = digest
         self.info = dict(info)
+        self.info.setdefault("token", uuid.uuid4().hex[:12])
         self.min_nodes = min_nodes
         self.emit = emit
         self.clock = clock
         self.sleep = sleep
+        self.interrupt = interrupt  # polled by every wait: "stopped" / "drained" ends the wait (Stopped)
+        self._reconnect = reconnect  # a fresh store client, for the heartbeat while the store is lost
         self.keys = Keys()
         self.state = "starting"
         self.epoch = 0
@@ -68,19 +78,29 @@ class Mesh:
         self._recent: frozenset[str] = frozenset()
         self._lock = threading.Lock()
         self._liveness = Liveness(cfg.heartbeat_timeout)
-        self._registry: list[str] = []
-        self._reg_seen = 0
+        self._ids: list[str] = []
+        self._reg_cache: tuple[str | None, Any, list[str], list[str]] = (None, None, [], [])  # see _read_registry
         self._seq = 0
         self._is_leader = False
         self._leader_seen = ""
-        self._reported: set[str] = set()  # peers whose death/exit this node already emitted
+        self._reported: set[str] = set()  # peers whose death this node already emitted
+        self._gone_seen: set[str] = set()  # pruned ids seen at this node's last prune (deleted at its next)
+        self._gone_groups: dict[str, Any] = {}
         self._use_thread = heartbeat_thread
         self._thread: threading.Thread | None = None
+        self._outbox = Outbox(emit)
         self._stop = threading.Event()
         self._hb_store: Any = None
         self._hb_error: str | None = None
+        self._lost_since: float | None = None
+        self._last_look: float | None = None
+        self._reset = False  # the heartbeat registered this node in a restarted (empty) store
+        self._store_life = ""  # the store's life (Keys.life) this node registered in: another one = a restart
         self._arrived_at = 0.0
-        self._draining = False
+        self._posted_at = 0.0
+        self._node_state = NodeState("starting", self.info["token"])
+        # a store with leases (etcd) deletes a dead node's heartbeat key by itself: its absence is death
+        self._leased = bool(getattr(store, "has_leases", lambda: False)())
         self._ready = False  # start() decided joiner or member: only then may this node take the lease
 
     # ---- public API -------------------------------------------------------------------------------------------
@@ -96,16 +116,11 @@ class Mesh:
     def start(self) -> bool:
         """Register, check digest and id, start heartbeats. True if this node must join a running run."""
         with self._guard("start"):
-            self._check_digest()
-            rejoin = self._claim_id()
-            k = self.keys
-            self.store.add(k.hb(self.node_id), 1)
-            if rejoin:
-                self.store.delete_key(k.bye(self.node_id))
-            else:
-                n = self.store.add(k.reg_count(), 1)
-                self.store.set(k.reg(n), self.node_id)
-            self._set_state("starting")
+            self._check_digest(self.store)
+            self._claim_id()
+            if self._leased:  # etcd: the heartbeat key dies with this process, a lease TTL after its last renewal
+                self.store.lease_key(self.keys.hb(self.node_id))
+            self._register(self.store)
             self._hb_store = self.store.clone() if self._use_thread else self.store
             if self._use_thread:
                 global _exit_hook
@@ -113,9 +128,12 @@ class Mesh:
                     atexit.register(_stop_at_exit)
                     _exit_hook = True
                 _running.add(self)
+                self._outbox.start(f"mesh-telemetry-{self.node_id}")
                 self._thread = threading.Thread(target=self._beat_loop, name=f"mesh-heartbeat-{self.node_id}",
                                                 daemon=True)
                 self._thread.start()
+            else:
+                self.tick()
             joiner = self._must_join()
             self._forming = not joiner
             if joiner:
@@ -124,77 +142,45 @@ class Mesh:
             return joiner
 
     def boundary(self, outer_step: int, attempt: int, *, contributing: bool = True, draining: bool = False) -> Plan:
-        """Arrive at (outer_step, attempt) and wait for its plan. Raises Excluded if the plan left this node out."""
-        with self._guard(f"outer step {outer_step} attempt {attempt}"):
-            self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
-            wait = self.cfg.start_timeout if self._forming else self.cfg.store_timeout
-            limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
-            while True:
-                plan = self.poll_plan(outer_step, attempt)
-                if plan is not None:
-                    return plan
-                if self.clock() > limit:
-                    raise MeshError(f"node {self.node_id}: no plan for outer step {outer_step} attempt {attempt} "
-                                    f"within {limit - self._arrived_at:.1f}s (leader {self._leader_seen or 'none'})"
-                                    f"; is mesh.store_timeout shorter than the slowest node's inner round?")
-                self._idle()
+        """Arrive at (outer_step, attempt) and wait for its plan. Raises Excluded if the plan left this node out.
+        A formation may answer with a plan of a newer outer step that lists this node as a joiner."""
+        what = f"outer step {outer_step} attempt {attempt}"
+        return self._resilient(what, lambda: self._boundary(outer_step, attempt, contributing, draining, what))
 
     def wait_admission(self) -> Plan:
         """A joiner (or an excluded node) asks to be admitted and waits for a plan that lists it in `joiners`."""
-        with self._guard("waiting for admission"):
-            self._release_lease()
-            self._set_state("joining")
-            self.store.set(self.keys.join(self.node_id), self.info.get("token", "1"))
-            deadline = self.clock() + self.cfg.join_timeout
-            while True:
-                plan = self._read_plan(self.keys.latest())
-                if plan is not None and self.node_id in plan.joiners and not self._decided(plan):
-                    self.epoch = plan.epoch
-                    self._forming = False
-                    self._plan = plan
-                    self._recent = self._recent | frozenset(plan.members)
-                    return plan
-                if self.clock() > deadline:
-                    raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
-                                    f"({self.cfg.join_timeout:g}s); is any member of the run alive?")
-                self._idle()
+        return self._resilient("waiting for admission", self._wait_admission)
 
     def commit(self, plan: Plan, succeeded: bool) -> bool:
         """Post this node's outcome of the outer step and obey the single decision: True = commit, False = abort."""
-        with self._guard(f"commit of outer step {plan.outer_step} attempt {plan.attempt}"):
-            k = self.keys
-            self.store.set(k.ok(plan.epoch, plan.outer_step, plan.attempt, self.node_id), "ok" if succeeded else "fail")
-            deadline = self.clock() + self.cfg.store_timeout
-            while True:
-                decision = self.poll_decision(plan)
-                if decision is None and self.clock() > deadline:
-                    # a member alive by heartbeat but silent (hung collective): give up on this attempt
-                    key = k.decision(plan.epoch, plan.outer_step, plan.attempt)
-                    decision = _text(self.store.compare_set(key, "", ABORT))
-                if decision is not None:
-                    break
-                self._idle()
-            self._after_decision(plan, decision)
-            return decision == COMMIT
+        what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"
+        decision = self._resilient(what, lambda: self._commit(plan, succeeded))
+        self._after_decision(plan, decision)
+        return decision == COMMIT
 
     def leave(self, reason: str) -> None:
-        """A clean exit: peers see `bye` and drop this node at once. Stops the heartbeat."""
+        """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
         if reason not in LEAVE_REASONS:
             raise ValueError(f"mesh.leave: reason {reason!r} is not one of {', '.join(LEAVE_REASONS)}")
         if self.state == "left":
             return
         self._stop_thread()
+        if self._hb_error is not None or self._lost_since is not None:
+            # the store is lost: a call on the dead client only adds a C++ stack dump to stderr
+            self.state = "left"
+            raise MeshError(f"node {self.node_id}: leave: the membership store is lost")
         self.state = "left"  # locally at once: a second leave() after a store failure is a no-op
         with self._guard("leave"):
             self._release_lease()
-            self.store.set(self.keys.bye(self.node_id), reason)
-            self.store.delete_key(self.keys.join(self.node_id))
+            if self._leased:  # the goodbye outlives this process (until pruned): a clean exit, not a death
+                self.store.unlease_key(self.keys.hb(self.node_id))
+            self.store.set(self.keys.hb(self.node_id), "-1")
             self._set_state("left")
         members = list(self._plan.members) if self._plan else []
         self._emit_membership("drained" if reason == "drained" else "left", self.node_id, members)
 
     def close(self) -> None:
-        """Stop the heartbeat thread (without a bye: call leave() first for a clean exit)."""
+        """Stop the heartbeat thread (without a goodbye: call leave() first for a clean exit)."""
         self._stop_thread()
 
     def peer_ages(self) -> dict[str, float]:
@@ -207,79 +193,188 @@ class Mesh:
         with self._lock:
             return self._liveness.is_dead(node, self.clock())
 
+    def dead_members(self, plan: Plan) -> list[str]:
+        """Members of the plan this node sees dead now (no store operation: the heartbeat's table)."""
+        with self._lock:
+            return sorted(self._liveness.dead([m for m in plan.members if m != self.node_id], self.clock()))
+
     # ---- non-blocking steps (the blocking calls above loop over these; tests drive them directly) -------------
 
     def arrive(self, outer_step: int, attempt: int, *, contributing: bool = True, draining: bool = False) -> None:
-        self._draining = draining
         if draining and self.state == "training":
-            self._set_state("draining")
-        key = self.keys.arrive(self.epoch, outer_step, attempt, self.node_id)
-        self.store.set(key, Arrival(contributing, draining).to_json())
+            self.state = "draining"
+        self._node_state = NodeState(self.state, self.info["token"], (self.epoch, outer_step, attempt),
+                                     contributing, draining, None, self._node_state.group)
+        self._write_state(self._node_state, self.store)
         self._arrived_at = self.clock()
 
     def poll_plan(self, outer_step: int, attempt: int) -> Plan | None:
         """The plan of (outer_step, attempt) if there is one (writing it when this node leads), else None."""
-        self._check_heartbeat()
-        k = self.keys
-        key = k.plan(self.epoch, outer_step, attempt)
-        plan = self._read_plan(key)
-        if plan is None:
+        self._poll_checks(f"outer step {outer_step} attempt {attempt}")
+        raw, latest = self._read_latest()
+        plan = self._plan_for(latest, outer_step, attempt)
+        if plan is None and self._may_plan():
             wait = self.cfg.start_timeout if self._forming else self.cfg.store_timeout
-            now = self.clock()
-            # the lease holder plans; any waiting node does once the leader is overdue by a heartbeat timeout
-            if self._is_leader or now > self._arrived_at + wait + self.cfg.heartbeat_timeout:
-                plan = self._try_plan(outer_step, attempt, timed_out=now > self._arrived_at + wait)
-        if plan is None:
-            return None
-        self._bump_latest(plan)
-        return self._accept(plan)
+            self._try_plan(outer_step, attempt, raw, latest, timed_out=self.clock() > self._arrived_at + wait)
+            raw, latest = self._read_latest()
+            plan = self._plan_for(latest, outer_step, attempt)
+        return None if plan is None else self._accept(plan)
+
+    def post(self, plan: Plan, succeeded: bool) -> None:
+        """Post this node's outcome of the plan's all-reduce (in its state key)."""
+        st = self._node_state
+        self._write_state(NodeState(st.state, st.token, (plan.epoch, plan.outer_step, plan.attempt),
+                                    st.contributing, st.draining, succeeded, st.group), self.store)
+        self._posted_at = self.clock()
 
     def poll_decision(self, plan: Plan) -> str | None:
+        """The decision of the plan's attempt, writing it when this node can decide. The leader decides; the
+        others only read the decision key (one round trip, whatever the size of the run), unless the leader is
+        overdue by a heartbeat timeout (it died: the lease moves within that time anyway)."""
         k = self.keys
         key = k.decision(plan.epoch, plan.outer_step, plan.attempt)
-        current = self._get(key)
+        current = self._read(key)
         if current:
             return current
+        if not self._is_leader and self.clock() < self._posted_at + self.cfg.heartbeat_timeout:
+            return None
+        raws = self.store.multi_get([k.latest()] + [k.state(m) for m in plan.members])
+        latest = Plan.from_json(text(raws[0])) if text(raws[0]) else None
         posted: dict[str, bool] = {}
-        for m in plan.members:
-            value = self._get(k.ok(plan.epoch, plan.outer_step, plan.attempt, m))
-            if value is not None:
-                posted[m] = value == "ok"
-        with self._lock:
-            dead = self._liveness.dead([m for m in plan.members if m != self.node_id], self.clock())
-        decision = decide(plan.members, posted, dead)
+        for m, raw in zip(plan.members, raws[1:]):
+            st = NodeState.from_json(text(raw))
+            if st is not None and st.at is not None and tuple(st.at) == (plan.epoch, plan.outer_step, plan.attempt) \
+                    and st.ok is not None:
+                posted[m] = bool(st.ok)
+        if latest is not None and latest.epoch > plan.epoch:
+            decision: str | None = ABORT  # the run re-formed without this plan: it must never commit (split brain)
+        elif self._moved_past(plan, latest):
+            return self._read(key) or ABORT  # see _moved_past: this node's answer only, never written
+        else:
+            decision = decide(plan.members, posted, self.dead_members(plan))
         if decision is None:
             return None
-        return _text(self.store.compare_set(key, "", decision))
+        return text(self.store.compare_set(key, "", decision))
 
-    def tick(self) -> None:
-        """One heartbeat: bump the counter, watch the peers, check the lease, emit a heartbeat event."""
-        s = self._hb_store if self._hb_store is not None else self.store
-        self._check_still_me(s)
-        self._seq = s.add(self.keys.hb(self.node_id), 1)
-        self._watch_peers(s)
-        self._check_lease(s)
-        self.emit("heartbeat", seq=self._seq, peers=self.peer_ages())
+    # ---- the waits ----------------------------------------------------------------------------------------------
 
-    # ---- start-up checks --------------------------------------------------------------------------------------
+    def _boundary(self, outer_step: int, attempt: int, contributing: bool, draining: bool, what: str) -> Plan:
+        if self._reset:  # the store restarted while this node trained: this boundary forms the run anew
+            self._forget_run()
+        self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
+        wait = self.cfg.start_timeout if self._forming else self.cfg.store_timeout
+        limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
+        while True:
+            plan = self.poll_plan(outer_step, attempt)
+            if plan is not None:
+                return plan
+            if self.clock() > limit:
+                raise MeshError(f"node {self.node_id}: no plan for {what} within {limit - self._arrived_at:.1f}s "
+                                f"(leader {self._leader_seen or 'none'}); is mesh.store_timeout shorter than the "
+                                f"slowest node's inner round?")
+            self._idle(what)
 
-    def _check_digest(self) -> None:
-        current = _text(self.store.compare_set(self.keys.digest(), "", self.digest))
+    def _wait_admission(self) -> Plan:
+        what = "waiting for admission"
+        self._release_lease()
+        self._set_state("joining")
+        deadline = self.clock() + self.cfg.join_timeout
+        while True:
+            self._poll_checks(what)
+            _, plan = self._read_latest()
+            if plan is not None and self.node_id in plan.joiners and plan.epoch >= self.epoch \
+                    and not self._read(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)):
+                self.epoch = plan.epoch
+                self._forming = False
+                return self._accept(plan)
+            if self.clock() > deadline:
+                raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
+                                f"({self.cfg.join_timeout:g}s); is any member of the run alive?")
+            self._idle(what)
+
+    def _commit(self, plan: Plan, succeeded: bool) -> str:
+        what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"
+        self.post(plan, succeeded)
+        deadline = self.clock() + self.cfg.store_timeout
+        while True:
+            self._poll_checks(what)
+            decision = self.poll_decision(plan)
+            if decision is None and self.clock() > deadline:
+                # a member alive by heartbeat but silent (hung collective): give up on this attempt
+                key = self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)
+                if self._moved_past(plan, self._read_latest()[1]):
+                    return self._read(key) or ABORT
+                decision = text(self.store.compare_set(key, "", ABORT))
+            if decision:
+                return decision
+            self._idle(what)
+
+    @staticmethod
+    def _moved_past(plan: Plan, latest: Plan | None) -> bool:
+        """The run planned a later boundary of this epoch than the plan this node waits to hear about: that
+        attempt was decided (a next plan needs it decided) and its decision may be collected already (a node cut
+        off for several outer steps). This node cannot know which way it went; it takes it as an abort for itself
+        only, and its next boundary finds the run moved past it: it re-joins and receives the state. Writing the
+        abort could contradict a commit the others applied."""
+        return latest is not None and latest.epoch == plan.epoch \
+            and (latest.outer_step, latest.attempt) > (plan.outer_step, plan.attempt)
+
+    def _resilient(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run a wait; a store error pauses it until the store is back, then it starts over (bounded by
+        mesh.store_lost_timeout through the heartbeat, and interruptible)."""
+        while True:
+            try:
+                with self._guard(what, resumable=True):
+                    return call()
+            except _StoreDown:
+                self._await_store(what)
+
+    def _await_store(self, what: str) -> None:
+        while True:
+            self._poll_checks(what)
+            if not self._use_thread:
+                self._beat()
+            elif not self._thread or not self._thread.is_alive():
+                self._check_heartbeat()
+                raise MeshError(f"node {self.node_id}: {what}: lost the membership store (heartbeat stopped)")
+            if self._lost_since is None and self._store_answers():
+                return
+            self.sleep(self.cfg.polling_interval)
+
+    def _store_answers(self) -> bool:
+        try:
+            self.store.check([self.keys.ids()])
+            return True
+        except STORE_ERRORS:
+            return False
+
+    # ---- start-up -----------------------------------------------------------------------------------------------
+
+    def _check_digest(self, s: Any) -> None:
+        current = text(s.compare_set(self.keys.digest(), "", self.digest))
         if current != self.digest:
             message = (f"node {self.node_id}: config digest {self.digest} differs from the run's {current}: every "
-                       f"node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H)")
+                       f"node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H), the "
+                       f"same workers per node (/wN) and an engine of the same wire protocol (/pN)")
             self._emit_membership("rejected", self.node_id, [])
             raise MeshError(message)
 
-    def _claim_id(self) -> bool:
-        """Claim the node id. True: the id belonged to a dead node and this one takes its place (a rejoin)."""
+    def _info_json(self) -> str:
+        return json.dumps({**self.info, "node": self.node_id}, sort_keys=True, default=str)
+
+    def _claim_id(self) -> None:
+        """Claim the node id. An id held by a process whose counter still moves is refused; one held by a dead
+        or departed process (a restart after a crash or a stop) is taken over."""
         k = self.keys
-        self.info.setdefault("token", uuid.uuid4().hex[:12])
-        mine = json.dumps({**self.info, "node": self.node_id}, sort_keys=True, default=str)
-        current = _text(self.store.compare_set(k.info(self.node_id), "", mine))
+        self._await_pending_prune()
+        mine = self._info_json()
+        current = text(self.store.compare_set(k.info(self.node_id), "", mine))
         if current == mine:
-            return False
-        if not self.store.check([k.bye(self.node_id)]) and self._counter_moves(self.node_id):
+            return
+        # on a store with leases a vanished heartbeat key is proof enough: its holder stopped renewing its lease
+        held = not self._leased or self.store.check([k.hb(self.node_id)])
+        counter = int(text(self.store.add(k.hb(self.node_id), 0))) if held else 0
+        if held and counter >= 0 and self._counter_moves(self.node_id):
             try:
                 old = json.loads(current)
                 where = f" (host {old.get('host')}, pid {old.get('pid')})"
@@ -289,115 +384,98 @@ class Mesh:
             raise MeshError(f"node id {self.node_id!r} is in use by a live node{where}: give this node another "
                             f"GLOBAL_UNIQUE_ID / mesh.node_id")
         self.store.set(k.info(self.node_id), mine)
-        return True
+
+    def _register(self, s: Any) -> None:
+        """Keys first, then the registry entry: whoever finds the id registered finds its keys."""
+        k = self.keys
+        counter = int(text(s.add(k.hb(self.node_id), 1)))
+        if counter <= 0:  # the id left cleanly before (negative counter): beat from 1 again
+            s.set(k.hb(self.node_id), "1")
+        self._write_state(NodeState("starting", self.info["token"]), s)
+        s.compare_set(k.leader(), "", "")  # created empty: every tick reads it in one multi_get
+        s.compare_set(k.latest(), "", "")
+        self._store_life = text(s.compare_set(k.life(), "", uuid.uuid4().hex))
+
+        def add_me(reg: Registry) -> None:
+            reg.gone.pop(self.node_id, None)
+            if self.node_id not in reg.ids:
+                reg.ids.append(self.node_id)
+        Registry.update(s, k, add_me)
+
+    def _await_pending_prune(self) -> None:
+        """An id the leader pruned from the registry (listed in `gone`) has its keys deleted at the leader's next
+        prune. A process restarted under that id waits for that deletion before it claims the id: claimed first,
+        its fresh keys would be deleted under it (and a deletion seen mid-claim reads as a moving counter). A
+        leader that is gone too never deletes them: after a few beats the id is taken back from `gone` here."""
+        deadline = self.clock() + self.cfg.heartbeat_timeout + 3 * self.cfg.heartbeat_interval
+        while self.node_id in Registry.read(self.store, self.keys)[1].gone:
+            self._poll_checks("waiting for the leader to finish pruning this id's old keys")
+            if self.clock() > deadline:
+                Registry.update(self.store, self.keys, lambda reg: reg.gone.pop(self.node_id, None))
+                return
+            self.sleep(self.cfg.polling_interval)
 
     def _counter_moves(self, node: str) -> bool:
-        """Watch a heartbeat counter for one timeout (plus a beat): True as soon as it changes."""
+        """Watch a heartbeat counter for one timeout (plus a beat): True as soon as it goes up. Only a live
+        process raises it; a deleted key (a prune) reads 0 and a clean leave writes it negative."""
         key = self.keys.hb(node)
-        first = self.store.add(key, 0)
+        first = int(text(self.store.add(key, 0)))
         deadline = self.clock() + self.cfg.heartbeat_timeout + self.cfg.heartbeat_interval
         while self.clock() <= deadline:
-            if self.store.add(key, 0) != first:
+            self._poll_checks("checking whether the node id is in use")
+            if int(text(self.store.add(key, 0))) > first:
                 return True
             self.sleep(self.cfg.polling_interval)
         return False
 
     def _must_join(self) -> bool:
-        """Join a running run, or (re)form one: the latter when there is no plan yet or all its members are gone.
-        Decided on evidence only: a member's counter moving (join) or every member dead or left (re-form)."""
-        latest = self._read_plan(self.keys.latest())
+        """Join a running run, or (re)form one. Join iff a member of the last plan is beating and is running the
+        run (training or draining); re-form when every member is dead, gone, or itself restarted (starting,
+        joining): after a stop of every node, their restarted processes form a new life of the run together."""
+        _, latest = self._read_latest()
         if latest is None:
             return False
         others = [m for m in latest.members if m != self.node_id]
         limit = 2 * self.cfg.heartbeat_timeout + self.cfg.store_timeout
         deadline = self.clock() + limit
         while True:
+            _, reg = Registry.read(self.store, self.keys)
+            listed = [m for m in others if m in reg.ids]
+            states = self._read_states(listed)
             with self._lock:
                 now = self.clock()
-                if any(self._liveness.moved(m) and not self._liveness.is_dead(m, now) for m in others):
-                    self.epoch = latest.epoch
-                    return True
-                all_gone = all(self._liveness.is_dead(m, now) for m in others)
-            if all_gone:
-                # every member of the last plan is gone: this node (re)forms the run in a new epoch
+                running = [m for m in listed if self._liveness.moved(m) and not self._liveness.is_dead(m, now)
+                           and states[m] is not None and states[m].state in ("training", "draining")]
+                idle = all(self._liveness.is_dead(m, now) or (states[m] is not None and
+                                                              states[m].state in ("starting", "joining", "left"))
+                           for m in listed)
+            if running:
+                self.epoch = latest.epoch
+                return True
+            if idle:
+                # no member runs the run: this node (re)forms it in a new epoch, with any restarted member
                 self.epoch = self._base_generation = latest.generation
                 return False
             if self.clock() > deadline:
                 raise MeshError(f"node {self.node_id}: could not tell within {limit:g}s whether the run's members "
                                 f"{others} are alive (their heartbeats were not observed)")
-            self._idle()
+            self._idle("deciding whether to join or form the run")
 
-    # ---- planning ---------------------------------------------------------------------------------------------
+    # ---- after a plan and a decision ----------------------------------------------------------------------------
 
-    def _try_plan(self, outer_step: int, attempt: int, *, timed_out: bool) -> Plan | None:
-        k = self.keys
-        latest = self._read_plan(k.latest())
-        prev = latest if latest is not None and latest.epoch == self.epoch else None
-        if prev is not None and (prev.outer_step, prev.attempt) >= (outer_step, attempt):
-            # the run moved past this boundary while this node was away: it was left out
-            return self._read_plan(k.plan(self.epoch, outer_step, attempt)) or self._stale(outer_step, attempt, prev)
-        view = self._view(outer_step, attempt, prev, timed_out)
-        plan = compute_plan(view)
-        if plan is None:
-            return None
-        mine = plan.to_json()
-        stored = _text(self.store.compare_set(k.plan(self.epoch, outer_step, attempt), "", mine))
-        if stored == mine and attempt == 0:
-            self._collect_garbage(outer_step - KEEP_STEPS)
-        return Plan.from_json(stored)
+    def _may_plan(self) -> bool:
+        """The lease holder plans; any waiting node does once the leader is overdue by a heartbeat timeout.
+        Never from a stale liveness table (this node was frozen or cut off): it would plan the others out."""
+        if self._last_look is None or self.clock() - self._last_look > self.cfg.heartbeat_timeout:
+            return False
+        wait = self.cfg.start_timeout if self._forming else self.cfg.store_timeout
+        return self._is_leader or self.clock() > self._arrived_at + wait + self.cfg.heartbeat_timeout
 
-    def _collect_garbage(self, old_step: int) -> None:
-        """The plan writer deletes the per-boundary keys of an outer step long past, so the store stays small
-        over a long run. A node that far behind finds no plan and is excluded, as it would be anyway."""
-        if old_step < 0:
-            return
-        k = self.keys
-        nodes = set(self._registry) | {self.node_id}
-        attempt = 0
-        while self.store.check([k.plan(self.epoch, old_step, attempt)]):
-            for n in nodes:
-                self.store.delete_key(k.arrive(self.epoch, old_step, attempt, n))
-                self.store.delete_key(k.ok(self.epoch, old_step, attempt, n))
-            self.store.delete_key(k.decision(self.epoch, old_step, attempt))
-            self.store.delete_key(k.plan(self.epoch, old_step, attempt))
-            attempt += 1
-
-    def _stale(self, outer_step: int, attempt: int, latest: Plan) -> Plan:
+    def _stale(self, outer_step: int, attempt: int, latest: Plan, why: str) -> None:
         self._release_lease()
-        raise Excluded(f"node {self.node_id}: arrived at outer step {outer_step} attempt {attempt} but the run is "
-                       f"at outer step {latest.outer_step} attempt {latest.attempt}: re-join as a joiner")
-
-    def _view(self, outer_step: int, attempt: int, prev: Plan | None, timed_out: bool) -> BoundaryView:
-        k = self.keys
-        nodes = sorted(set(self._registry) | {self.node_id})
-        arrived = {}
-        for n in nodes:
-            raw = self._get(k.arrive(self.epoch, outer_step, attempt, n))
-            if raw is not None:
-                arrived[n] = Arrival.from_json(raw)
-        with self._lock:
-            dead = self._liveness.dead([n for n in nodes if n != self.node_id], self.clock())
-        joining = frozenset(n for n in nodes if n not in dead and self.store.check([k.join(n)]))
-        starting = frozenset(n for n in nodes if prev is None and n not in dead and self._get(k.state(n)) == "starting")
-        prev_committed = prev is not None and self._get(k.decision(prev.epoch, prev.outer_step, prev.attempt)) == COMMIT
-        return BoundaryView(epoch=self.epoch, outer_step=outer_step, attempt=attempt, prev=prev,
-                            prev_committed=prev_committed, arrived=arrived, dead=dead, joining=joining,
-                            starting=starting, min_nodes=self.min_nodes, timed_out=timed_out,
-                            base_generation=self._base_generation)
-
-    def _bump_latest(self, plan: Plan) -> None:
-        """plan/latest only moves forward, whoever writes it (bounded retries on a concurrent writer)."""
-        key = self.keys.latest()
-        mine = plan.to_json()
-        order = (plan.generation, plan.outer_step, plan.attempt)
-        for _ in range(5):
-            raw = self._get(key)
-            if raw is not None:
-                cur = Plan.from_json(raw)
-                if (cur.generation, cur.outer_step, cur.attempt) >= order:
-                    return
-            if _text(self.store.compare_set(key, raw or "", mine)) == mine:
-                return
+        raise Excluded(f"node {self.node_id}: arrived at outer step {outer_step} attempt {attempt} but {why} "
+                       f"(outer step {latest.outer_step} attempt {latest.attempt}, epoch {latest.epoch}): re-join "
+                       f"as a joiner")
 
     def _accept(self, plan: Plan) -> Plan:
         if self.node_id not in plan.members:
@@ -407,8 +485,12 @@ class Mesh:
         self._recent = self._recent | frozenset(plan.members)
         self._plan = plan
         self._forming = False
-        if self.node_id not in plan.joiners:
-            self._set_state("draining" if self._draining else "training")
+        st = self._node_state
+        group = (plan.generation, plan.rank_of(self.node_id))
+        state = "joining" if self.node_id in plan.joiners else ("draining" if st.draining else "training")
+        self.state = state
+        self._node_state = NodeState(state, st.token, st.at, st.contributing, st.draining, st.ok, group)
+        self._write_state(self._node_state, self.store)
         return plan
 
     def _after_decision(self, plan: Plan, decision: str) -> None:
@@ -419,98 +501,40 @@ class Mesh:
         for d in plan.leaving:
             self._emit_membership("drained", d, list(plan.members), plan.generation)
         if self.node_id in plan.joiners:
-            self.store.delete_key(self.keys.join(self.node_id))
-            self._set_state("draining" if self._draining else "training")
+            with self._guard("admission"):
+                self._set_state("draining" if self._node_state.draining else "training")
 
-    def _decided(self, plan: Plan) -> bool:
-        return self._get(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)) is not None
+    def _forget_run(self) -> None:
+        """The store restarted empty: this node's view of the run is void; it forms the run anew."""
+        self._reset = False
+        self.epoch = self._base_generation = 0
+        self._forming = True
+        self._plan = None
+        self.state = "starting"
 
-    # ---- heartbeat, liveness, lease ---------------------------------------------------------------------------
+    # ---- helpers ------------------------------------------------------------------------------------------------
 
-    def _beat_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as e:  # noqa: BLE001 - recorded and raised in the caller's thread at its next wait
-                self._hb_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                return
-            self._stop.wait(self.cfg.heartbeat_interval)
-
-    def _check_still_me(self, s: Any) -> None:
-        """A node that was silent long enough to be declared dead (stopped, swapped out) may find that a newer
-        process took its id over: it must not beat under that id again."""
-        holder = json.loads(_text(s.get(self.keys.info(self.node_id))))
-        if holder.get("token") != self.info.get("token"):
-            raise MeshError(f"node {self.node_id} was declared dead and a newer process (pid {holder.get('pid')}) "
-                            f"took its id over: this process must exit")
-
-    def _watch_peers(self, s: Any) -> None:
-        k = self.keys
-        count = s.add(k.reg_count(), 0)
-        while self._reg_seen < count:
-            n = self._reg_seen + 1
-            if not s.check([k.reg(n)]):
-                break  # registered a moment ago, its id is not written yet
-            node = _text(s.get(k.reg(n)))
-            if node not in self._registry:
-                self._registry.append(node)
-            self._reg_seen = n
-        for node in list(self._registry):
-            if node == self.node_id:
-                continue
-            counter = s.add(k.hb(node), 0)
-            gone = s.check([k.bye(node)])
-            with self._lock:
-                self._liveness.observe(node, counter, self.clock(), gone=gone)
-                dead = self._liveness.is_dead(node, self.clock())
-            self._report_peer(node, dead, gone)
-
-    def _report_peer(self, node: str, dead: bool, gone: bool) -> None:
-        """Emit a peer's death once, if it was a member of a plan this node accepted."""
-        if not dead:
-            self._reported.discard(node)
-            return
-        plan = self._plan
-        if node in self._reported or plan is None or node not in self._recent:
-            return
-        self._reported.add(node)
-        if not gone:  # a clean exit is reported by its plan (drained) or by the node itself
-            self._emit_membership("dead", node, [m for m in plan.members if m != node], plan.generation)
-
-    def _check_lease(self, s: Any) -> None:
-        key = self.keys.leader()
-        raw = s.check([key]) and _text(s.get(key))
-        holder = raw or ""
-        if not self._ready or self.state not in ("starting", "training", "draining"):
-            if holder == self.node_id:  # a joiner cannot lead: it may not even hold the state yet
-                holder = _text(s.compare_set(key, self.node_id, ""))
-        elif holder != self.node_id:
-            with self._lock:
-                free = holder == "" or self._liveness.is_dead(holder, self.clock())
-            if free:
-                holder = _text(s.compare_set(key, holder, self.node_id))
-        self._is_leader = holder == self.node_id
-        if holder and holder != self._leader_seen:
-            self._leader_seen = holder
-            members = list(self._plan.members) if self._plan else []
-            self._emit_membership("leader", holder, members)
-
-    def _release_lease(self) -> None:
-        self._is_leader = False
-        self.store.compare_set(self.keys.leader(), self.node_id, "")
-
-    # ---- helpers ----------------------------------------------------------------------------------------------
-
-    def _idle(self) -> None:
-        """One poll interval. Without a heartbeat thread the wait loops beat themselves (tests)."""
+    def _poll_checks(self, what: str) -> None:
+        """What every wait checks at every poll: the heartbeat's fate, a restarted store, a stop or drain."""
         self._check_heartbeat()
+        if self._reset:
+            self._forget_run()
+            raise Reformed(f"node {self.node_id}: {what}: the membership store restarted empty; the run re-forms")
+        reason = self.interrupt() if self.interrupt is not None else None
+        if reason:
+            raise Stopped(reason, what)
+
+    def _idle(self, what: str) -> None:
+        """One poll interval. Without a heartbeat thread the wait loops beat themselves (tests)."""
+        self._poll_checks(what)
         if not self._use_thread and self.state != "left":
-            self.tick()
+            self._beat()
+            self._check_heartbeat()
         self.sleep(self.cfg.polling_interval)
 
     def _check_heartbeat(self) -> None:
         if self._hb_error is not None:
-            raise MeshError(f"node {self.node_id}: heartbeat stopped, lost the membership store ({self._hb_error})")
+            raise MeshError(f"node {self.node_id}: heartbeat stopped: {self._hb_error}")
 
     def _stop_thread(self) -> None:
         self._stop.set()
@@ -518,17 +542,21 @@ class Mesh:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=self.cfg.heartbeat_interval + self.cfg.store_timeout)
+        self._outbox.close(timeout=self.cfg.heartbeat_interval)
 
     def _set_state(self, state: str) -> None:
         self.state = state
-        self.store.set(self.keys.state(self.node_id), state)
+        st = self._node_state
+        self._node_state = NodeState(state, st.token, st.at, st.contributing, st.draining, st.ok, st.group)
+        self._write_state(self._node_state, self.store)
 
-    def _get(self, key: str) -> str | None:
-        return _text(self.store.get(key)) if self.store.check([key]) else None
+    def _write_state(self, st: NodeState, s: Any) -> None:
+        self._node_state = st
+        s.set(self.keys.state(self.node_id), st.to_json())
 
-    def _read_plan(self, key: str) -> Plan | None:
-        raw = self._get(key)
-        return Plan.from_json(raw) if raw else None
+    def _release_lease(self) -> None:
+        self._is_leader = False
+        self.store.compare_set(self.keys.leader(), self.node_id, "")
 
     def _emit_membership(self, change: str, subject: str, members: list[str], generation: int | None = None) -> None:
         if generation is None:
@@ -536,12 +564,14 @@ class Mesh:
         self.emit("membership", change=change, subject=subject, generation=generation, members=members)
 
     @contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        """Store failures become one MeshError line naming this node and what it was doing."""
+    def _guard(self, what: str, resumable: bool = False) -> Iterator[None]:
+        """Store failures: in a resumable wait, a pause until the heartbeat has the store back (_StoreDown);
+        else one MeshError line naming this node and what it was doing."""
         try:
             yield
-        except (MeshError, Excluded, ValueError):
+        except (MeshError, Excluded, Stopped, Reformed, ValueError):
             raise
-        except (RuntimeError, OSError, LookupError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise MeshError(f"node {self.node_id}: {what}: lost the membership store ({first})") from None
+        except STORE_ERRORS as e:
+            if resumable and self._reconnect is not None and self._ready and self._hb_error is None:
+                raise _StoreDown(first_line(e)) from None
+            raise MeshError(f"node {self.node_id}: {what}: lost the membership store ({first_line(e)})") from None

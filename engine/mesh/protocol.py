@@ -24,9 +24,23 @@ class Excluded(Exception):
     """This node is not in the plan it waited for (it arrived late): re-join with Mesh.wait_admission()."""
 
 
+class Stopped(Exception):
+    """A stop or drain was requested while the node waited in the mesh. reason: "stopped" or "drained"."""
+
+    def __init__(self, reason: str, what: str) -> None:
+        super().__init__(f"{reason} while {what}")
+        self.reason = reason
+
+
+class Reformed(Exception):
+    """The store came back empty (it was restarted) while this node waited: the outer step in flight is void;
+    arrive again (Mesh.boundary) to form the run anew with this node's state."""
+
+
 class Keys:
-    """Every key of the protocol (docs/mesh.md explains each). Per-boundary keys live under the run epoch
-    `r/<epoch>/`, so a run re-formed after every node died never reads the previous life's plans."""
+    """Every key of the protocol (docs/mesh.md explains each). The key count is bounded by the live nodes: three
+    keys per registered id (pruned once the id is dead), a few run-wide keys, and decisions of the last
+    KEEP_STEPS outer steps of the current epoch `r/<epoch>/`."""
 
     PREFIX = "zb/"
 
@@ -35,25 +49,24 @@ class Keys:
 
     # run-wide
     def digest(self) -> str: return f"{self.p}digest"
+    def life(self) -> str: return f"{self.p}life"
     def leader(self) -> str: return f"{self.p}leader"
-    def reg_count(self) -> str: return f"{self.p}reg/count"
-    def reg(self, n: int) -> str: return f"{self.p}reg/{n}"
+    def ids(self) -> str: return f"{self.p}ids"
     def latest(self) -> str: return f"{self.p}plan/latest"
-    # per node
+    # per node: who holds the id, its heartbeat counter (negative: left), its state and boundary (NodeState)
     def info(self, node: str) -> str: return f"{self.p}info/{node}"
     def hb(self, node: str) -> str: return f"{self.p}hb/{node}"
-    def bye(self, node: str) -> str: return f"{self.p}bye/{node}"
     def state(self, node: str) -> str: return f"{self.p}state/{node}"
-    def join(self, node: str) -> str: return f"{self.p}join/{node}"
     # per boundary (epoch, outer step, attempt)
-    def arrive(self, e: int, k: int, a: int, node: str) -> str: return f"{self.p}r/{e}/arrive/{k}/{a}/{node}"
-    def plan(self, e: int, k: int, a: int) -> str: return f"{self.p}r/{e}/plan/{k}/{a}"
-    def ok(self, e: int, k: int, a: int, node: str) -> str: return f"{self.p}r/{e}/ok/{k}/{a}/{node}"
     def decision(self, e: int, k: int, a: int) -> str: return f"{self.p}r/{e}/decision/{k}/{a}"
 
     def group_prefix(self, generation: int, local_rank: int) -> str:
         """The process group of one generation, one per local rank (FSDP shard i talks to shard i elsewhere)."""
         return f"{self.p}pg/{generation}/{local_rank}"
+
+    def group_key(self, generation: int, local_rank: int, rank: int) -> str:
+        """The one rendezvous key gloo writes for `rank` under a group prefix (its addresses)."""
+        return f"{self.group_prefix(generation, local_rank)}/0/{rank}"
 
 
 @dataclass(frozen=True)
@@ -105,22 +118,53 @@ class Plan:
 class Arrival:
     contributing: bool = True
     draining: bool = False
+    outer_step: int | None = None  # the boundary it arrived at (formation takes nodes at different outer steps)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """The value of `state/<id>`, written only by the node itself (one key: the planner reads every node's in
+    one multi_get). `at` is the boundary (epoch, outer step, attempt) it arrived at, with its arrival flags;
+    `ok` its outcome of that boundary's all-reduce (None: not posted yet); `group` the (generation, rank) of the
+    last process group it was planned into, so that a pruner can delete its rendezvous keys."""
+
+    state: str
+    token: str = ""
+    at: tuple[int, int, int] | None = None
+    contributing: bool = True
+    draining: bool = False
+    ok: bool | None = None
+    group: tuple[int, int] | None = None
+
+    def arrival(self) -> Arrival:
+        return Arrival(self.contributing, self.draining, self.at[1] if self.at else None)
 
     def to_json(self) -> str:
-        return json.dumps({"contributing": self.contributing, "draining": self.draining})
+        return json.dumps({"s": self.state, "t": self.token, "at": self.at, "c": self.contributing,
+                           "d": self.draining, "ok": self.ok, "g": self.group}, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Arrival":
+    def from_json(cls, text: str | bytes) -> "NodeState | None":
+        """None for an empty value (a key created empty by a read, see Mesh._read)."""
+        if not text:
+            return None
         d = json.loads(text)
-        return cls(contributing=bool(d["contributing"]), draining=bool(d["draining"]))
+        return cls(state=d["s"], token=d.get("t", ""), at=tuple(d["at"]) if d.get("at") else None,
+                   contributing=bool(d.get("c", True)), draining=bool(d.get("d", False)), ok=d.get("ok"),
+                   group=tuple(d["g"]) if d.get("g") else None)
 
 
 class Liveness:
     """Clock-independent liveness: a peer is alive while its heartbeat counter keeps changing.
 
     Observers record, on their own monotonic clock, when they last saw a peer's counter change; wall clocks of
-    different hosts are never compared. A peer first seen now gets a full timeout of grace. A `bye` is final
-    until the counter is seen again after the bye was withdrawn (a node that restarted with the same id).
+    different hosts are never compared. A peer first seen now gets a full timeout of grace. A negative counter
+    (written by a clean exit) is final until the counter is seen again (a node that restarted with the same id).
+    On a store with leases a vanished heartbeat key (`expire`) is death at once, until the counter is seen again.
+
+    The table is only as fresh as the observer's last look: an observer that was itself frozen (SIGSTOP, swapped
+    out, partitioned from the store) for more than the timeout knows nothing about the meantime. It declares no
+    one dead until it has looked again, and its next look gives every peer a fresh timeout of grace.
     """
 
     def __init__(self, timeout: float) -> None:
@@ -128,16 +172,40 @@ class Liveness:
         self._last: dict[str, tuple[int, float]] = {}  # node -> (counter, local time it last changed)
         self._first: dict[str, int] = {}  # node -> the counter when first observed
         self._gone: set[str] = set()
+        self._expired: set[str] = set()  # heartbeat key vanished with its lease (stores with leases: etcd)
+        self._looked: float | None = None  # when the observer last looked at the table
+
+    def look(self, now: float) -> bool:
+        """Start one look at the table. False (and every peer gets a fresh grace) after a blind spell."""
+        fresh = self._looked is None or now - self._looked <= self.timeout
+        if not fresh:
+            self._last = {n: (c, now) for n, (c, _) in self._last.items()}
+        self._looked = now
+        return fresh
 
     def observe(self, node: str, counter: int, now: float, *, gone: bool = False) -> None:
         prev = self._last.get(node)
         self._first.setdefault(node, counter)
         if prev is None or prev[0] != counter:
             self._last[node] = (counter, now)
+        self._expired.discard(node)
         if gone:
             self._gone.add(node)
         else:
             self._gone.discard(node)
+
+    def expire(self, node: str, now: float) -> None:
+        """The node's leased heartbeat key vanished: it stopped renewing its lease for a whole TTL. Dead now, but
+        not gone (a death, not a clean exit); its counter seen again (a frozen process woke up) revives it."""
+        self._first.setdefault(node, 0)
+        self._last.setdefault(node, (0, now))  # counters start at 1: a key created again reads as a change
+        self._expired.add(node)
+
+    def forget(self, node: str) -> None:
+        self._last.pop(node, None)
+        self._first.pop(node, None)
+        self._gone.discard(node)
+        self._expired.discard(node)
 
     def known(self) -> list[str]:
         return list(self._last)
@@ -150,14 +218,28 @@ class Liveness:
     def is_gone(self, node: str) -> bool:
         return node in self._gone
 
+    def stale(self, now: float) -> bool:
+        """The observer has not looked for longer than the timeout: its table says nothing about now."""
+        return self._looked is None or now - self._looked > self.timeout
+
     def age(self, node: str, now: float) -> float | None:
         seen = self._last.get(node)
         return None if seen is None else max(0.0, now - seen[1])
 
-    def is_dead(self, node: str, now: float) -> bool:
-        """Left (bye) or silent past the timeout. A node never observed is not (yet) dead."""
+    def silent_for(self, node: str, now: float) -> float:
+        """Seconds past the timeout a node has been silent (0 while alive or unknown); gone counts as forever."""
         if node in self._gone:
+            return float("inf")
+        seen = self._last.get(node)
+        return 0.0 if seen is None else max(0.0, now - seen[1] - self.timeout)
+
+    def is_dead(self, node: str, now: float) -> bool:
+        """Left or silent past the timeout. A node never observed is not (yet) dead; nor is anyone while the
+        observer's own table is stale."""
+        if node in self._gone or node in self._expired:
             return True
+        if self.stale(now):
+            return False
         seen = self._last.get(node)
         return seen is not None and now - seen[1] > self.timeout
 
@@ -177,7 +259,7 @@ class BoundaryView:
     arrived: Mapping[str, Arrival] = field(default_factory=dict)
     dead: frozenset[str] = frozenset()  # dead or left, among every node the planner knows
     joining: frozenset[str] = frozenset()  # nodes with a join request
-    starting: frozenset[str] = frozenset()  # nodes in state "starting" (formation candidates)
+    starting: frozenset[str] = frozenset()  # nodes in state "starting" (formation candidates; restarted members)
     min_nodes: int = 1
     timed_out: bool = False  # the planner's wait for this boundary is over: plan with whoever arrived
     base_generation: int = 0  # first generation of a (re)formed run is base_generation + 1
@@ -187,6 +269,7 @@ def compute_plan(v: BoundaryView) -> Plan | None:
     """The plan for a boundary, or None while it is still worth waiting. Raises MeshError when a forming run
     timed out below min_nodes. Pure: the same view always gives the same plan."""
     joiners = set(v.joining) - set(v.dead)
+    outer_step = v.outer_step
     if v.prev is None:
         core = {n for n in v.arrived if n not in v.dead and n not in joiners}
         waiting_for = (set(v.starting) - set(v.dead) - joiners) - core
@@ -195,16 +278,26 @@ def compute_plan(v: BoundaryView) -> Plan | None:
         if len(core) < v.min_nodes:
             raise MeshError(f"only {len(core)} of diloco.min_nodes={v.min_nodes} nodes arrived at the first "
                             f"outer step within mesh.start_timeout ({sorted(core)})")
+        # nodes resumed from checkpoints of different ages arrive at different outer steps: the run forms at the
+        # newest, and the ones behind take part as joiners (they receive the state; their round is not counted)
+        steps = {n: v.arrived[n].outer_step for n in core}
+        outer_step = max([s for s in steps.values() if s is not None], default=v.outer_step)
+        behind = {n for n, s in steps.items() if s is not None and s < outer_step}
+        core -= behind
+        joiners |= behind
         generation = v.base_generation + 1
     else:
         prev = v.prev
         if v.prev_committed:
-            joiners -= set(prev.members)  # admitted by a commit: full members now
+            # admitted by that commit: full members now (their state may still say joining for a moment). A
+            # member of it that asks to join again restarted (or was left out): a joiner, not awaited as a member
+            joiners -= set(prev.joiners)
             gone_clean = set(prev.leaving)  # drained: excluded at once, no heartbeat wait
         else:
             gone_clean = set()
-        # joiners need not arrive: the planner admits them from their join request
-        expected = set(prev.members) - gone_clean - set(v.dead) - joiners
+        # joiners need not arrive: the planner admits them from their join request. A member in state starting is
+        # a new process under its id (a restart): it cannot arrive as a member, it will ask to join
+        expected = set(prev.members) - gone_clean - set(v.dead) - joiners - set(v.starting)
         if not v.timed_out and expected - set(v.arrived):
             return None
         core = expected & set(v.arrived)
@@ -218,7 +311,7 @@ def compute_plan(v: BoundaryView) -> Plan | None:
     holders = sorted(n for n in core if n not in joiners)
     staying = [n for n in holders if n not in leaving]
     source = (staying or holders or [None])[0]
-    return Plan(generation=generation, outer_step=v.outer_step, attempt=v.attempt, members=members,
+    return Plan(generation=generation, outer_step=outer_step, attempt=v.attempt, members=members,
                 joiners=tuple(sorted(joiners)), source=source, leaving=leaving, contributors=contributors,
                 epoch=v.epoch)
 
