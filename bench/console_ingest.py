@@ -50,8 +50,9 @@ def make_lines(count: int, nodes: int) -> list[tuple[str, str]]:
                                mem_total=80 << 30)
         elif k == 18:
             event = make_event("outer_step", name, 0, ts=ts, outer_step=i // 100, step=i, generation=3,
-                               members=names[:8], pgrad_norm=0.12, bytes_sent=1 << 20, allreduce_s=0.8,
-                               checksum="abc123")
+                               members=names[:8], pgrad_norm=0.12, bytes_sent=1 << 20, allreduce_s=0.8, wire_s=0.6,
+                               codec_s=0.2, compute_s=9.0, outer_s=1.0, checksum="abc123", contributors=names[:8],
+                               weights=[1.0] * 8)
         else:
             event = make_event("state", name, 0, ts=ts, state="training")
         out.append((name, encode(event)))

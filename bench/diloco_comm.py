@@ -122,27 +122,28 @@ def run_diloco(pg, rank: int, args, h: int, compression_name: str) -> dict:
     import torch
 
     from engine import compression
-    from engine.diloco import OuterOptimizer, flat_params, write_flat
+    from engine.diloco import OuterOptimizer
+    from engine.outer_buffers import OuterBuffers
     model, opt = _model(args)
     gen = torch.Generator().manual_seed(2000 + rank)
     outer = OuterOptimizer("nesterov", 0.7, 0.9)
     params = [p.detach() for p in model.parameters()]
-    snapshot = flat_params(params)
+    bufs = OuterBuffers(params)
+    bufs.capture(params)
     sent, counted, seconds = 0, 0, 0.0
     for _ in range(args.outer_steps):
         for _ in range(h):
             _local_step(model, opt, gen, args)
-        pgrad = snapshot - flat_params(params)
+        pgrad = bufs.pseudo_gradient(params)
         w0, t0 = wchar(), time.perf_counter()
-        mean, stats = compression.weighted_mean(pgrad, 1.0, pg, compression_name)
+        _, stats = compression.weighted_mean(pgrad, 1.0, pg, compression_name, out=bufs.mean,
+                                             exchange=bufs.exchange)
         sent, seconds = sent + wchar() - w0, seconds + time.perf_counter() - t0
         counted += stats.bytes_sent
-        proposal = outer.propose(snapshot, mean)
-        outer.commit(proposal)
-        snapshot = proposal.params
-        write_flat(params, snapshot)
+        outer.step_(bufs.snapshot, bufs.mean)
+        bufs.write_back(params)
     return {"mode": "diloco", "H": h, "compression": compression_name, "steps": h * args.outer_steps,
-            "numel": snapshot.numel(), "bytes": sent, "counted": counted, "comm_s": seconds}
+            "numel": bufs.numel, "bytes": sent, "counted": counted, "comm_s": seconds}
 
 
 def worker(rank: int, port: int, args, queue) -> None:

@@ -16,6 +16,15 @@ Timestamps come from the nodes' telemetry (one host, one clock). Measured:
 
 Goals (issue 3): detection within the heartbeat timeout of the victim's last heartbeat (plus one interval: observers
 tick once per interval), recovery within one more second. A joiner's time is stated in outer steps.
+
+    python bench/elastic.py --store-share                      # the store's share of an outer step: tcp vs etcd
+
+  store share    3 nodes, no fault, on each backend (a TCPStore process; a 3-member etcd with TLS on loopback, its
+                 data on tmpfs when there is one). Each node's Mesh store is wrapped (from outside, before the engine
+                 starts) to time every store call of the training thread: per outer step, the wall time of
+                 boundary() (arrive + wait for the plan; the leader computes and writes it) and of commit() (vote +
+                 wait for the decision), and the seconds of store calls inside them. The heartbeat thread's calls
+                 are not counted (they overlap the inner steps).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -154,6 +164,104 @@ def measure(args, procs: list[Proc]) -> dict:
             "join_admitted_s": admitted, "join_contributes_s": contributed}
 
 
+# Times the Mesh's store calls from the training thread: wraps the store the Mesh is given, before engine.train runs.
+TIMED = """import json, sys, threading, time
+import engine.mesh.node as _node
+class _Timed:
+    def __init__(self, inner):
+        self._inner, self.spent = inner, 0.0
+    def clone(self):
+        return self._inner.clone()  # the heartbeat thread's own client: not counted
+    def __getattr__(self, name):
+        fn = getattr(self._inner, name)
+        if not callable(fn):
+            return fn
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spent += time.perf_counter() - t0
+        return timed
+_init = _node.Mesh.__init__
+def _wrapped_init(self, store, *a, **k):
+    _init(self, _Timed(store), *a, **k)
+_node.Mesh.__init__ = _wrapped_init
+def _timing(name, fn):
+    def run(self, *a, **k):
+        spent0, t0 = self.store.spent, time.perf_counter()
+        try:
+            return fn(self, *a, **k)
+        finally:
+            print(json.dumps({"type": "bench_mesh", "call": name, "wall_s": time.perf_counter() - t0,
+                              "store_s": self.store.spent - spent0, "ts": time.time()}), flush=True)
+    return run
+_node.Mesh.boundary = _timing("boundary", _node.Mesh.boundary)
+_node.Mesh.commit = _timing("commit", _node.Mesh.commit)
+import engine.train
+sys.argv = ["engine.train"] + sys.argv[1:]
+engine.train.cli()
+"""
+
+
+def measure_store_share(args, backend: str, procs: list[Proc], outer_steps: int = 12) -> dict:
+    """3 nodes on one backend for `outer_steps` outer steps; medians per outer step of boundary and commit."""
+    run_dir = tempfile.mkdtemp(prefix="elastic-store-")
+    extra: list[str] = []
+    etcd = None
+    port = free_port()
+    if backend == "tcp":
+        store = Proc("store", [sys.executable, "-m", "engine.store", "--host", "127.0.0.1", "--port", str(port)],
+                     procs)
+        wait_for(lambda: any(e.get("state") == "ready" for e in store.events), 60, "the store", procs)
+    else:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from etcd_cluster import EtcdTestCluster  # the tests' 3-member loopback cluster (TLS, client certificates)
+
+        shm = "/dev/shm" if Path("/dev/shm").is_dir() else None
+        etcd = EtcdTestCluster(Path(tempfile.mkdtemp(prefix="zb-etcd-bench-", dir=shm))).start()
+        tls = etcd.tls
+        extra = ["--mesh.store_backend=etcd", f"--mesh.etcd_endpoints={','.join(etcd.endpoints)}",
+                 "--mesh.etcd_prefix=bench/", f"--mesh.etcd_ca={tls.ca}", f"--mesh.etcd_cert={tls.cert}",
+                 f"--mesh.etcd_key={tls.key}"]
+    try:
+        h = args.h
+        nodes = [Proc(n, [sys.executable, "-c", TIMED, *node_args(args, port, n, run_dir),
+                          f"--train.max_steps={(outer_steps + 1) * h}", *extra], procs) for n in "abc"]
+        wait_for(lambda: all(len(p.outer_times()) >= outer_steps for p in nodes), 600,
+                 f"{outer_steps} outer steps on {backend}", procs)
+        times = sorted(nodes[0].outer_times().items())
+        period = statistics.median(b[1] - a[1] for a, b in zip(times[1:], times[2:]))  # the first includes start-up
+        out: dict = {"backend": backend, "outer_period_s": period}
+        for call in ("boundary", "commit"):
+            rows = [e for p in nodes for e in p.of("bench_mesh", call=call)][3:]  # skip formation
+            out[f"{call}_wall_s"] = statistics.median(e["wall_s"] for e in rows)
+            out[f"{call}_store_s"] = statistics.median(e["store_s"] for e in rows)
+        out["store_share"] = (out["boundary_store_s"] + out["commit_store_s"]) / period
+        return out
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        procs.clear()
+        if etcd is not None:
+            etcd.stop()
+            shutil.rmtree(etcd.folder, ignore_errors=True)
+
+
+def store_share_main(args) -> int:
+    rows = [measure_store_share(args, backend, []) for backend in ("tcp", "etcd")]
+    print(f"per outer step (H={args.h}, 3 nodes, medians): boundary = arrive + plan, commit = vote + decision")
+    print(f"{'backend':8} {'outer s':>8} {'boundary s':>11} {'in store':>9} {'commit s':>9} {'in store':>9} "
+          f"{'store share':>11}")
+    for r in rows:
+        print(f"{r['backend']:8} {r['outer_period_s']:8.3f} {r['boundary_wall_s']:11.3f} {r['boundary_store_s']:9.3f}"
+              f" {r['commit_wall_s']:9.3f} {r['commit_store_s']:9.3f} {100 * r['store_share']:10.1f}%")
+    print(json.dumps(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hb", type=float, default=0.2, help="mesh.heartbeat_interval")
@@ -163,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", default="int8")
     p.add_argument("--max-steps", type=int, default=2000, help="long enough to outlast the measurements")
     p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--store-share", action="store_true", help="the store's share of an outer step, tcp vs etcd")
     args = p.parse_args(argv)
+    if args.store_share:
+        return store_share_main(args)
     procs: list[Proc] = []
     try:
         r = measure(args, procs)

@@ -9,6 +9,11 @@ both alike; each reports tokens/s from its median step time, and the peak memory
 max_memory_allocated; CPU: RSS sampled every 2 ms; both above the level when the loop starts). The multi-process part launches
 torchrun and reports per-worker throughput relative to the one-process engine: overhead = 1 - that ratio.
 The last line is the engine/plain ratio (goal >= 0.95).
+
+On CUDA every line also gives MFU: model FLOPs per token (6 x the matmul parameters, lm_head included and the
+input embedding not, + 12 x layers x hidden x seq_len for attention scores and values, PaLM's appendix B count
+without a causal discount) x tokens/s per GPU / the GPU's dense peak, looked up from the device name (bf16/fp16
+tensor-core peak for mixed precision, TF32 for fp32; --peak-tflops overrides, an unknown GPU prints no MFU).
 """
 
 from __future__ import annotations
@@ -77,6 +82,42 @@ class PeakMemory:
             self._stop.set()
             self._thread.join()
         self.peak = max(0, self.peak - self.base)
+
+
+# dense peak TFLOP/s per GPU: (bf16/fp16 tensor cores, tf32), by a substring of torch.cuda.get_device_name
+PEAK_TFLOPS = [("H200", (989.0, 494.7)), ("H100 PCIe", (756.0, 378.0)), ("H100", (989.0, 494.7)),
+               ("GH200", (989.0, 494.7)), ("A100", (312.0, 156.0)), ("A10G", (70.0, 35.0)), ("A10", (125.0, 62.5)),
+               ("L40S", (362.0, 183.0)), ("L4", (121.0, 60.0)), ("RTX 4090", (165.0, 82.6)),
+               ("RTX 3090", (71.0, 35.6)), ("V100", (125.0, 15.7))]
+
+
+def flops_per_token(preset: str, seq_len: int) -> float:
+    """Training FLOPs per token of a preset (forward + backward = 3 x forward)."""
+    from engine.model import PRESETS
+    shape = PRESETS[preset]
+    d, ff, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = d * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    matmul = layers * (2 * d * d + 2 * d * kv + 3 * d * ff) + d * VOCAB  # q, o, k, v; gate, up, down; lm_head
+    return 6.0 * matmul + 12.0 * layers * d * seq_len
+
+
+def peak_flops(device: torch.device, precision: str, override: float | None) -> float | None:
+    """FLOP/s of one GPU at this precision, or None (CPU, or a GPU not in the table)."""
+    if override:
+        return override * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, tf32) in PEAK_TFLOPS:
+        if key in name:
+            return (tf32 if precision == "fp32" else half) * 1e12
+    return None
+
+
+def mfu_text(tokens_per_s: float, args) -> str:
+    if args._peak is None:
+        return ""
+    return f", MFU {tokens_per_s * flops_per_token(args.preset, args.seq_len) / args._peak:.1%}"
 
 
 def sync(device: torch.device) -> None:
@@ -160,12 +201,18 @@ def single_process(args) -> float:
         for name in (order if i % 2 == 0 else order[::-1]):
             times[name].append(timed(loops[name].step, 1, device))
     rates = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
+    args._peak = peak_flops(device, args.precision, args.peak_tflops)
     print(f"device {device}, preset {args.preset}, seq_len {args.seq_len}, micro_batch {args.micro_batch} x "
           f"accum {args.accum}, {args.rounds * args.steps} alternating steps each, precision {args.precision}")
     for name in loops:
         spread = statistics.quantiles(times[name], n=4) if len(times[name]) > 1 else times[name] * 3
         print(f"  {name:<7} {rates[name]:>12,.0f} tok/s (median step {statistics.median(times[name]) * 1e3:.1f} ms, "
-              f"quartiles {spread[0] * 1e3:.1f}-{spread[2] * 1e3:.1f} ms)   peak memory +{peaks[name] / 2**20:,.1f} MiB")
+              f"quartiles {spread[0] * 1e3:.1f}-{spread[2] * 1e3:.1f} ms)   peak memory +{peaks[name] / 2**20:,.1f} MiB"
+              f"{mfu_text(rates[name], args)}")
+    if args._peak is not None:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else "--peak-tflops"
+        print(f"  MFU: {flops_per_token(args.preset, args.seq_len) / 1e9:.3f} GFLOP per token, peak "
+              f"{args._peak / 1e12:.1f} TFLOP/s ({name}, {args.precision})")
     args._ratio = rates["engine"] / rates["plain"]
     args._peaks = peaks
     return rates["engine"]
@@ -191,7 +238,7 @@ def worker(args) -> None:
 
 
 def multi_process(args, single_tps: float) -> None:
-    for strategy in ("ddp", "fsdp"):
+    for strategy in args.strategies.split(","):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                __file__, "--worker", strategy, *args._passthrough]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
@@ -203,7 +250,8 @@ def multi_process(args, single_tps: float) -> None:
         res = json.loads(lines[-1])
         per_worker = res["tokens_per_s"] / args.nproc
         print(f"  {strategy:<7} x{args.nproc} {res['tokens_per_s']:>10,.0f} tok/s node, {per_worker:,.0f} per worker,"
-              f" overhead vs 1 process {1 - per_worker / single_tps:+.1%}, peak memory +{res['peak'] / 2**20:,.1f} MiB")
+              f" overhead vs 1 process {1 - per_worker / single_tps:+.1%}, peak memory +{res['peak'] / 2**20:,.1f} MiB"
+              f"{mfu_text(per_worker, args)}")
 
 
 def main() -> None:
@@ -220,8 +268,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per process")
     ap.add_argument("--nproc", type=int, default=2, help="processes for the DDP/FSDP2 part (0: skip)")
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--worker", choices=["ddp", "fsdp"], help=argparse.SUPPRESS)
+    ap.add_argument("--strategies", default="ddp,fsdp",
+                    help="comma-separated strategies of the multi-process part (ddp, fsdp, zero1, zero2, zero3)")
+    ap.add_argument("--peak-tflops", type=float, help="the GPU's dense peak (default: from the device name)")
+    ap.add_argument("--worker", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [s for s in args.strategies.split(",") if s not in ("ddp", "fsdp", "zero1", "zero2", "zero3")]
+    if bad:
+        ap.error(f"--strategies: unknown {bad[0]!r} (known: ddp, fsdp, zero1, zero2, zero3)")
     torch.set_num_threads(args.threads)
     if args.worker:
         worker(args)

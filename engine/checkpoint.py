@@ -5,15 +5,16 @@ Layout of ckpt.dir (default <run.dir>/checkpoints):
     step-00000100/          one complete checkpoint
         .metadata, *.distcp   model + optimizer (DCP: each rank writes its own shards)
         rank-0.pt ...         per-rank state: scheduler, scaler, data position, RNG, Progress, outer state
-        meta.json             step, world size, strategy, config digest; written last
+        meta.json             step, world size, strategy, config digest, data position; written last
     latest                  the name of the newest complete checkpoint
 
 Commit protocol: every rank writes into `.step-N.tmp/`; after a barrier rank 0 writes meta.json, renames the
 folder to `step-N/` and only then replaces `latest` (write `latest.tmp`, fsync, rename). A crash at any point
 leaves `latest` naming the previous complete checkpoint; a stale `.tmp` folder is removed by the next save.
 
-Nothing is overwritten by accident: a fresh run refuses a ckpt.dir that already holds checkpoints, a save
-refuses an existing step folder, and export refuses a non-empty export_dir.
+Nothing is overwritten and nothing is deleted: a fresh run (no ckpt.resume) that finds an older run's checkpoints
+in ckpt.dir moves that folder to `<its parent>/_archive/<time>/` first (as the console archives a node's folder),
+a save refuses an existing step folder, and export refuses a non-empty export_dir.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engine.config import CkptConfig
 from engine.world import World
 
 POINTER = "latest"
+ARCHIVE = "_archive"  # an older run's checkpoints, moved aside by a fresh run
 META = "meta.json"
 EXTRA_KEYS = {"scheduler", "scaler", "data", "progress", "rng", "outer"}
 
@@ -91,6 +93,7 @@ class Checkpointer:
         self.device, self.group = device, group
         self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.last_saved_step: int | None = None
+        self.archived: Path | None = None  # where check_start moved an older run's checkpoints (for a warning)
 
     # ------------------------------------------------------------------------------------------ checks
     def steps_on_disk(self) -> list[int]:
@@ -110,8 +113,7 @@ class Checkpointer:
             resume = "latest" if (self.dir / POINTER).is_file() else None
         if not resume:
             if on_disk or (self.dir / POINTER).exists():
-                raise ValueError(f"ckpt.dir: {self.dir} already holds checkpoints; resume with "
-                                 f"--ckpt.resume=latest or choose another ckpt.dir")
+                self.archived = self._move_aside()
             return None
         path = self.resolve(resume)
         step = self.read_meta(path)["step"]
@@ -123,6 +125,22 @@ class Checkpointer:
             raise ValueError(f"ckpt.resume: {path} is older than {self.dir / _step_name(later[-1])}; resuming "
                              f"there would overwrite newer checkpoints (use another ckpt.dir)")
         return path
+
+    def _move_aside(self) -> Path:
+        """A fresh run where an older one left checkpoints: move them to <parent>/_archive/<time>/<name> (rank 0,
+        between barriers: every rank has looked at the folder before it moves, and none goes on before it has)."""
+        self._barrier()
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.dir.parent / ARCHIVE / stamp / self.dir.name
+        if self.world.rank == 0:
+            for n in range(1, 1000):  # two fresh runs in one second: a second folder, never a merge
+                if not target.exists():
+                    break
+                target = self.dir.parent / ARCHIVE / f"{stamp}-{n}" / self.dir.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.dir, target)
+        self._barrier()
+        return target
 
     def resolve(self, resume: str) -> Path:
         if resume == "latest":
@@ -174,8 +192,11 @@ class Checkpointer:
             os.fsync(fh.fileno())
         self._barrier()
         if self.world.rank == 0:
+            # data: the layout-free position (sequences of the global order read), the dataset and its
+            # fingerprint; each rank-N.pt holds the same, and resume checks the fingerprint against the data
             meta = {"step": step, "world_size": self.world.world_size, "strategy": self.strategy,
-                    "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict()}
+                    "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict(),
+                    "data": data.train.state_dict()}
             _write_atomic(tmp / META, json.dumps(meta, indent=1))
             os.rename(tmp, final)
             _fsync_dir(self.dir)

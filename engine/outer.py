@@ -6,6 +6,8 @@ DiLoCo with a no-op boundary (`NoOuter`). Life cycle, called on every local rank
     outer.start(progress)                   once, before the first inner step (a joiner may rewrite progress)
     stop = outer.after_inner_step(progress) after every inner optimizer step; True: leave the loop ("drained")
     outer.request_drain()                   any time from the training thread (signal or drain file seen)
+    outer.flush()                           before a checkpoint or the export: any outer update still in flight
+                                            (diloco.overlap) lands in the parameters
     outer.state_dict() / load_state_dict()  checkpointed with the inner state
     outer.close(status)                     once, last; status is a run_end status
 """
@@ -39,6 +41,8 @@ class Outer(Protocol):
 
     def request_drain(self) -> None: ...
 
+    def flush(self) -> None: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -52,6 +56,7 @@ class NoOuter:
     def __init__(self, telemetry=None) -> None:
         self.telemetry = telemetry
         self._drain = False
+        self.interrupt = None  # train.Signals.requested; nothing here waits, so nothing polls it
 
     def start(self, progress: Progress) -> None:
         pass
@@ -63,6 +68,9 @@ class NoOuter:
 
     def request_drain(self) -> None:
         self._drain = True
+
+    def flush(self) -> None:
+        pass
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -84,5 +92,25 @@ def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer
         if e.name != "engine.diloco":
             raise  # a missing dependency inside diloco.py is a crash, not bad input
         raise ValueError("diloco.enabled: engine/diloco.py is not available in this checkout") from None
+    note = short_run_note(cfg)
+    if note and telemetry is not None:
+        telemetry.emit("warning", message=note)
     return DilocoOuter(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=digest(cfg),
                        local_group=local_group)
+
+
+# Outer momentum needs many outer steps to pay off: in every run docs/learning.md measured (6 to 80 outer steps) it
+# lost to plain averaging, and the DiLoCo paper's gains come from runs of 176 outer steps and more.
+SHORT_RUN_OUTER_STEPS = 100
+
+
+def short_run_note(cfg: Config) -> str | None:
+    """A warning for outer momentum in a run too short for it to pay off, or None."""
+    d = cfg.diloco
+    rounds = cfg.train.max_steps // d.inner_steps
+    if d.outer_optimizer == "average" or d.outer_momentum < 0.5 or rounds >= SHORT_RUN_OUTER_STEPS:
+        return None
+    return (f"diloco: {rounds} outer steps (train.max_steps / diloco.inner_steps) with diloco.outer_momentum "
+            f"{d.outer_momentum:g}: outer momentum lost to plain averaging in every run of under "
+            f"{SHORT_RUN_OUTER_STEPS} outer steps measured (docs/learning.md); consider outer_lr 1.0, "
+            f"outer_momentum 0")

@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
+# shared with engine/zero.py: both import them from below, so neither imports the other at module level
+from engine.inner_common import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer  # noqa: F401
 from engine.model import causal_lm_loss, decoder_layers
 from engine.world import World
 
@@ -76,25 +78,6 @@ def setup_distributed(cfg: InnerConfig, world: World) -> tuple[torch.device, dis
                                  f"(MASTER_ADDR); launch several ranks with torchrun")
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=PG_TIMEOUT)
     return device, dist.group.WORLD
-
-
-def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
-    """Multiplier of optim.lr before optimizer step `step` (0-based): linear warm-up, then the schedule."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return 1.0
-    done = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
-    decay = 0.5 * (1.0 + math.cos(math.pi * done)) if cfg.schedule == "cosine" else 1.0 - done
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * decay
-
-
-def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; no weight decay on vectors (norm scales), as in Llama/nanoGPT."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
 class Inner:
@@ -232,18 +215,28 @@ class FSDPInner(Inner):
     def _total_norm(self, norm: torch.Tensor) -> torch.Tensor:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
+    def eval_loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        try:
+            return super().eval_loss(input_ids, labels)
+        finally:
+            # a forward without backward never reaches the post-backward reshard: the root (built with
+            # reshard_after_forward=False) would stay unsharded, its parameters plain tensors instead of DTensor
+            # shards, and the next outer step, checkpoint or export would read the wrong tensors
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Register the sharded parameters on every FSDP module again (a no-op where already sharded)."""
+        from torch.distributed.fsdp import FSDPModule
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def outer_params(self) -> list[torch.Tensor]:
-        return [p.detach().to_local() for p in self.model.parameters()]
-
-
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    # transformers' own per-layer checkpointing keeps state-dict keys unchanged (a checkpoint_wrapper would not)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def apply_compile(model: torch.nn.Module) -> None:
-    for layer in decoder_layers(model):
-        layer.compile()  # in place: no OptimizedModule wrapper, so names and checkpoints are unaffected
+        from torch.distributed.tensor import DTensor
+        params = list(self.model.parameters())
+        plain = [name for name, p in self.model.named_parameters() if not isinstance(p, DTensor)]
+        assert not plain, f"FSDP parameters not sharded at an outer step (a forward without reshard?): {plain[:3]}"
+        return [p.detach().to_local() for p in params]
 
 
 def build_inner(model: torch.nn.Module, inner_cfg: InnerConfig, train_cfg: TrainConfig, optim_cfg: OptimConfig,

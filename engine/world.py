@@ -49,6 +49,9 @@ def _int(environ: Mapping[str, str], name: str, default: int | None) -> int | No
         raise ValueError(f"environment: {name}={raw!r} is not an integer") from None
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # ZERO_BAND_LOG_LEVEL: which progress lines reach stderr
+
+
 def _visible(raw: str | None) -> tuple[str, ...] | None:
     if raw is None:
         return None
@@ -63,6 +66,10 @@ def read_world(environ: Mapping[str, str] | None = None) -> World:
     assert world_size is not None and rank is not None and local_rank is not None
     if not 0 <= rank < world_size:
         raise ValueError(f"environment: RANK={rank} is outside WORLD_SIZE={world_size}")
+    log_level = environ.get("ZERO_BAND_LOG_LEVEL", "INFO").upper()
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"environment: ZERO_BAND_LOG_LEVEL={environ['ZERO_BAND_LOG_LEVEL']!r} is not one of "
+                         f"{', '.join(LOG_LEVELS)}")
     # pass on only what the config layer looks at (GLOBAL_* and ZERO_BAND_*)
     relevant = {k: v for k, v in environ.items() if k.startswith(("ZERO_BAND_", "GLOBAL_"))}
     return World(
@@ -70,7 +77,7 @@ def read_world(environ: Mapping[str, str] | None = None) -> World:
         hostname=socket.gethostname(), pid=os.getpid(),
         global_rank=_int(environ, "GLOBAL_RANK", None),
         global_world_size=_int(environ, "GLOBAL_WORLD_SIZE", None),
-        log_level=environ.get("ZERO_BAND_LOG_LEVEL", "INFO").upper(),
+        log_level=log_level,
         launched_by_torchrun="TORCHELASTIC_RUN_ID" in environ or "MASTER_ADDR" in environ,
         visible_gpus=_visible(environ.get("CUDA_VISIBLE_DEVICES")),
         env=relevant,

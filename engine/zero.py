@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
 from engine.model import causal_lm_loss
-from engine.parallel import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer
+from engine.inner_common import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer
 from engine.world import World
 
 INSTALL_HINT = "pip install 'zeroband-console[deepspeed]'"
@@ -52,7 +52,7 @@ def zero_stage(strategy: str) -> int:
 def deepspeed_config(stage: int, *, micro_batch_size: int, grad_accum: int, precision: str, clip_norm: float,
                      offload_optimizer: bool = False, offload_params: bool = False,
                      pin_memory: bool = False, hidden_size: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed JSON config the engine passes to deepspeed.initialize (and `engine.setup deepspeed` writes).
+    """The DeepSpeed JSON config the engine passes to deepspeed.initialize (and `console.recipes deepspeed` writes).
 
     No "optimizer"/"scheduler" sections: the engine hands DeepSpeed a torch optimizer and its own LR schedule.
     With the model's hidden_size, communication buckets are sized from it (what transformers' "auto" values
@@ -103,9 +103,9 @@ def import_deepspeed(strategy: str, device: torch.device) -> Any:
     """Import DeepSpeed for a ZeRO run, with the CPU accelerator when the run is on CPU.
 
     DeepSpeed chooses its accelerator once, from DS_ACCELERATOR, the first time it is asked; a CPU run on a host
-    with a GPU must still get the CPU one. So a CPU run sets DS_ACCELERATOR=cpu here, before the import: the
-    engine's only write to os.environ (it is read only in engine/world.py), and it only tells DeepSpeed what
-    inner.device already said.
+    with a GPU must still get the CPU one. So a CPU run sets DS_ACCELERATOR=cpu here, before the import: one of
+    the engine's two writes to os.environ (with LOCAL_RANK in build_zero_inner; it is read only in
+    engine/world.py), and it only tells DeepSpeed what inner.device already said.
     """
     if device.type == "cpu":
         os.environ["DS_ACCELERATOR"] = "cpu"
@@ -165,6 +165,10 @@ def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainCon
         apply_compile(model)
     optimizer = _build_optimizer(model, inner, optim, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, train.max_steps))
+    # DeepSpeed takes its local rank from LOCAL_RANK, which only launchers set: a one-process run without torchrun
+    # stopped with "DeepSpeed requires the LOCAL_RANK environment variable". Tell it the World's (read from the
+    # environment in engine/world.py, defaulting to RANK): equal to what a launcher set, so nothing is overridden.
+    os.environ["LOCAL_RANK"] = str(world.local_rank)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                       config=config, dist_init_required=False)
     return ZeroInner(engine, ds_optimizer, optimizer, scheduler, stage, world, device)

@@ -48,9 +48,9 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
     saved, _ = ck.save(progress.step, inner, data, progress, NoOuter())
     again, _, _ = parts(tmp_path, resume="auto")
     assert again.check_start() == saved
-    fresh, _, _ = parts(tmp_path)  # no resume asked: the folder's checkpoints are protected
-    with pytest.raises(ValueError, match="already holds checkpoints"):
-        fresh.check_start()
+    fresh, _, _ = parts(tmp_path)  # no resume asked: the folder's checkpoints are moved aside, never reused
+    assert fresh.check_start() is None and not fresh.dir.exists()
+    assert (fresh.archived / saved.name / "meta.json").is_file()
 
 
 def parts(tmp_path: Path, **ckpt):
@@ -147,14 +147,30 @@ def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
         ck.read_meta(tmp_path)
 
 
-def test_nothing_on_disk_is_overwritten_by_accident(tmp_path):
+def test_a_fresh_run_moves_an_older_runs_checkpoints_aside(tmp_path):
+    """README defect: a second `python -m engine.train configs/debug.toml` stopped with "already holds
+    checkpoints". A fresh run moves the older checkpoints to <parent>/_archive/<time>/ whole; nothing is deleted."""
     ck, inner, data = parts(tmp_path)
     progress = Progress()
     step(inner, data, progress)
     ck.save(1, inner, data, progress, NoOuter())
     fresh, _, _ = parts(tmp_path)  # a new run pointed at a folder that holds another run's checkpoints
-    with pytest.raises(ValueError, match="already holds checkpoints"):
-        fresh.check_start()
+    before = sorted(p.relative_to(fresh.dir) for p in fresh.dir.rglob("*"))
+    assert fresh.check_start() is None  # a fresh start: the old run moves aside, whole
+    assert fresh.archived.parent.parent == fresh.dir.parent / "_archive"
+    assert sorted(p.relative_to(fresh.archived) for p in fresh.archived.rglob("*")) == before
+    again, _, _ = parts(tmp_path)
+    again.save(1, inner, data, progress, NoOuter())
+    third, _, _ = parts(tmp_path)  # twice in the same second: a second archive folder, nothing merged or lost
+    assert third.check_start() is None and third.archived != fresh.archived
+    assert (fresh.archived / "latest").is_file() and (third.archived / "latest").is_file()
+
+
+def test_nothing_on_disk_is_overwritten_by_accident(tmp_path):
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    step(inner, data, progress)
+    ck.save(1, inner, data, progress, NoOuter())
     export = tmp_path / "export"
     export.mkdir()
     (export / "keep.txt").write_text("precious")

@@ -212,6 +212,7 @@ def test_three_nodes_identical_checksums_after_every_outer_step(three_nodes):
     assert_identical([a, b, c, d, three_nodes["again"]])
     first = a.outer()[1]
     assert first["members"] == ["a", "b", "c"] and first["bytes_sent"] > 0 and first["pgrad_norm"] > 0
+    assert first["contributors"] == ["a", "b", "c"] and first["weights"] == [1.0, 1.0, 1.0]
     assert a.of("run_end")[-1]["status"] == "completed"
 
 
@@ -222,6 +223,9 @@ def test_joiner_mid_run_receives_state_and_matches(three_nodes):
     assert joined >= 3  # admitted at a boundary after it started, not at the beginning
     assert d.outer()[joined]["checksum"] == a.outer()[joined]["checksum"]
     assert "d" in a.outer()[joined]["members"]
+    # a joiner takes part with weight 0: a member, not a contributor; one round later it counts
+    assert "d" not in a.outer()[joined]["contributors"] and len(a.outer()[joined]["weights"]) == 3
+    assert "d" in a.outer()[joined + 1]["contributors"]
     assert d.of("run_end")[-1]["step"] == 60  # took over the progress (step counter) and trained on to the end
     assert sorted(d.outer()) == list(range(joined, 21))
     assert any(e["state"] == "joining" for e in d.of("state"))
@@ -329,6 +333,12 @@ def test_drain_contributes_last_round_then_exits_zero(leader_drain):
     # its last round counted: the outer step it drained at lists it as a member, and the others agree on it
     assert drainer.name in stayer.outer()[last]["members"]
     assert stayer.outer()[last]["checksum"] == drainer.outer()[last]["checksum"]
+    # ... and its pseudo-gradient entered the mean with weight > 0 (no lost work), in both nodes' view
+    for n in (drainer, stayer):
+        e = n.outer()[last]
+        assert sorted(e["contributors"]) == sorted([drainer.name, stayer.name]), e
+        assert e["weights"] == [1.0, 1.0], e
+    assert stayer.outer()[last + 1]["contributors"] == [stayer.name]
     assert stayer.outer()[last + 1]["members"] == [stayer.name]
     assert leader_drain["codes"][stayer.name] == 0
     assert stayer.of("run_end")[-1]["status"] == "completed" and max(stayer.outer()) == 10
@@ -403,3 +413,38 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
     assert a.outer()[back]["members"] == ["a", "b"]
     assert_identical(nodes)
     assert b.of("run_end")[-1]["status"] == "completed" and max(b.outer()) == max(a.outer()) == 12
+
+
+# ------------------------------------------------------------------------------------------ run: overlap
+
+def test_overlap_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path):
+    """diloco.overlap=true (each outer step runs in the background while the next round trains): a, b, c form the
+    run; c dies inside the all-reduce of outer step 3 (the survivors abort that attempt in flight and redo it
+    without c); d joins; then b drains (its last round is synchronous) and a finishes. Every outer step's
+    checksum agrees among the nodes that reported it."""
+    port, run_dir = free_port(), tmp_path
+    start_store(procs, port)
+    steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4", "--diloco.overlap=true"]
+    go_c, go_d = run_dir / "go-c", run_dir / "go-d"
+    c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=3)
+    d = start_node(procs, port, "d", run_dir, *steps, go=go_d)
+    a, b = (start_node(procs, port, n, run_dir, *steps) for n in "ab")
+    nodes = [a, b, c, d]
+    primed(c)
+    primed(d)
+    go_c.touch()
+    wait_for(lambda: 3 in a.outer() and 3 in b.outer(), 180, "outer step 3 without c", nodes)
+    assert c.proc.wait(timeout=30) == -signal.SIGKILL
+    go_d.touch()
+    wait_for(lambda: d.outer(), 120, "d admitted", nodes)
+    joined = min(d.outer())
+    wait_for(lambda: joined + 1 in b.outer(), 120, "b one outer step past the join", nodes)
+    os.kill(b.proc.pid, signal.SIGUSR1)
+    codes = {n.name: finish(n, 180, nodes) for n in (a, b, d)}
+    assert codes == {"a": 0, "b": 0, "d": 0}, "\n".join(n.report() for n in nodes)
+    assert_identical([a, b, c, d])
+    assert sorted(a.outer()) == list(range(1, 13))  # 36 steps / H=3, the step c died in redone
+    assert a.outer()[3]["members"] == ["a", "b"] and a.outer()[1]["members"] == ["a", "b", "c"]
+    assert d.outer()[joined]["checksum"] == a.outer()[joined]["checksum"]
+    assert b.of("run_end")[-1]["status"] == "drained" and a.of("run_end")[-1]["status"] == "completed"
+    assert any("aborted" in e["message"] for e in a.of("warning"))

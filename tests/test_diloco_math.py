@@ -186,7 +186,7 @@ def test_aborted_outer_step_rolls_back_then_retries_same_pgrad():
     plans = [make_plan(1, 1, 0, ["a"], source="a"), make_plan(2, 1, 1, ["a"], source="a")]
     mesh = FakeMesh(plans, [False, True])
     events: list[dict] = []
-    outer = make_outer(inner, mesh, events=events, inner_steps=2)
+    outer = make_outer(inner, mesh, events=events, inner_steps=2, outer_lr=0.7, outer_momentum=0.9)
     progress = Progress()
     outer.start(progress)
     start = flat_params(inner.outer_params())
@@ -222,6 +222,7 @@ def test_drain_contributes_then_leaves():
     assert mesh.left == "drained" and progress.outer_step == 1
     assert [e["type"] for e in events] == ["outer_step", "drained"]  # train.py emits the state events
     assert [e["outer_step"] for e in events if e["type"] == "drained"] == [1]
+    assert events[0]["contributors"] == ["a"] and events[0]["weights"] == [1.0]  # its last round counted
 
 
 # ------------------------------------------------------------------------------------------ 3 real processes
@@ -255,7 +256,7 @@ def _handoff_checks(store, rank: int) -> dict:
     joiner = node == "c"
     plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
-    outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8",
+    outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8", outer_lr=0.7, outer_momentum=0.9,
                        group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "gen7/"))
     progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
     if not joiner:
@@ -335,7 +336,8 @@ def test_bytes_sent_match_ring_cost_and_int8_is_a_quarter(group_results):
     sent = {name: group_results[0]["reduce"][name][1] for name in compression.COMPRESSIONS}
     chunk = -(-NUMEL // SIZE)
     # 2 * (size-1) chunks each way, plus the weights (4 bytes to each peer) and int8's scale/offset
-    assert sent["none"] == 2 * (SIZE - 1) * chunk * 4 + 4 * (SIZE - 1)
+    # "none" on the host: one ring all-reduce of the tensor and the size weights appended to it
+    assert sent["none"] == 2 * (SIZE - 1) * -(-(NUMEL + SIZE) // SIZE) * 4
     assert sent["bf16"] == sent["fp16"] == 2 * (SIZE - 1) * chunk * 2 + 4 * (SIZE - 1)
     assert sent["int8"] == 2 * (SIZE - 1) * (chunk + 8) + 4 * (SIZE - 1)
     assert sent["int8"] / sent["none"] < 0.26
@@ -377,3 +379,13 @@ def test_dead_peer_fails_the_collective_fast(group_results):
         message, seconds = group_results[rank]["death"]
         assert "Connection closed by peer" in message or "Connection reset" in message, message
         assert seconds < 5
+
+
+def test_the_mesh_digest_carries_the_workers_and_the_wire_protocol(monkeypatch):
+    """An engine whose outer-step collectives differ (another wire protocol) must be refused at start-up, not
+    deadlock in a mismatched collective: the soak once ran a node restarted on a newer engine among older ones,
+    and its all-reduce met their all_to_all until every attempt timed out."""
+    outer = make_outer(TinyInner(0), FakeMesh([], []))
+    assert outer.digest == f"d/w1/p{compression.WIRE_PROTOCOL}"
+    monkeypatch.setattr(compression, "WIRE_PROTOCOL", compression.WIRE_PROTOCOL + 1)
+    assert make_outer(TinyInner(0), FakeMesh([], [])).digest != outer.digest

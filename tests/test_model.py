@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -85,14 +86,28 @@ def test_inner_steps_and_outer_params_alias_the_weights():
     assert float(next(inner.model.parameters()).abs().sum()) == 0
 
 
-def test_activation_checkpointing_gives_the_same_gradients():
+def _count_layer_forwards(inner) -> list[int]:
+    """Forward calls of each decoder layer's MLP, counted by hooks. transformers checkpoints the layer's forward
+    (the layer's own hooks stay outside the checkpoint): a recompute in backward shows on the modules inside it."""
+    from engine.model import decoder_layers
+    calls = [0] * len(decoder_layers(inner.model))
+    for i, layer in enumerate(decoder_layers(inner.model)):
+        layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def test_activation_checkpointing_recomputes_each_layer_with_the_same_gradients():
     x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(1))
-    norms = []
+    norms, forwards = [], []
     for ac in (False, True):
         inner = _inner(activation_checkpointing=ac)
+        calls = _count_layer_forwards(inner)
         inner.micro_step(x, x, last=False)
         inner.micro_step(x, x, last=True)
         norms.append(float(inner.optimizer_step()))
+        forwards.append(calls)
+    # two micro-steps: one forward per layer each, plus one recompute per layer in each backward with checkpointing
+    assert forwards[0] == [2] * len(forwards[0]) and forwards[1] == [4] * len(forwards[1]), forwards
     assert norms[0] == pytest.approx(norms[1], rel=1e-5)
 
 
@@ -103,11 +118,34 @@ def test_cpu_offload_needs_fsdp_on_cuda():
                     OptimConfig(), world, torch.device("cpu"))
 
 
-def test_bf16_autocast_runs_on_cpu():
+def _matmul_dtypes(model) -> list[torch.dtype]:
+    """The dtype of every decoder Linear's output, recorded by forward hooks: what the matmuls computed in."""
+    seen: list[torch.dtype] = []
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    return seen
+
+
+def test_bf16_mixed_computes_in_bf16_and_keeps_fp32_weights():
     inner = _inner(precision="bf16-mixed")
-    x = torch.randint(0, 258, (2, 16))
+    seen = _matmul_dtypes(inner.model)
+    x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(2))
     loss = inner.micro_step(x, x, last=True)
+    assert seen and set(seen) == {torch.bfloat16}, set(seen)  # autocast really ran the matmuls in bf16
     assert loss.dtype == torch.float32 and math.isfinite(float(loss))
+    inner.optimizer_step()
+    assert {p.dtype for p in inner.model.parameters()} == {torch.float32}  # the optimizer keeps fp32 weights
+    seen.clear()
+    bf16_eval = float(inner.eval_loss(x, x))
+    assert set(seen) == {torch.bfloat16}, set(seen)  # eval under the same autocast
+    fp32 = _inner(precision="fp32")
+    fp32.load_state_dict(inner.state_dict())
+    fp32_seen = _matmul_dtypes(fp32.model)
+    fp32_eval = float(fp32.eval_loss(x, x))
+    assert set(fp32_seen) == {torch.float32}
+    # the same weights give a visibly different loss in bf16 (rounding), but not a wrong one
+    assert bf16_eval != fp32_eval and bf16_eval == pytest.approx(fp32_eval, rel=2e-2)
 
 
 def test_causal_lm_loss_is_next_token_cross_entropy():
@@ -146,3 +184,41 @@ def test_a_joiner_follows_the_handed_off_progress():
     follow_handoff(session)
     assert joiner.current_lr() == trained.current_lr() and joiner.scheduler.last_epoch == 5
     assert torch.equal(fresh.next_batch(2)[0], stream.next_batch(2)[0])
+
+
+# FSDP2 casts through MixedPrecisionPolicy instead of autocast, and checkpointing must survive fully_shard's
+# subclassing of the layer: both checked in one process (world size 1, in-memory store), in a child process so
+# that this test process never holds a default process group.
+FSDP_DRIVER = """
+import json, torch
+from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig
+from engine.model import build_model, decoder_layers
+from engine.parallel import build_inner, setup_distributed
+from engine.world import World
+torch.set_num_threads(1)
+world = World(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
+icfg = InnerConfig(strategy="fsdp", device="cpu")
+device, _ = setup_distributed(icfg, world)
+tcfg = TrainConfig(micro_batch_size=2, batch_size=2, max_steps=4, precision="bf16-mixed", activation_checkpointing=True)
+inner = build_inner(build_model(ModelConfig(), 258, 16, seed=0), icfg, tcfg, OptimConfig(warmup_steps=0), world, device)
+dtypes, calls = set(), [0]
+for layer in decoder_layers(inner.model):
+    layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    layer.mlp.down_proj.register_forward_hook(lambda m, a, out: dtypes.add(str(out.dtype)))
+x = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(3))
+inner.micro_step(x, x, last=True)
+inner.optimizer_step()
+masters = sorted({str(p.dtype) for p in inner.model.parameters()})
+print("RESULT " + json.dumps({"dtypes": sorted(dtypes), "calls": calls[0], "layers": len(decoder_layers(inner.model)),
+                              "masters": masters}))
+"""
+
+
+def test_fsdp_bf16_mixed_computes_in_bf16_and_recomputes_layers(procs):
+    from procs import PYTHON
+    done = procs.run([PYTHON, "-c", FSDP_DRIVER], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT ")).removeprefix("RESULT "))
+    assert out["dtypes"] == ["torch.bfloat16"]  # MixedPrecisionPolicy(param_dtype=bf16) really applied
+    assert out["masters"] == ["torch.float32"]  # sharded fp32 parameters for the optimizer
+    assert out["calls"] == 2 * out["layers"]  # one forward and one recompute per layer: checkpointing is on

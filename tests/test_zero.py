@@ -235,23 +235,7 @@ def test_engine_without_deepspeed(procs, tmp_path):
         zero.stderr[-2000:]
 
 
-@pytest.mark.slow
-def test_diloco_over_zero3_two_nodes_of_two_workers(procs, tmp_path):
-    """DiLoCo takes pseudo-gradients from each rank's ZeRO-3 partition: both nodes end every outer step with
-    identical parameters (the checksum covers every local rank's partition). No DS_ACCELERATOR in the
-    environment here: engine/zero.py picks the CPU accelerator from inner.device itself."""
-    from procs import free_port
-    from test_diloco_e2e import assert_identical, finish, start_node, start_store
-    port = free_port()
-    start_store(procs, port)
-    steps = ["--train.max_steps=6", "--diloco.min_nodes=2", "--inner.strategy=zero3", "--train.batch_size=4"]
-    nodes = [start_node(procs, port, n, tmp_path, *steps, workers=2) for n in "ab"]
-    for n in nodes:
-        assert finish(n, 240, nodes) == 0, n.report()
-    assert_identical(nodes)
-    assert sorted(nodes[0].outer()) == [1, 2]
-    assert nodes[0].outer()[1]["bytes_sent"] == nodes[1].outer()[1]["bytes_sent"] > 0
-    assert all(n.of("run_end")[-1]["status"] == "completed" for n in nodes)
+# DiLoCo over ZeRO 1/2/3 on 2 nodes x 2 workers, with eval, checkpoints and resume: tests/test_presets_e2e.py
 
 
 @pytest.mark.slow
@@ -269,6 +253,21 @@ def test_engine_fp16_on_cpu_is_refused_in_one_line(procs, tmp_path):
         assert done.returncode == 2 and errors == [
             "error: train.precision: fp16-mixed is not supported by DeepSpeed on this cpu (use bf16-mixed)"], \
             done.stderr[-2000:]
+
+
+def test_zero_without_torchrun_trains_on_cpu(procs, tmp_path):
+    """One process, no launcher: no LOCAL_RANK, RANK or WORLD_SIZE in the environment (DeepSpeed insists on
+    LOCAL_RANK; engine/zero.py hands it the World's)."""
+    from engine.telemetry import parse_line
+    env = {k: v for k, v in engine_env(DS_ACCELERATOR="cpu").items()
+           if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    done = procs.run([PYTHON, "-m", "engine.train", "configs/debug.toml", *SMALL, "--train.max_steps=3",
+                      "--inner.strategy=zero1", "--inner.device=cpu", f"--run.dir={tmp_path / 'run'}"],
+                     timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    events = [parse_line(line) for line in done.stdout.splitlines() if line.strip()]
+    assert [e["status"] for e in events if e["type"] == "run_end"] == ["completed"]
+    assert sorted(e["step"] for e in events if e["type"] == "step") == [1, 2, 3]
 
 
 # -- the CUDA side (skipped only where no GPU is present; the CPU path of each is tested above) --------------

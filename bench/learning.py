@@ -1,0 +1,452 @@
+"""Learning study: does DiLoCo learn? Held-out eval loss of single-worker, DDP-equivalent and DiLoCo arms,
+side by side in one run, on the same data order and the same held-out batches.
+
+    python bench/learning.py                           # CPU-sized default arms, real engines and store (~5 min)
+    python bench/learning.py --corpus stdlib           # the larger corpus (corpus-large/, built by scripts/setup.sh)
+    python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
+    python bench/learning.py --overlap                 # adds a diloco.overlap arm: the learning cost of overlap
+    python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
+
+Arms (every worker runs --steps inner steps of --micro-batch sequences; the same seed, model init and schedule):
+    single     one worker, shard 0 of 1: the data order every other arm is cut from
+    ddp        one worker with a k-times batch (gradient accumulation): exactly what DDP on k workers computes,
+               reading exactly the sequences the k DiLoCo nodes read at the same step (engine/data.py sharding)
+    diloco     k nodes, outer step every H inner steps (outer optimizer, lr, momentum, warm-up, compression)
+
+Engines:
+    mesh (default)  every arm is `python -m engine.train` (DiLoCo: k engines and `python -m engine.store`, the
+                    real mesh, real gloo); the final model is the engine's transformers export
+    sim             the same training in one process: the engine's own model, data, AdamW, schedule and
+                    OuterOptimizer, with workers stepped in turn and compression applied exactly as
+                    engine.compression.weighted_mean applies it. Used for sweeps (no process start-up cost);
+                    docs/learning.md shows that both engines agree on the default arms.
+
+Eval: every arm's final model on the same --eval-batches held-out micro-batches (the engine's held-out split, shard
+0 of 1), here in this process. Curves (eval loss against tokens and against wall time) come from the engines'
+eval events (mesh) or periodic evals (sim). Outputs: a JSON of results and a PNG next to it (--out). Last line:
+
+    diloco/ddp eval-loss ratio R1; diloco/single R2
+
+for the default DiLoCo arm (the shipped configs/debug-diloco.toml outer settings unless flags say otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CORPORA = {"docstrings": ROOT / "corpus", "stdlib": ROOT / "corpus-large"}
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: str  # single | ddp | diloco
+    k: int = 1
+    inner_steps: int = 25  # H
+    outer_optimizer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_warmup: int = 0
+    compression: str = "none"
+    overlap: bool = False  # diloco.overlap: the outer step of round t lands one round late (mesh engine only)
+
+    def overrides(self) -> dict[str, object]:
+        return {"diloco.enabled": True, "diloco.inner_steps": self.inner_steps,
+                "diloco.outer_optimizer": self.outer_optimizer, "diloco.outer_lr": self.outer_lr,
+                "diloco.outer_momentum": self.outer_momentum, "diloco.compression": self.compression,
+                "diloco.min_nodes": self.k, "diloco.overlap": self.overlap}
+
+
+@dataclass
+class Result:
+    arm: Arm
+    eval_loss: float
+    wall_s: float
+    tokens: int  # tokens trained on, all workers together
+    bytes_sent: int = 0  # DiLoCo: bytes node 0 put on the wire
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, wall_s, eval loss)
+
+
+def shipped_outer() -> dict[str, object]:
+    """The DiLoCo settings configs/debug-diloco.toml ships (H and the outer optimizer): the default arm uses them."""
+    from engine.config import load_config
+    d = load_config(ROOT / "configs" / "debug-diloco.toml").diloco
+    return {"inner_steps": d.inner_steps, "outer_optimizer": d.outer_optimizer, "outer_lr": d.outer_lr,
+            "outer_momentum": d.outer_momentum}
+
+
+def default_arms(args) -> list[Arm]:
+    base = Arm("diloco", "diloco", k=args.k, **{**shipped_outer(), **args.outer})
+    arms = [Arm("single", "single"), Arm("ddp", "ddp", k=args.k), base]
+    arms += [replace(base, name=f"diloco-{c}", compression=c) for c in args.compressions]
+    if args.overlap:  # the learning cost of diloco.overlap (each round's update applied one round late)
+        arms.append(replace(base, name="diloco-overlap", overlap=True))
+    # the setting shipped before this study (the DiLoCo paper's, for runs of 100+ outer steps)
+    arms += [replace(base, name="paper 0.7/0.9", outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)]
+    return arms
+
+
+def sweep_arms(args) -> list[Arm]:
+    """The sweep of docs/learning.md: outer lr x momentum at H=20, k=4; then H, k and an outer-lr warm-up."""
+    arms = [Arm("single", "single"), Arm("ddp", "ddp", k=4), Arm("ddp k2", "ddp", k=2)]
+    for mom in (0.0, 0.5, 0.9):
+        for lr in (0.1, 0.3, 0.5, 0.7, 1.0, 1.5):
+            arms.append(Arm(f"nesterov lr{lr:g} m{mom:g}", "diloco", k=4, inner_steps=20, outer_lr=lr,
+                            outer_momentum=mom))
+    arms.append(Arm("nesterov lr0.7 m0.9 warm-up 3", "diloco", k=4, inner_steps=20, outer_lr=0.7,
+                    outer_momentum=0.9, outer_warmup=3))
+    for h in (1, 5, 40):
+        arms.append(Arm(f"mean H{h}", "diloco", k=4, inner_steps=h, outer_lr=1.0, outer_momentum=0.0))
+    arms.append(Arm("nesterov lr0.7 m0.9 H5", "diloco", k=4, inner_steps=5, outer_lr=0.7, outer_momentum=0.9))
+    arms.append(Arm("mean k2", "diloco", k=2, inner_steps=20, outer_lr=1.0, outer_momentum=0.0))
+    arms.append(Arm("nesterov lr0.7 m0.9 k2", "diloco", k=2, inner_steps=20, outer_lr=0.7, outer_momentum=0.9))
+    return arms
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+
+def engine_overrides(args, arm: Arm) -> dict[str, object]:
+    micro = args.micro_batch
+    batch = micro * (arm.k if arm.kind == "ddp" else 1)
+    out: dict[str, object] = {
+        "model.preset": args.preset, "data.path": str(args.data), "data.seq_len": args.seq_len,
+        "train.micro_batch_size": micro, "train.batch_size": batch, "train.max_steps": args.steps,
+        "train.eval_interval": args.eval_interval, "train.eval_batches": args.eval_batches,
+        "train.log_interval": max(1, args.steps // 20), "train.seed": args.seed,
+        "optim.lr": args.lr, "optim.warmup_steps": args.warmup, "optim.schedule": "cosine",
+        "inner.device": args.device, "telemetry.human": False, "telemetry.resource_interval": 60.0,
+    }
+    if arm.kind == "diloco":
+        out.update(arm.overrides())
+    return out
+
+
+def held_out(args):
+    """The engine's held-out split, shard 0 of 1: the same batches for every arm."""
+    from engine.config import DataConfig
+    from engine.data import build_data
+    from engine.world import World
+    world = World(rank=0, world_size=1, local_rank=0, hostname="bench", pid=0)
+    data = build_data(DataConfig(path=str(args.data), seq_len=args.seq_len), world, args.seed)
+    if data.eval is None:
+        raise SystemExit(f"learning: {args.data} has no held-out split large enough for eval")
+    return data
+
+
+def eval_model(model, eval_stream, args) -> float:
+    import torch
+
+    from engine.model import causal_lm_loss
+    eval_stream.reset()
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            x, y = eval_stream.next_batch(args.micro_batch)
+            total += float(causal_lm_loss(model, x.to(args.device), y.to(args.device)))
+    model.train()
+    return total / args.eval_batches
+
+
+# ---------------------------------------------------------------------------------------------- in-process engine
+
+def run_sim(args, arm: Arm) -> Result:
+    """Train an arm in this process with the engine's own pieces (see the module docstring)."""
+    import torch
+
+    from engine.config import DataConfig, ModelConfig, OptimConfig
+    from engine.data import build_data
+    from engine.diloco import OuterOptimizer
+    from engine.model import build_model, causal_lm_loss
+    from engine.parallel import lr_factor, make_optimizer
+    from engine.world import World
+
+    k = arm.k if arm.kind == "diloco" else 1
+    accum = arm.k if arm.kind == "ddp" else 1
+    ocfg = OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="cosine")
+
+    def worker(shard: int):
+        world = World(rank=0, world_size=1, local_rank=0, hostname="sim", pid=0, global_rank=shard,
+                      global_world_size=k)
+        data = build_data(DataConfig(path=str(args.data), seq_len=args.seq_len), world, args.seed)
+        model = build_model(ModelConfig(preset=args.preset), data.vocab_size, args.seq_len, args.device,
+                            seed=args.seed)
+        opt = make_optimizer(model, ocfg)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, ocfg, args.steps))
+        return data.train, model, opt, sched
+
+    workers = [worker(i) for i in range(k)]
+    evals = held_out(args).eval
+    params = [list(p for p in w[1].parameters()) for w in workers]
+    flat = lambda ps: torch.cat([p.detach().reshape(-1) for p in ps])  # noqa: E731
+    snapshot = flat(params[0]).clone()
+    outer = OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
+    tokens_per_step = args.micro_batch * args.seq_len * accum * k
+    start, curve, nbytes = time.perf_counter(), [], 0
+    for step in range(1, args.steps + 1):
+        for stream, model, opt, sched in workers:
+            for _ in range(accum):
+                x, y = stream.next_batch(args.micro_batch)
+                (causal_lm_loss(model, x.to(args.device), y.to(args.device)) / accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        if outer is not None and step % arm.inner_steps == 0:
+            pgrads = [snapshot - flat(ps) for ps in params]
+            mean = sim_weighted_mean(pgrads, arm.compression)
+            nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
+            if arm.outer_warmup:  # a linear outer-lr warm-up over the first outer steps (measured, not shipped)
+                outer.lr = arm.outer_lr * min(1.0, (step // arm.inner_steps) / arm.outer_warmup)
+            proposal = outer.propose(snapshot, mean)
+            outer.commit(proposal)
+            snapshot = proposal.params.clone()
+            for ps in params:
+                torch.nn.utils.vector_to_parameters(snapshot.clone(), ps)
+        if args.eval_interval and step % args.eval_interval == 0 and step < args.steps:
+            curve.append((step * tokens_per_step, time.perf_counter() - start,
+                          eval_model(workers[0][1], evals, args)))
+    wall = time.perf_counter() - start
+    loss = eval_model(workers[0][1], evals, args)
+    curve.append((args.steps * tokens_per_step, wall, loss))
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve)
+
+
+def sim_weighted_mean(xs, compression: str):
+    """engine.compression.weighted_mean's arithmetic without the wire: each rank's chunk j is encoded and sent to
+    rank j, which decodes, sums in fp32, divides by the total weight and encodes once more for the all-gather."""
+    import torch
+
+    from engine.compression import decode, encode
+    size, numel = len(xs), xs[0].numel()
+    if size == 1 or compression == "none":
+        return torch.stack(xs).mean(0)
+    per = -(-numel // size)
+    rows = []
+    for x in xs:
+        padded = torch.zeros(size * per)
+        padded[:numel] = x
+        rows.append(decode(*encode(padded.view(size, per), compression), compression))
+    summed = torch.stack(rows).sum(0) / size  # [size chunks, per]
+    return decode(*encode(summed, compression), compression).reshape(-1)[:numel]
+
+
+def sim_bytes(numel: int, k: int, compression: str) -> int:
+    from engine.compression import bytes_per_element
+    if k == 1:
+        return 0
+    per = -(-numel // k) * bytes_per_element(compression) + (8 if compression == "int8" else 0)
+    return 2 * (k - 1) * per + (k - 1) * 4
+
+
+# ---------------------------------------------------------------------------------------------- real engines
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_mesh(args, arm: Arm, workdir: Path) -> Result:
+    """Train an arm with real engine processes (DiLoCo: k nodes and a store). Raises on any failure."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one line per arm on stdout, not a bar per loaded model
+    if arm.outer_warmup:
+        raise SystemExit(f"learning: arm {arm.name}: an outer-lr warm-up is measured with --engine sim only (the "
+                         f"engine ships none: docs/learning.md)")
+    k = arm.k if arm.kind == "diloco" else 1
+    run_dir = workdir / arm.name.replace(" ", "_").replace("/", "-")
+    env = {k_: v for k_, v in os.environ.items() if not k_.startswith(("ZERO_BAND_", "GLOBAL_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + args.arm_timeout
+    try:
+        port = None
+        if arm.kind == "diloco":
+            port = free_port()
+            procs.append(subprocess.Popen([sys.executable, "-m", "engine.store", "--host", "127.0.0.1",
+                                           "--port", str(port)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True, start_new_session=True))
+            procs[0].stdout.readline()  # the "ready" line
+        start = time.perf_counter()
+        engines = []
+        for i in range(k):
+            over = {**engine_overrides(args, arm), "run.dir": str(run_dir / f"node-{i}"),
+                    "ckpt.export_dir": str(run_dir / f"node-{i}" / "export")}
+            if port is not None:
+                over.update({"mesh.store_port": port, "mesh.node_id": f"node-{i}", "mesh.heartbeat_timeout": 30.0,
+                             "mesh.start_timeout": 300.0, "diloco.allreduce_timeout": 300.0})
+            cmd = [sys.executable, "-m", "engine.train", str(ROOT / "configs" / "debug.toml")]
+            cmd += [f"--{key}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
+                    for key, v in over.items()]
+            node_env = {**env, "GLOBAL_RANK": str(i), "GLOBAL_WORLD_SIZE": str(k)}
+            engines.append(subprocess.Popen(cmd, env=node_env, cwd=ROOT, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, start_new_session=True))
+        procs += engines
+        outs = []
+        for p in engines:
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise SystemExit(f"learning: arm {arm.name} ran past --arm-timeout {args.arm_timeout}s") from None
+            if p.returncode != 0:
+                raise SystemExit(f"learning: arm {arm.name}: an engine exited {p.returncode}:\n{err[-3000:]}")
+            outs.append(out)
+        wall = time.perf_counter() - start
+    finally:
+        _kill(procs)
+    events = [json.loads(line) for line in outs[0].splitlines() if line.startswith("{")]
+    t0 = min(e["ts"] for e in events)
+    accum = arm.k if arm.kind == "ddp" else 1
+    tokens_per_step = args.micro_batch * args.seq_len * accum * k
+    curve = [(e["step"] * tokens_per_step, e["ts"] - t0, e["loss"]) for e in events if e["type"] == "eval"]
+    nbytes = sum(e["bytes_sent"] for e in events if e["type"] == "outer_step")
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "node-0" / "export", local_files_only=True,
+                                                 dtype=torch.float32).to(args.device)
+    loss = eval_model(model, held_out(args).eval, args)
+    curve = [c for c in curve if c[0] < args.steps * tokens_per_step] + [(args.steps * tokens_per_step, wall, loss)]
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve)
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+def table(results: list[Result], ddp: Result | None, single: Result | None) -> str:
+    head = f"{'arm':<30} {'k':>2} {'H':>4} {'outer':>20} {'comp':>5} {'eval':>7} {'/ddp':>6} {'/single':>7} " \
+           f"{'tokens':>9} {'wall s':>7} {'MB wire':>8}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        a = r.arm
+        outer = "" if a.kind != "diloco" else \
+            (f"{a.outer_optimizer} {a.outer_lr:g}/{a.outer_momentum:g}" + (f" w{a.outer_warmup}" if a.outer_warmup else ""))
+        vs_ddp = f"{r.eval_loss / ddp.eval_loss:.3f}" if ddp else "-"
+        vs_single = f"{r.eval_loss / single.eval_loss:.3f}" if single else "-"
+        lines.append(f"{a.name:<30} {a.k:>2} {a.inner_steps if a.kind == 'diloco' else '-':>4} {outer:>20} "
+                     f"{a.compression if a.kind == 'diloco' else '-':>5} {r.eval_loss:>7.4f} {vs_ddp:>6} "
+                     f"{vs_single:>7} {r.tokens:>9} {r.wall_s:>7.1f} {r.bytes_sent / 1e6:>8.1f}")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    for r in results:
+        toks = [c[0] / 1e6 for c in r.curve]
+        ax1.plot(toks, [c[2] for c in r.curve], marker=".", label=r.arm.name)
+        ax2.plot([c[1] for c in r.curve], [c[2] for c in r.curve], marker=".", label=r.arm.name)
+    ax1.set_xlabel("tokens trained (millions, all workers)")
+    ax2.set_xlabel("wall-clock seconds")
+    for ax in (ax1, ax2):
+        ax.set_ylabel("held-out eval loss")
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("mesh", "sim"), default="mesh")
+    ap.add_argument("--corpus", choices=sorted(CORPORA), default="docstrings")
+    ap.add_argument("--data", type=Path, help="a corpus path (overrides --corpus)")
+    ap.add_argument("--preset", default="debug")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=120, help="inner steps per worker")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--k", type=int, default=4, help="DiLoCo nodes (and the DDP-equivalent batch multiple)")
+    ap.add_argument("--inner-steps", type=int, help="H of the default DiLoCo arm (default: the shipped config's)")
+    ap.add_argument("--outer-optimizer"), ap.add_argument("--outer-lr", type=float)
+    ap.add_argument("--outer-momentum", type=float), ap.add_argument("--outer-warmup", type=int)
+    ap.add_argument("--compressions", default="int8", help="extra DiLoCo arms with these compressions")
+    ap.add_argument("--overlap", action="store_true",
+                    help="add a DiLoCo arm with diloco.overlap = true (real engines only: --engine mesh)")
+    ap.add_argument("--eval-interval", type=int, default=40)
+    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
+    ap.add_argument("--arm-timeout", type=float, default=1800.0)
+    ap.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
+    ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
+    args = ap.parse_args(argv)
+    args.data = args.data or CORPORA[args.corpus]
+    if not args.data.exists():
+        ap.error(f"--corpus {args.corpus}: {args.data} is missing (build it: python scripts/make_corpus.py "
+                 f"--sources)")
+    args.outer = {k: v for k, v in (("inner_steps", args.inner_steps), ("outer_optimizer", args.outer_optimizer),
+                                    ("outer_lr", args.outer_lr),
+                                    ("outer_momentum", args.outer_momentum), ("outer_warmup", args.outer_warmup))
+                  if v is not None}
+    args.compressions = [c for c in args.compressions.split(",") if c and c != "none"]
+    if args.overlap and args.engine != "mesh":
+        ap.error("--overlap needs --engine mesh: the in-process engine does not model the late update")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    arms = sweep_arms(args) if args.sweep else default_arms(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}" + ("-sweep" if args.sweep else "")
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="zb-learning-") as tmp:
+        for arm in arms:
+            r = run_mesh(args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(args, arm)
+            results.append(r)
+            print(f"  {arm.name:<30} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
+    by = {r.arm.name: r for r in results}
+    ddp, single = by.get("ddp"), by.get("single")
+    print(table(results, ddp, single))
+    title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
+             f"{args.seq_len}, engine {args.engine}")
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()},
+         "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
+    plot(results, args.out / f"{stem}.png", title)
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    d = by.get("diloco") or next((r for r in results if r.arm.kind == "diloco"), None)
+    if d and ddp and single:
+        print(f"diloco/ddp eval-loss ratio {d.eval_loss / ddp.eval_loss:.3f}; "
+              f"diloco/single {d.eval_loss / single.eval_loss:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

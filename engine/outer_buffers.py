@@ -1,0 +1,124 @@
+"""The outer step's memory: flat fp32 buffers on the parameters' own device, allocated once per process.
+
+    bufs = OuterBuffers(inner.outer_params())    # on the device the parameters live on (a GPU for CUDA runs)
+    bufs.capture(params)                         # snapshot = params
+    pgrad = bufs.pseudo_gradient(params)         # pgrad = snapshot - params, into its buffer
+    ... weighted_mean(pgrad, ..., out=bufs.mean, exchange=bufs.exchange); outer optimizer on snapshot, in place
+    bufs.write_back(params)                      # params = snapshot (each in its own dtype)
+
+What is kept between rounds, per parameter (fp32, 4 bytes each), on the parameters' device:
+
+    snapshot   the parameters as of the last committed outer step: the one full copy DiLoCo needs (the
+               pseudo-gradient is taken against it). It lives beside the parameters so the pseudo-gradient,
+               the update and the write-back are device-local foreach/flat ops: no host round trip of the model.
+    pgrad      this round's pseudo-gradient; it survives an aborted attempt, which resends it
+    mean       the members' weighted mean; also the codec's scratch and, after the commit, the optimizer's
+    (momentum) the outer optimizer's buffer, held by OuterOptimizer (nesterov and sgd with momentum > 0)
+
+plus the wire buffers of compression.Exchange (about 2-3 x bytes per element of the codec; on CUDA as many again
+in pinned host memory). Nothing of the model's size is allocated per outer step. Every parameter tensor maps to
+a view of each flat buffer, so the copies in and out are one torch._foreach_copy_ over the parameter list (cast
+to each parameter's dtype on the way back).
+
+The fingerprint (`fingerprint(flat)`) is the cross-node checksum: the wrapping 64-bit integer sum of the fp32
+bit patterns (every element counts; integer addition is exact and order-free, so it is the same on any device,
+thread count or reduction order) and an exact hash of a fixed strided sample of elements (positions count).
+It reads the buffer once, where it lives; only 16 bytes and the sample cross to the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from engine.compression import Exchange
+
+SAMPLE = 4096  # elements of the strided sample the fingerprint hashes exactly
+
+
+class OuterBuffers:
+    def __init__(self, params: list[torch.Tensor]):
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"diloco: the outer parameters live on several devices ({sorted(map(str, devices))}); "
+                             f"the outer step needs them on one")
+        self.device = devices.pop()
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(p.numel() for p in params)
+        self.snapshot = self._flat()
+        self.pgrad = self._flat()
+        self.mean = self._flat()
+        self.exchange = Exchange(self.device)
+        self._snap_views = self._views(self.snapshot)
+        self._pgrad_views = self._views(self.pgrad)
+
+    def _flat(self) -> torch.Tensor:
+        return torch.empty(self.numel, dtype=torch.float32, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view of a flat buffer per parameter, shaped like it."""
+        return self._views(flat)
+
+    @torch.no_grad()
+    def write(self, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        """params = flat (a buffer of this layout), each parameter in its own dtype."""
+        self._check(params)
+        torch._foreach_copy_(params, self._views(flat))
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, at = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(flat[at:at + n].view(shape))
+            at += n
+        return out
+
+    def _check(self, params: list[torch.Tensor]) -> None:
+        assert [p.shape for p in params] == self.shapes, "the outer parameters changed shape since the snapshot"
+
+    @torch.no_grad()
+    def capture(self, params: list[torch.Tensor]) -> None:
+        """snapshot = params."""
+        self._check(params)
+        torch._foreach_copy_(self._snap_views, params)
+
+    @torch.no_grad()
+    def pseudo_gradient(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """pgrad = snapshot - params, into the pgrad buffer (returned)."""
+        self._check(params)
+        torch._foreach_copy_(self._pgrad_views, params)
+        torch.sub(self.snapshot, self.pgrad, out=self.pgrad)
+        return self.pgrad
+
+    @torch.no_grad()
+    def write_back(self, params: list[torch.Tensor]) -> None:
+        """params = snapshot, each parameter in its own dtype."""
+        self._check(params)
+        torch._foreach_copy_(params, self._snap_views)
+
+    def renew_scratch(self) -> None:
+        """New mean and wire buffers, after a collective was abandoned: gloo cannot cancel it, and its thread may
+        still write into the old ones when a frozen peer wakes up. Rare (a peer lost mid-collective)."""
+        self.mean = self._flat()
+        self.exchange = Exchange(self.device)
+
+    def bytes_kept(self) -> int:
+        """Bytes of the flat buffers and the wire buffers allocated so far (momentum excluded)."""
+        return 3 * 4 * self.numel + self.exchange.nbytes()
+
+
+@torch.no_grad()
+def fingerprint(flat: torch.Tensor) -> str:
+    """A 12-hex-digit fingerprint of a flat fp32 tensor: equal tensors give equal fingerprints on any device."""
+    bits = flat.view(torch.int32)
+    n = bits.numel()
+    even = n - n % 2
+    # pairs of fp32 bit patterns as int64: wraps modulo 2^64, exact, independent of the reduction order
+    total = int(bits[:even].view(torch.int64).sum()) if even else 0
+    odd = int(bits[even:].sum()) if even < n else 0
+    sample = bits[::max(1, n // SAMPLE)].cpu()
+    h = hashlib.blake2b(digest_size=6)
+    h.update(f"{n}:{total}:{odd}:".encode())
+    h.update(sample.numpy().tobytes())
+    return h.hexdigest()

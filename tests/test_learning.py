@@ -1,0 +1,78 @@
+"""DiLoCo learns: with the shipped outer settings, k=4 nodes beat one worker at equal steps and stay within a stated
+margin of the DDP-equivalent at equal tokens (docs/learning.md has the full study, bench/learning.py runs it).
+
+The ordering test runs the study's in-process engine (the engine's own model, data, AdamW, schedule and
+OuterOptimizer; deterministic on one thread), at the smallest scale that still separates the arms. The second test
+shows that engine reproduces the real one: two engine processes over the real store and gloo end at the same held-out
+loss as the in-process replica of the same run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from procs import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import learning  # noqa: E402
+
+# Measured at the bench's default scale (docs/learning.md): single 2.767, DDP-equivalent 2.503, the shipped DiLoCo
+# (H=5, the plain mean) 2.654, the old default (Nesterov 0.7/0.9) far above single (3.0 at H=5). The single margin
+# fails the old default; the DDP margin holds the shipped one with room (1.060) but is wider than the issue's goal
+# of 1.01, which this scale does not reach (docs/learning.md, "Against the goals").
+DDP_MARGIN = 1.08  # DiLoCo k=4 eval loss at most this times the DDP-equivalent's
+SINGLE_MARGIN = 0.98  # and at most this times the single worker's
+
+
+def small_args(*extra: str):
+    return learning.parse_args(["--engine", "sim", "--eval-interval", "0", *extra])
+
+
+@pytest.mark.slow
+def test_diloco_with_shipped_defaults_beats_single_and_tracks_ddp():
+    args = small_args()
+    single = learning.run_sim(args, learning.Arm("single", "single"))
+    ddp = learning.run_sim(args, learning.Arm("ddp", "ddp", k=4))
+    diloco = learning.run_sim(args, learning.default_arms(args)[2])
+    assert diloco.arm.kind == "diloco" and diloco.arm.k == 4
+    assert ddp.eval_loss < single.eval_loss * 0.95, "the scale no longer separates DDP from a single worker"
+    assert diloco.eval_loss < single.eval_loss * SINGLE_MARGIN, (diloco.eval_loss, single.eval_loss)
+    assert diloco.eval_loss < ddp.eval_loss * DDP_MARGIN, (diloco.eval_loss, ddp.eval_loss)
+
+
+@pytest.mark.slow
+def test_in_process_study_engine_reproduces_the_real_mesh(tmp_path):
+    """The sweep's engine is only worth its numbers if it computes what the engines compute: two real engine
+    processes over the real store and gloo, and the in-process replica, end at the same held-out loss."""
+    args = learning.parse_args(["--steps", "12", "--seq-len", "32", "--micro-batch", "4", "--warmup", "2",
+                                "--eval-batches", "4", "--eval-interval", "0", "--arm-timeout", "240"])
+    arm = learning.Arm("diloco", "diloco", k=2, inner_steps=4, outer_lr=0.8, outer_momentum=0.5)
+    real = learning.run_mesh(args, arm, tmp_path)
+    replica = learning.run_sim(args, arm)
+    assert real.bytes_sent > 0 and len(real.curve) == 1
+    # the same arithmetic up to the order of fp32 sums inside the all-reduce
+    assert abs(real.eval_loss - replica.eval_loss) < 2e-3, (real.eval_loss, replica.eval_loss)
+    # and not trivially: the outer steps moved the model away from a single worker's
+    single = learning.run_sim(args, learning.Arm("single", "single"))
+    assert abs(single.eval_loss - replica.eval_loss) > 1e-2
+
+
+def test_outer_momentum_in_a_short_run_is_warned_about_once_configs_say_so():
+    from engine.config import load_config
+    from engine.outer import SHORT_RUN_OUTER_STEPS, short_run_note
+
+    def note(path, **over):
+        return short_run_note(load_config(ROOT / "configs" / path, {k: str(v) for k, v in over.items()}))
+
+    # the shipped short config is quiet; the paper's momentum in it is not
+    assert note("debug-diloco.toml") is None
+    warned = note("debug-diloco.toml", **{"diloco.outer_momentum": 0.9, "diloco.outer_lr": 0.7})
+    assert warned is not None and "10 outer steps" in warned and "docs/learning.md" in warned
+    # the long presets keep the paper's setting without a warning (176 and 880 outer steps)
+    assert note("150m-diloco.toml") is None and note("1b-diloco.toml") is None
+    # the threshold is in outer steps: the same momentum is quiet once the run is long enough
+    steps = 5 * SHORT_RUN_OUTER_STEPS
+    assert note("debug-diloco.toml", **{"diloco.outer_momentum": 0.9, "train.max_steps": steps}) is None
+    assert note("debug-diloco.toml", **{"diloco.outer_momentum": 0.9, "train.max_steps": steps - 5}) is not None

@@ -1,0 +1,82 @@
+"""engine.compression.weighted_mean divides by the sum of the weights, not by the group size: 3 real gloo processes
+with weight sets whose sum is not 3 (two members and a joiner: 1, 1, 0; unequal weights: 2, 1, 0.5). The weights
+reported back (ReduceStats.weights, what the outer_step event's `weights` come from) are the senders' own."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import pickle
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import compression
+
+SIZE = 3
+NUMEL = 1_001  # not a multiple of 3: the padded chunk is divided as well
+WEIGHT_SETS = {"member-member-joiner": (1.0, 1.0, 0.0), "unequal": (2.0, 1.0, 0.5)}
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(7 + rank)) + rank
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, SIZE, rank == 0, timeout=datetime.timedelta(seconds=30))
+        out = {}
+        for name, weights in WEIGHT_SETS.items():
+            prefixed = dist.PrefixStore(f"{name}/", store)
+            pg = dist.ProcessGroup(prefixed, rank, SIZE)
+            backend = dist.ProcessGroupGloo(prefixed, rank, SIZE, datetime.timedelta(seconds=20))
+            pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+            pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            for codec in compression.COMPRESSIONS:
+                mean, stats = compression.weighted_mean(_inputs(rank), weights[rank], pg, codec)
+                out[name, codec] = (mean, stats.total_weight, stats.weights)
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def results():
+    from procs import free_port
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    workers = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(SIZE)]
+    for w in workers:
+        w.start()
+    try:
+        got = dict(queue.get(timeout=90) for _ in range(SIZE))
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    for rank, r in got.items():
+        assert isinstance(r, bytes), f"rank {rank} failed:\n{r}"
+    return {rank: pickle.loads(r) for rank, r in got.items()}
+
+
+@pytest.mark.parametrize("name", WEIGHT_SETS)
+def test_mean_is_divided_by_the_sum_of_the_weights(results, name):
+    weights = WEIGHT_SETS[name]
+    exact = sum(w * _inputs(r) for r, w in enumerate(weights)) / sum(weights)
+    by_size = sum(w * _inputs(r) for r, w in enumerate(weights)) / SIZE  # the bug this test exists for
+    assert float((exact - by_size).abs().max()) > 0.1  # the two differ by far more than any codec's error
+    for codec in compression.COMPRESSIONS:
+        got = [results[r][name, codec] for r in range(SIZE)]
+        assert all(torch.equal(got[0][0], g[0]) for g in got[1:]), f"{name}/{codec}: ranks disagree"
+        # every rank saw every rank's weight, in group-rank order, and their sum
+        assert all(g[1] == sum(weights) and g[2] == list(weights) for g in got), (name, codec, got[0][1:])
+        # fp32 exact; int8 within two half-bins of the weighted inputs' range over the weight sum; halves ~1e-2
+        ranges = sum(float((w * _inputs(r)).max() - (w * _inputs(r)).min()) for r, w in enumerate(weights))
+        bound = {"none": 1e-6, "bf16": 0.05, "fp16": 0.01, "int8": ranges / (255 * sum(weights)) + 1e-6}[codec]
+        err = float((got[0][0] - exact).abs().max())
+        assert err <= bound, (name, codec, err, bound)
