@@ -19,9 +19,10 @@ from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
-from console.cli import DEFAULT_HEARTBEAT_TIMEOUT, heartbeat_timeout_of
+from console.outcome import DEFAULT_HEARTBEAT_TIMEOUT, EXIT_INTERRUPTED, heartbeat_timeout_of, run_outcome
 from console.fleet import Fleet, NodeState
 from console.screens.dashboard import DashboardScreen
+from console.screens.detail import NodeDetailScreen
 from console.screens.help import HelpScreen
 from console.screens.logs import LogScreen
 from console.screens.modals import QUIT_LEAVE, QUIT_STOP, AddNodeScreen, ConfirmScreen, QuitScreen
@@ -168,11 +169,14 @@ class ConsoleApp(App[int]):
 
     def standby_hosts(self) -> list[str]:
         """Standby nodes the fleet knows, then any the profile lists that the fleet does not show yet."""
-        names = [n.name for n in self.fleet.nodes.values() if n.state is NodeState.STANDBY]
+        names = [n.name for n in self.fleet.nodes.values() if n.state in (NodeState.STANDBY, NodeState.OFF)]
         return names + [h for h in self._standby() if h not in names and h not in self.fleet.nodes]
 
     def show_logs(self, name: str) -> None:
         self.push_screen(LogScreen(name, self.fleet.nodes.get, self.refresh_interval))
+
+    def show_detail(self, name: str) -> None:
+        self.push_screen(NodeDetailScreen(name, self.fleet.nodes.get, self.refresh_interval))
 
     def show_help(self) -> None:
         self.push_screen(HelpScreen(self.readonly))
@@ -193,13 +197,19 @@ class ConsoleApp(App[int]):
         self.push_screen(QuitScreen(self.readonly), answer)
 
     async def _quit(self, stop: bool) -> None:
-        """Stop the engines (if asked), then stop watching them: tails and connections close, engines live on."""
+        """Stop the engines (if asked), then stop watching them: tails and connections close, engines live on.
+
+        The exit status follows --headless's rules (console/outcome.py): the run's outcome once every node has
+        ended (0 completed or drained, 1 a node failed or died, 3 stopped), 130 while training is left running.
+        """
         if stop:
             await self._guarded("stop", self.cluster.stop, (), None)
         close = getattr(self.cluster, "close", None)
         if close is not None:
             await self._guarded("close", close, (), None)
-        self.exit(0)
+        outcome = run_outcome(self.fleet)
+        code = EXIT_INTERRUPTED if outcome is None else outcome
+        self.exit(code, return_code=code)
 
     # ---- command palette ----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -217,6 +227,8 @@ class ConsoleApp(App[int]):
             yield SystemCommand("Restart node", "Start a dead, failed or left node again",
                                 lambda: self.request("restart", dash.targets()))
         yield SystemCommand("Node logs", "The selected node's full log", dash.action_logs)
+        yield SystemCommand("Node detail", "The selected node in full: GPUs, ranks, command, checkpoints (enter)",
+                            lambda: self.show_detail(dash.table.selected_name() or ""))
         yield SystemCommand("Filter nodes", "By name, host or state", dash.action_filter)
         yield SystemCommand("Toggle sparkline", "tokens/s or loss", dash.action_trend)
         yield SystemCommand("Help", "Keys and colours", self.show_help)

@@ -21,14 +21,10 @@ import time
 from typing import Any, Callable, Sequence, TextIO
 
 from console.fleet import Fleet, Node, NodeState
+from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
+                             EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
 from console.widgets import cells
 from console.widgets.cells import summary_text  # pure: shells and --headless never import Textual
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-DEFAULT_HEARTBEAT_TIMEOUT = 6.0
-_RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
-                      NodeState.UNREACHABLE})  # unreachable: the engine may well still be training
-_SUCCESS_REASONS = frozenset({"completed", "drained"})
 
 COMMANDS = ("status", "drain", "kill", "add", "stop")
 
@@ -45,29 +41,38 @@ def status_line(fleet: Fleet, now: float | None = None) -> str:
     """One line for logs and shells: time, the header figures, then how many nodes are in each state."""
     stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
     nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
-    return f"{stamp} {summary_text(fleet.summary())} | {state_counts(nodes) or 'no nodes'}"
+    store = cells.store_text(fleet.store).plain
+    return f"{stamp} {summary_text(fleet.summary())} | {store} | {state_counts(nodes) or 'no nodes'}"
+
+
+def outer_lines(fleet: Fleet, after: int) -> tuple[list[str], int]:
+    """Lines for the outer steps settled since `after` (every member reported, or a newer one began); the newest
+    outer step printed, to pass back next time."""
+    rounds = list(fleet.outer_rounds.values())
+    newest = rounds[-1].outer_step if rounds else after
+    done = [r for r in rounds if r.outer_step > after and (r.reporters >= r.members or r.outer_step < newest)]
+    return ["  " + cells.outer_line(r) for r in done], (done[-1].outer_step if done else after)
 
 
 def node_line(node: Node, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> str:
-    """One node for `status`: the table's columns as plain text."""
-    util, mem = cells.device_cells(node.device, node.util, node.mem_used, node.mem_total)
+    """One node for `status`: the table's columns as plain text, then the state's reason whole, last."""
+    live = cells.shows_figures(node.state)  # a dead or left node's last sample is not a current figure
+    util, mem = (live and cells.gpu_cells(node.devices)) or cells.device_cells(
+        node.device if live else None, node.util, node.mem_used, node.mem_total)
     age = cells.age_cell(node.heartbeat_age, heartbeat_timeout).plain
-    state = cells.state_cell(node.state, node.reason).plain
     step = "-" if node.step is None else str(node.step)
-    return (f"{node.name:<14} {node.host:<16} {state:<28} {util.plain:<11} {mem.plain:<15} hb {age:<7} "
-            f"step {step:<7} loss {cells.loss_cell(node.loss):<8} {cells.num_cell(node.tokens_per_s)} tok/s")
+    reason = cells.reason_text(node.state, node.reason)
+    return (f"{node.name:<14} {node.host:<16} {cells.state_name(node.state):<11} {util.plain:<14} "
+            f"{mem.plain:<16} hb {age:<7} step {step:<7} loss {cells.loss_cell(node.loss):<8} "
+            f"{cells.num_cell(node.tokens_per_s) if live else '-'} tok/s" + _position(node)
+            + (f"  ({reason})" if reason else ""))
 
 
-def run_outcome(fleet: Fleet) -> int | None:
-    """None while any started node still runs; then 0 if all completed/drained, 3 if stopped, else 1."""
-    nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
-    if not nodes or any(n.state in _RUNNING for n in nodes):
-        return None
-    if any(n.state in (NodeState.FAILED, NodeState.DEAD) for n in nodes):
-        return EXIT_FAILED
-    if all(n.state is NodeState.LEFT and n.reason in _SUCCESS_REASONS for n in nodes):
-        return EXIT_OK
-    return EXIT_STOPPED
+def _position(node: Node) -> str:
+    """Where the node is in its data: tokens seen and (engines that report it) the fraction of its shard."""
+    if node.tokens is None:
+        return ""
+    return f" | data {cells.num_cell(node.tokens)} tok" + ("" if node.epoch is None else f" epoch {node.epoch:.3f}")
 
 
 # ---- arguments ----------------------------------------------------------------------------------------------
@@ -119,23 +124,6 @@ def load(path: str) -> Any:
         raise SystemExit(EXIT_USAGE) from None
 
 
-def heartbeat_timeout_of(profile: Any) -> float:
-    """The mesh's heartbeat timeout the ages are coloured against: the engine config with the profile's overrides."""
-    overrides = getattr(getattr(profile, "engine", None), "overrides", {}) or {}
-    value = overrides.get("mesh.heartbeat_timeout")
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value)
-    try:
-        from engine.config import load_config
-
-        from console.profile import toml_value
-
-        as_text = {k: toml_value(v) for k, v in overrides.items()}  # as the engine reads its command line
-        return float(load_config(profile.engine.config, as_text).mesh.heartbeat_timeout)
-    except Exception:  # noqa: BLE001 -- a remote-only config is not readable here; the default is documented
-        return DEFAULT_HEARTBEAT_TIMEOUT
-
-
 async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: float, out: TextIO,
                        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
     """Start (or attach), print a status line every `interval`, return the run's outcome.
@@ -153,13 +141,19 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
+        printed_outer = -1
         while True:
             try:
                 await asyncio.wait_for(interrupted.wait(), interval)
             except asyncio.TimeoutError:
                 pass
             print(status_line(fleet), file=out, flush=True)
+            lines, printed_outer = outer_lines(fleet, printed_outer)
+            for line in lines:  # each outer step: compute against communication (is H right? compression?)
+                print(line, file=out, flush=True)
             outcome = EXIT_INTERRUPTED if interrupted.is_set() else run_outcome(fleet)
+            if outcome not in (None, EXIT_INTERRUPTED) and _still_running(cluster):
+                outcome = None  # the fleet's view says over, but a process it started runs: never end that one
             if outcome is not None:
                 for node in fleet.nodes.values():
                     print("  " + node_line(node, heartbeat_timeout), file=out, flush=True)
@@ -172,6 +166,12 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
         await _close(cluster)
 
 
+def _still_running(cluster: Any) -> bool:
+    """Whether the cluster still follows a live engine process (one it has not seen end)."""
+    running = getattr(cluster, "running", None)
+    return bool(running()) if callable(running) else False
+
+
 async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out: TextIO) -> int:
     """One action on a running cluster: attach (catch up on the events files), act, report, detach.
 
@@ -179,7 +179,7 @@ async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out:
     answered that it could not be (the reason on stderr), 2 for a node name the profile does not have.
     """
     try:
-        await cluster.attach()
+        await cluster.attach(steer_store=False)  # a one-shot command looks; the dashboard restarts a dead store
         if args.command == "status":
             await cluster.status()
             print(status_line(fleet), file=out)
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
     app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,
                    heartbeat_timeout=heartbeat_timeout_of(profile))
     app.run()
-    return app.return_code or 0  # Textual sets 1 when the app ended on an error
+    return app.return_code or 0  # the run's outcome (console/outcome.py); Textual sets 1 when the app crashed
 
 
 if __name__ == "__main__":

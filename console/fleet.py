@@ -15,6 +15,13 @@ A console fact wins over the engine's word until something newer settles it: any
 node proves the link is back; a `run_start` proves a new process after DEAD or FAILED. That way the last lines
 of a killed engine, read after the kill, do not bring it back to life on the screen.
 
+A mesh `membership dead` about a node is weaker: it is the peers' word that they stopped hearing it, and a node
+cut off by a link fault, a blackhole or a long freeze comes back as the same process and re-joins without a new
+`run_start`. So it marks the node DEAD with `mesh_dead_ts` set, and any later event of the node itself (by `ts`,
+not by arrival: --attach replays one events file after another) shows its own state again; a dead report older
+than the node's latest own event is history and changes nothing. Only the console's own facts (the process is
+gone, killed) end a node for good (see console/outcome.py).
+
 `version` is bumped on every change, so the UI redraws only when something changed. Ingest is on the hot path
 (>= 100,000 events/s on one core): one dict dispatch per event, no formatting until a log line is read.
 """
@@ -33,10 +40,13 @@ HISTORY = 512  # points per node in the loss / tokens-per-second charts
 LOG_LINES = 500  # human-readable lines kept per node
 TIMELINE = 500  # membership events kept for the whole cluster
 _STEP_WINDOW = 32  # (ts, step) points per node used for the ETA
+CHECKPOINTS = 5  # per node, for the detail view
+OUTER_ROUNDS = 240  # outer steps kept for the chart and the headless line
 
 
 class NodeState(str, Enum):
-    STANDBY = "standby"  # in the profile, ready to be added, nothing running
+    STANDBY = "standby"  # in the profile as standby, ready to be added, nothing running
+    OFF = "off"  # a host of the run with nothing running: not started (yet), or found so at attach
     STARTING = "starting"
     JOINING = "joining"
     TRAINING = "training"
@@ -55,7 +65,7 @@ _CONSOLE_FACTS = frozenset({NodeState.DEAD, NodeState.UNREACHABLE, NodeState.FAI
 _ENGINE_STATES = {s.value: s for s in (NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING,
                                        NodeState.DRAINING, NodeState.LEFT)}
 _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
-_GONE = frozenset({NodeState.LEFT, NodeState.DEAD, NodeState.FAILED, NodeState.STANDBY})
+_GONE = frozenset({NodeState.LEFT, NodeState.DEAD, NodeState.FAILED, NodeState.STANDBY, NodeState.OFF})
 _RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopped": NodeState.LEFT,
                   "failed": NodeState.FAILED}
 
@@ -80,6 +90,52 @@ class LogBuffer(deque):
 
     def __getitem__(self, index):  # type: ignore[override]
         return str(deque.__getitem__(self, index))
+
+
+@dataclass
+class Device:
+    """One device's latest sample: a GPU (NVML, one per GPU of the node) or a rank's CPU share (psutil)."""
+
+    key: str  # "gpu 3" (its NVML index) or "cpu r1" (the rank that sampled it)
+    kind: str  # gpu or cpu
+    util: float
+    mem_used: int
+    mem_total: int
+    temp_c: float | None = None
+    power_w: float | None = None
+    ts: float = 0.0
+
+
+@dataclass
+class RankFigures:
+    """What one rank of the node last said about its inner steps (rank > 0 speaks with telemetry.all_ranks)."""
+
+    rank: int
+    step: int
+    tokens_per_s: float
+    loss: float
+    ts: float
+
+
+@dataclass
+class OuterRound:
+    """One DiLoCo outer step as the cluster lived it: the slowest reporting node's times, all nodes' bytes.
+
+    compute_s comes from the engine when it reports it, else from the node's clock: the time since its previous
+    outer step less this one's all-reduce (`derived` says which). idle_s (waiting for peers, for the plan) needs
+    the engine's outer_s; wire_s and codec_s split allreduce_s when the engine reports them."""
+
+    outer_step: int
+    ts: float
+    members: int
+    bytes_sent: int = 0
+    allreduce_s: float = 0.0
+    compute_s: float | None = None
+    wire_s: float | None = None
+    codec_s: float | None = None
+    idle_s: float | None = None
+    derived: bool = False
+    reporters: int = 0
 
 
 @dataclass(eq=False)
@@ -107,7 +163,20 @@ class Node:
     marked: bool = False
     # the engine's own latest word on its state; `state` differs from it while a console fact holds
     engine_state: NodeState | None = None
+    # set while `state` is DEAD only on the mesh's word: the reporter's ts; a later own event of the node clears it
+    mesh_dead_ts: float | None = None
+    engine_reason: str | None = None  # the reason that came with engine_state (run_end's status...)
+    devices: dict[str, Device] = field(default_factory=dict)  # every GPU (or rank's CPU) of the node
+    ranks: dict[int, RankFigures] = field(default_factory=dict)
+    run_info: dict[str, Any] = field(default_factory=dict)  # run_start: digest, strategy, world size, dataset...
+    command: str | None = None  # the command line the console started it with
+    overrides: dict[str, Any] = field(default_factory=dict)  # the engine overrides it was given
+    tokens: int | None = None  # tokens this node has trained on
+    epoch: float | None = None  # fraction of its data shard consumed (engines that report it)
+    checkpoints: deque = field(default_factory=lambda: deque(maxlen=CHECKPOINTS))  # (step, path, seconds)
     _steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)
+    _own_ts: float | None = field(default=None, repr=False)  # its newest event's ts (files replay out of order)
+    _outer_ts: float | None = field(default=None, repr=False)  # its previous outer step, by its own clock
 
     @property
     def heartbeat_age(self) -> float | None:
@@ -128,6 +197,21 @@ class MembershipEvent:
     reason: str | None = None
 
 
+@dataclass
+class StoreHealth:
+    """The membership store as the console sees it: its process, and the probe beside it (console/store_probe.py)."""
+
+    address: str | None = None  # host:port the engines dial
+    bind: str | None = None  # what it listens on, when that differs from the address
+    state: str = "off"  # off, starting, up, down, restarting, stopped
+    reason: str | None = None  # why it is down; what the console is doing about it
+    rtt_ms: float | None = None  # one store round trip, measured on its host
+    keys: int | None = None
+    last_ts: float | None = None  # the probe's clock at its latest sample
+    restarts: int = 0  # restarts done by the console in this session
+    pid: int | None = None
+
+
 @dataclass(frozen=True)
 class Summary:
     run: str
@@ -138,6 +222,7 @@ class Summary:
     eta_s: float | None
     step: int | None  # the furthest node's step
     max_steps: int | None
+    store: str | None = None  # the store's health where it is known (etcd: "etcd 3/3 up, leader node-a")
 
 
 class Fleet:
@@ -146,12 +231,16 @@ class Fleet:
         self.nodes: dict[str, Node] = {}
         self.timeline: deque[MembershipEvent] = deque(maxlen=TIMELINE)
         self.members: tuple[str, ...] | None = None  # the mesh's latest member list, as any node reported it
+        self.store_status: str | None = None  # set by the cluster's store health probe (etcd backend)
         self.generation: int = -1
+        self.store = StoreHealth()
+        self.outer_rounds: dict[int, OuterRound] = {}  # outer step -> the round, oldest first, bounded
+        self.dataset: str | None = None  # the prepared dataset the run trains on (engines that report it)
         self.version = 0
         self._clock = clock
         self._handlers: dict[str, Callable[[Node, dict[str, Any]], None]] = {
             "run_start": self._on_run_start, "step": self._on_step, "eval": self._on_log_only,
-            "checkpoint": self._on_log_only, "export": self._on_log_only, "resource": self._on_resource,
+            "checkpoint": self._on_checkpoint, "export": self._on_log_only, "resource": self._on_resource,
             "state": self._on_state, "outer_step": self._on_outer_step, "membership": self._on_membership,
             "heartbeat": self._on_heartbeat, "drained": self._on_drained, "warning": self._on_log_only,
             "error": self._on_error, "run_end": self._on_run_end,
@@ -174,18 +263,21 @@ class Fleet:
         """A transport-level fact about a node (unreachable, dead, failed to start, starting again)."""
         node = self._node(node_name)
         state = NodeState(state)
-        if node.state is state:  # the same fact again (a retry's new wording): no new log or timeline entry
+        # the same fact again (a retry's new wording): no new log or timeline entry; a console fact over the
+        # mesh's "dead" is new (it is final)
+        if node.state is state and node.mesh_dead_ts is None:
             if node.reason != reason:
                 node.reason = reason
                 self.version += 1
             return
         node.state = state
         node.reason = reason
+        node.mesh_dead_ts = None  # a console fact replaces the mesh's word
         if state is NodeState.STARTING:
             node.engine_state = None  # a new process: the old one's last word no longer counts
         if reason:
             node.log.append(f"[console] {state.value}: {reason}")
-        if state in _CONSOLE_FACTS or state in (NodeState.STARTING, NodeState.STANDBY):
+        if state in _CONSOLE_FACTS or state in (NodeState.STARTING, NodeState.STANDBY, NodeState.OFF):
             self._record(MembershipEvent(self._clock(), state.value, node_name, None, (), "console", reason))
         self.version += 1
 
@@ -198,10 +290,54 @@ class Fleet:
             node.log.append("[console] reachable again")
             self.version += 1
 
+    def process_ended(self, node_name: str) -> bool:
+        """The node's process is gone after the engine said how it ended (run_end): a mesh "dead" reported after
+        that word is moot; show the engine's word. False when the node is not dead on the mesh's word only."""
+        node = self.nodes.get(node_name)
+        if node is None or node.mesh_dead_ts is None or node.engine_state is None:
+            return False
+        node.state, node.reason, node.mesh_dead_ts = node.engine_state, node.engine_reason, None
+        self.version += 1
+        return True
+
     def note(self, node_name: str, text: str) -> None:
         """A console line in the node's log (an action taken, a check's result)."""
         self._node(node_name).log.append(f"[console] {text}")
         self.version += 1
+
+    # ---- the store ---------------------------------------------------------------------------------------
+    def set_store(self, state: str, reason: str | None = None, **facts: Any) -> None:
+        """A fact about the store process (starting, up, down, restarting, stopped); changes go on the timeline."""
+        store = self.store
+        for key, value in facts.items():
+            setattr(store, key, value)
+        if state != store.state:
+            self._record(MembershipEvent(self._clock(), f"store {state}", "store", None, (), "console", reason))
+            if state in ("down", "stopped", "off"):
+                store.rtt_ms = store.keys = None  # a gone store has no current figures
+        store.state, store.reason = state, reason
+        self.version += 1
+
+    def ingest_store(self, line: str | bytes) -> None:
+        """One line of the store's or its probe's event stream: ready/stopped states, probe samples, warnings."""
+        try:
+            event = parse_line(line)
+        except BadEvent:
+            return  # the store's own stream has no reader to tell; its log keeps the line
+        kind, store = event["type"], self.store
+        if kind == "heartbeat" and store.state == "up":
+            if event["ts"] == store.last_ts:
+                return  # the same sample read again: nothing to redraw
+            rtt, keys = event.get("rtt_ms"), event.get("keys")
+            store.rtt_ms = float(rtt) if isinstance(rtt, (int, float)) else None
+            store.keys = int(keys) if isinstance(keys, int) else None
+            store.last_ts = event["ts"]
+            self.version += 1
+        elif kind == "state" and event["state"] == "ready":
+            self.set_store("up", None, pid=event.get("pid", store.pid))
+        elif kind == "warning" and store.state == "up":
+            store.reason = event["message"]  # the probe could not reach it this time
+            self.version += 1
 
     # ---- ingest ------------------------------------------------------------------------------------------
     def ingest(self, node_name: str, line: str | bytes) -> None:
@@ -221,15 +357,21 @@ class Fleet:
         node = self.nodes.get(node_name)
         if node is None:
             node = self._node(node_name)
-        node.last_ts = event["ts"]
+        ts = event["ts"]
+        node.last_ts = ts
+        node._own_ts = ts if node._own_ts is None else max(node._own_ts, ts)
         if node.state is NodeState.UNREACHABLE:  # a line arrived: the link is back
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
+        elif node.mesh_dead_ts is not None and ts > node.mesh_dead_ts:  # the same process, heard after the report
+            node.state = node.engine_state or NodeState.STARTING
+            node.reason = None
+            node.mesh_dead_ts = None
         self._handlers[event["type"]](node, event)
         self.version += 1
 
     def _engine_says(self, node: Node, state: NodeState, reason: str | None = None) -> None:
-        node.engine_state = state
+        node.engine_state, node.engine_reason = state, reason
         if node.state not in _CONSOLE_FACTS:
             node.state = state
             node.reason = reason
@@ -238,17 +380,29 @@ class Fleet:
         node.log.append(_LazyLine(event))
 
     def _on_run_start(self, node: Node, event: dict[str, Any]) -> None:
+        if event["rank"] > 0:
+            node.log.append(_LazyLine(event))
+            return
         node.pid = event["pid"]
         node.max_steps = event["max_steps"]
-        if event["rank"] <= 0:
-            node.state = NodeState.STARTING  # a new process: it settles any DEAD/FAILED of the old one
+        node.run_info = {k: event.get(k) for k in ("host", "world_size", "config_digest", "strategy", "run",
+                                                   "diloco", "dataset") if k in event}
+        if isinstance(event.get("dataset"), str):
+            self.dataset = event["dataset"]
+        node.engine_state = NodeState.STARTING
+        if node.mesh_dead_ts is None:  # a new process: it settles any DEAD/FAILED of the old one
+            node.state = NodeState.STARTING  # (a mesh dead report newer than this start is about this process)
             node.reason = None
-            node.engine_state = NodeState.STARTING
         node.log.append(_LazyLine(event))
 
     def _on_step(self, node: Node, event: dict[str, Any]) -> None:
+        node.ranks[event["rank"]] = RankFigures(event["rank"], event["step"], event["tokens_per_s"], event["loss"],
+                                                event["ts"])
         if event["rank"] > 0:  # with telemetry.all_ranks the node's figures are still local rank 0's
             return
+        tokens, epoch = event.get("tokens"), event.get("epoch")
+        node.tokens = tokens if isinstance(tokens, int) else node.tokens
+        node.epoch = float(epoch) if isinstance(epoch, (int, float)) and not isinstance(epoch, bool) else node.epoch
         ts = event["ts"]
         node.step = step = event["step"]
         node.loss = loss = event["loss"]
@@ -259,12 +413,22 @@ class Fleet:
         node.log.append(_LazyLine(event))
 
     def _on_resource(self, node: Node, event: dict[str, Any]) -> None:
+        kind = event["device"]
+        index = event.get("index")
+        key = f"gpu {index}" if kind == "gpu" and index is not None else f"{kind} r{max(event['rank'], 0)}"
+        node.devices[key] = Device(key, kind, float(event["util"]), event["mem_used"], event["mem_total"],
+                                   _num(event.get("temp_c")), _num(event.get("power_w")), event["ts"])
         if event["rank"] > 0:
             return
-        node.device = event["device"]
+        node.device = kind
         node.util = event["util"]
         node.mem_used = event["mem_used"]
         node.mem_total = event["mem_total"]
+
+    def _on_checkpoint(self, node: Node, event: dict[str, Any]) -> None:
+        if event["rank"] <= 0:
+            node.checkpoints.append((event["step"], event["path"], event["seconds"]))
+        node.log.append(_LazyLine(event))
 
     def _on_state(self, node: Node, event: dict[str, Any]) -> None:
         state = _ENGINE_STATES.get(event["state"])
@@ -272,23 +436,63 @@ class Fleet:
             node.log.append(f"[console] unknown state {event['state']!r}")
             return
         self._engine_says(node, state)
+        if state is NodeState.TRAINING and event["rank"] <= 0:
+            node._outer_ts = event["ts"]  # the first round's compute time counts from here
         node.log.append(_LazyLine(event))
 
     def _on_outer_step(self, node: Node, event: dict[str, Any]) -> None:
         node.outer_step = event["outer_step"]
         self._set_members(event["generation"], event["members"])
+        if event["rank"] <= 0:
+            self._outer_round(node, event)
         node.log.append(_LazyLine(event))
+
+    def _outer_round(self, node: Node, event: dict[str, Any]) -> None:
+        """Fold one node's report of an outer step into the cluster's round (the slowest node's times)."""
+        number, ts = event["outer_step"], event["ts"]
+        rnd = self.outer_rounds.get(number)
+        if rnd is None:
+            rnd = self.outer_rounds[number] = OuterRound(number, ts, len(event["members"]))
+            while len(self.outer_rounds) > OUTER_ROUNDS:
+                del self.outer_rounds[next(iter(self.outer_rounds))]
+        allreduce = float(event["allreduce_s"])
+        rnd.reporters += 1
+        rnd.members = max(rnd.members, len(event["members"]))
+        rnd.bytes_sent += event["bytes_sent"]
+        rnd.allreduce_s = max(rnd.allreduce_s, allreduce)
+        compute = _num(event.get("compute_s"))
+        if compute is None and node._outer_ts is not None:  # today's engines: the node's own clock
+            compute, rnd.derived = max(0.0, ts - node._outer_ts - allreduce), True
+        if compute is not None:
+            rnd.compute_s = max(rnd.compute_s or 0.0, compute)
+        wire, codec, outer = _num(event.get("wire_s")), _num(event.get("codec_s")), _num(event.get("outer_s"))
+        if wire is not None:
+            rnd.wire_s = max(rnd.wire_s or 0.0, wire)
+        if codec is not None:
+            rnd.codec_s = max(rnd.codec_s or 0.0, codec)
+        if outer is not None:
+            idle = max(0.0, outer - (wire if wire is not None else allreduce) - (codec or 0.0))
+            rnd.idle_s = max(rnd.idle_s or 0.0, idle)
+        node._outer_ts = ts
 
     def _on_membership(self, node: Node, event: dict[str, Any]) -> None:
         generation, subject, change = event["generation"], event["subject"], event["change"]
         self._set_members(generation, event["members"])
         if change == "dead" and subject in self.nodes:
-            subj = self.nodes[subject]
-            if subj.state not in (NodeState.LEFT, NodeState.FAILED, NodeState.DEAD):
+            subj, ts = self.nodes[subject], event["ts"]
+            heard_since = subj._own_ts is not None and subj._own_ts >= ts  # an old report, replayed late
+            if subj.mesh_dead_ts is not None:  # dead on the mesh's word already: the latest report counts
+                subj.mesh_dead_ts = max(subj.mesh_dead_ts, ts)
+            elif not heard_since and subj.state not in _GONE:
                 subj.state = NodeState.DEAD
                 subj.reason = f"declared dead by the mesh (seen by {node.name})"
+                subj.mesh_dead_ts = ts
         elif change in ("drained", "left") and subject in self.nodes:
-            self._engine_says(self.nodes[subject], NodeState.LEFT, change)
+            subj = self.nodes[subject]
+            # a peer's report of an earlier life, replayed after the subject's own newer events (a console that
+            # attaches reads one events file after another): the subject's restarted process counts, not this
+            if subject == node.name or subj._own_ts is None or subj._own_ts < event["ts"]:
+                self._engine_says(subj, NodeState.LEFT, change)
         for seen in reversed(self.timeline):  # every node reports the same change: keep one
             if seen.generation == generation and seen.subject == subject and seen.change == change:
                 break
@@ -347,10 +551,16 @@ class Fleet:
             run=self.run, members=members, outer_step=max(outer) if outer else None,
             tokens_per_s=float(sum(n.tokens_per_s or 0.0 for n in active)),
             loss=sum(losses) / len(losses) if losses else None,
-            eta_s=_eta(lead, max_steps), step=lead.step if lead else None, max_steps=max_steps)
+            eta_s=_eta(lead, max_steps), step=lead.step if lead else None, max_steps=max_steps,
+            store=self.store_status)
 
     def marked(self) -> list[str]:
         return [n.name for n in self.nodes.values() if n.marked]
+
+
+def _num(value: Any) -> float | None:
+    """A number from an optional event field (a bool or a string is not one)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _eta(node: Node | None, max_steps: int | None) -> float | None:

@@ -6,7 +6,9 @@
 Layout (profiles/lab.toml documents every option):
 
     [run]       name, dir (relative to each host's workdir unless absolute)
-    [store]     host (the profile host that runs it), address (what engines dial), bind, port
+    [store]     backend (tcp | etcd); tcp: host (the profile host that runs it), address (what engines dial), bind,
+                port; etcd: etcd_hosts (the console runs the members) or etcd_endpoints + etcd_ca/cert/key,
+                etcd_client_port, etcd_peer_port, etcd_binary, etcd_prefix (console/etcd.py)
     [engine]    config (an engine TOML, relative to the workdir), overrides = { "train.max_steps" = 200 }
     [console]   poll_interval, stop_timeout
     [defaults]  any host option; each host inherits what it does not set ([defaults.env] merges per key)
@@ -46,10 +48,22 @@ class RunSpec(_Spec):
 
 
 class StoreSpec(_Spec):
+    backend: Literal["tcp", "etcd"] = "tcp"  # tcp: python -m engine.store on `host`; etcd: a replicated etcd
     host: str | None = None  # the profile host that runs the store; None: the first non-standby host
     address: str | None = None  # what engines dial; None: that host's address (127.0.0.1 for a local host)
     bind: str | None = None  # the store's listen address; None: the address
     port: int = Field(default=DEFAULT_STORE_PORT, gt=0, lt=65536)
+    # etcd, started by the console: one member per host named here (3 survive the loss of any one)
+    etcd_hosts: list[str] = []
+    etcd_client_port: int = Field(default=2379, gt=0, lt=65000)  # member i listens on client_port + 2i
+    etcd_peer_port: int = Field(default=2380, gt=0, lt=65000)  # and peer_port + 2i
+    etcd_binary: str = "etcd"  # on each etcd host (Debian: apt install etcd-server)
+    # etcd that runs already: its members' client endpoints, and the client certificate files on every host
+    etcd_endpoints: list[str] = []
+    etcd_ca: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
+    etcd_prefix: str | None = None  # the run's key prefix; None: zeroband/<run.name>/
 
 
 class EngineSpec(_Spec):
@@ -134,13 +148,23 @@ class Profile(_Spec):
 
     @property
     def store_address(self) -> str:
+        """What engines dial: [store] address, else the store host's address; an ~/.ssh/config alias exists only
+        on this machine, so its HostName (as ssh resolves it) is dialled instead of the alias."""
         if self.store.address:
             return self.store.address
         host = self.store_host
-        return "127.0.0.1" if host.transport == "local" else (host.address or host.target)
+        if host.transport == "local":
+            return "127.0.0.1"
+        if host.address:
+            return host.address
+        from console.sshconfig import ssh_hostname  # reads the ssh_config file: only when an alias needs it
+
+        return ssh_hostname(host) or host.target
 
     @property
     def store_bind(self) -> str:
+        """What the store listens on: [store] bind, else the address the engines dial (the console checks that
+        the store's host can bind it before starting, see Cluster._store_bind)."""
         return self.store.bind or self.store_address
 
     def active_hosts(self) -> list[HostSpec]:
@@ -188,6 +212,31 @@ def _check_hosts(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
     if not profile.active_hosts():
         raise ProfileError(f"{profile.path}:{lines.get(('hosts',), 0)}: hosts: every host is standby, "
                            "nothing would start")
+    _check_etcd(profile, lines)
+
+
+def _check_etcd(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    s = profile.store
+    where = f"{profile.path}:{lines.get(('store', 'backend'), lines.get(('store',), 0))}: store"
+    if s.backend != "etcd":
+        if s.etcd_hosts or s.etcd_endpoints:
+            raise ProfileError(f"{where}.backend: etcd_hosts / etcd_endpoints are given but backend is "
+                               f"{s.backend!r} (set backend = \"etcd\")")
+        return
+    if bool(s.etcd_hosts) == bool(s.etcd_endpoints):
+        raise ProfileError(f"{where}: backend etcd needs either etcd_hosts (the console starts the members) or "
+                           f"etcd_endpoints (a running etcd), not {'both' if s.etcd_hosts else 'neither'}")
+    for name in s.etcd_hosts:
+        if name not in profile.hosts:
+            line = lines.get(("store", "etcd_hosts"), 0)
+            raise ProfileError(f"{profile.path}:{line}: store.etcd_hosts: {name!r} is not a host of this profile")
+    if s.etcd_hosts and (len(s.etcd_hosts) % 2 == 0 or len(set(s.etcd_hosts)) != len(s.etcd_hosts)):
+        line = lines.get(("store", "etcd_hosts"), 0)
+        raise ProfileError(f"{profile.path}:{line}: store.etcd_hosts: an odd number of distinct hosts (3 survive "
+                           f"the loss of any one), not {len(s.etcd_hosts)}")
+    if s.etcd_endpoints and not (s.etcd_ca and s.etcd_cert and s.etcd_key):
+        raise ProfileError(f"{where}: etcd_endpoints needs etcd_ca, etcd_cert and etcd_key (paths on every "
+                           f"host): etcd must refuse clients without the run's certificate")
 
 
 def _parse_message(err: tomlkit.exceptions.ParseError) -> str:

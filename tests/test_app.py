@@ -29,10 +29,12 @@ from console.app import ConsoleApp, make_app
 from console.cluster import Cluster
 from console.fleet import Fleet, NodeState
 from console.profile import load_profile
+from console.screens.detail import NodeDetailScreen
 from console.screens.help import HelpScreen
 from console.screens.modals import AddNodeScreen, ConfirmScreen, QuitScreen
 from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable
+from console.widgets.outer_chart import OuterChart
 from console.widgets.panes import LogPane, RunHeader, Timeline
 from procs import fast_local_profile
 
@@ -163,7 +165,7 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         before = steps(fleet, "node-a", "node-c")
         await until(pilot, advanced(fleet, before, 3), 120, "node-a and node-c to go on after the drain")
         app.tick()
-        assert table.cell_text("node-b", "state") == "left (drained)"
+        assert table.cell_text("node-b", "state") == "left"
         assert any(e.subject == "node-b" and e.change == "drained" for e in fleet.timeline)
 
         # k kills node-c (confirm): dead, and node-a goes on alone
@@ -195,7 +197,7 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         assert isinstance(app.screen, QuitScreen)
         await pilot.press("s")
         await until(pilot, lambda: not app.is_running, 90, "the console to stop the cluster and exit")
-    assert app.return_code == 0
+    assert app.return_code == 3  # as --headless: stopped before completing (console/outcome.py)
     assert {fleet.nodes[n].state for n in ("node-a", "node-c")} == {NodeState.LEFT}
 
 
@@ -270,7 +272,7 @@ async def test_keys_without_engines(local_profile):
         await pilot.press("up", "up", "up", "space", "d")
         assert table.selected_name() == "node-b" and fleet.nodes["node-a"].marked
         assert isinstance(app.screen, ConfirmScreen) and app.screen.question == "Drain node-b, node-c?"
-        assert any("skipped node-a (standby)" in n.message for n in app._notifications)
+        assert any("skipped node-a (off)" in n.message for n in app._notifications)
         await pilot.press("n")
 
         await pilot.press("question_mark")
@@ -301,13 +303,32 @@ async def test_keys_without_engines(local_profile):
         text = Path(local_profile.path).read_text()
         assert '[hosts."127.0.0.1"]' in text and "port = 1" in text and 'user = "nobody"' in text
         assert "# ready to be added" in text  # the file's comments survive the write
-        assert all(fleet.nodes[n].state is NodeState.STANDBY for n in ("node-a", "node-d"))  # nothing else moved
+        assert fleet.nodes["node-a"].state is NodeState.OFF and fleet.nodes["node-d"].state is NodeState.STANDBY
 
         await pilot.press("q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press("l")  # leave training running
         await until(pilot, lambda: not app.is_running, 10, "the console to exit")
-    assert app.return_code == 0
+    # as --headless: the host it tried to add failed (1), or is unreachable and may yet run (left running: 130)
+    assert app.return_code == (1 if fleet.nodes["127.0.0.1"].state is NodeState.FAILED else 130)
+
+
+@pytest.mark.parametrize("ending, key, code", [
+    ({"node-a": NodeState.FAILED, "node-b": NodeState.FAILED, "node-c": NodeState.FAILED}, "s", 1),
+    ({"node-a": NodeState.TRAINING, "node-b": NodeState.FAILED, "node-c": NodeState.TRAINING}, "l", 130),
+])
+async def test_exit_status_follows_the_headless_rules(local_profile, ending, key, code):
+    """Defect: the dashboard exited 0 after every node had failed (store killed, then quit with stop). The real
+    Cluster answers the stop (nothing of it runs here); the outcome is the fleet's, as --headless computes it."""
+    app, fleet = build(local_profile, start=False)
+    async with app.run_test(size=SIZE) as pilot:
+        for name, state in ending.items():
+            fleet.set_state(name, state, "store exited: killed" if state is NodeState.FAILED else None)
+        await pilot.press("q")
+        assert isinstance(app.screen, QuitScreen)
+        await pilot.press(key)
+        await until(pilot, lambda: not app.is_running, 20, "the console to exit")
+    assert app.return_code == code
 
 
 async def test_readonly_hides_actions(local_profile):
@@ -361,3 +382,85 @@ async def test_garbage_never_crashes(local_profile):
         await pilot.press("n")
         assert log._border_title.plain == "log [red]odd[/"  # shown as written (the getter returns markup)
         assert app.is_running
+
+
+@pytest.fixture
+def two_by_two(tmp_path, monkeypatch):
+    """profiles/local.toml as shipped, made two hosts of two workers each (torchrun on CPU), every rank speaking."""
+    import tomlkit
+
+    monkeypatch.chdir(ROOT)
+    path = fast_local_profile(tmp_path)
+    doc = tomlkit.parse(path.read_text())
+    del doc["hosts"]["node-c"]
+    doc["defaults"]["workers"] = 2
+    overrides = doc["engine"]["overrides"]
+    overrides.update({"diloco.min_nodes": 2, "train.micro_batch_size": 1, "train.batch_size": 2,
+                      "telemetry.all_ranks": True})
+    path.write_text(tomlkit.dumps(doc))
+    yield load_profile(path)
+    for pid_file in (tmp_path / "runs").glob("*/pid"):
+        try:
+            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_live_two_workers_detail_outer_chart_and_store(two_by_two):
+    """Real engines, two hosts of two workers each: the detail view (Enter) shows each rank and device, the
+    engine's command line, pid and digest; the outer-step chart fills from the engines' outer steps; the header
+    shows the store's health; a store killed under the run is an alert, and the console restarts it."""
+    app, fleet = build(two_by_two)
+    names = ["node-a", "node-b"]
+    async with app.run_test(size=(200, 60)) as pilot:
+        await until(pilot, lambda: all((fleet.nodes[n].outer_step or 0) >= 2 and {0, 1} <= set(fleet.nodes[n].ranks)
+                                       and len(fleet.nodes[n].devices) == 2 for n in names)
+                    and fleet.store.keys is not None, 300, "two outer steps on two hosts of two ranks",
+                    unless=tuple(names))
+        app.tick()
+        app.dashboard.render_chart(fleet)
+        header = str(app.dashboard.query_one(RunHeader).render())
+        assert f"store 127.0.0.1:{two_by_two.store.port} up | rtt " in header and " keys" in header, header
+        chart = app.dashboard.query_one(OuterChart)
+        assert chart.steps[:2] == [1, 2] and len(chart.series["compute"]) == len(chart.steps)
+        # both sides of a round: these engines report wire and codec seconds (older ones one all-reduce figure)
+        comm = [chart.series[k][1] for k in ("wire", "codec", "allreduce") if k in chart.series]
+        assert chart.series["compute"][1] > 0 and "wire" in chart.series and sum(comm) > 0, chart.series
+        assert chart.caption.startswith(f"outer {chart.steps[-1]}: compute ")
+
+        # Enter on node-b: the node in full
+        table = app.dashboard.table
+        table.move_cursor(row=table.get_row_index("node-b"))
+        await pilot.press("enter")
+        assert isinstance(app.screen, NodeDetailScreen) and app.screen.node_name == "node-b"
+        node = fleet.nodes["node-b"]
+        text = app.screen.text()
+        for expected in ("torch.distributed.run", "--nproc_per_node=2", str(node.pid), node.run_info["config_digest"], "cpu r0", "cpu r1", "inner.device=cpu",
+                         "tokens"):
+            assert expected in text, (expected, text)
+        rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+        ranks = {r[0]: int(r[1]) for r in rows if len(r) == 5 and r[0].isdigit()}  # rank, step, tok/s, loss, age
+        assert set(ranks) == {"0", "1"} and min(ranks.values()) >= 1, text  # a row per rank, with its step
+        await pilot.press("escape")
+        assert app.screen is app.dashboard
+
+        # the store dies under the run: an alert, then the console brings it back
+        store_pid = int((Path(two_by_two.run.dir) / "_store" / "pid").read_text())
+        os.killpg(store_pid, signal.SIGKILL)
+        await until(pilot, lambda: fleet.store.state in ("down", "restarting") or fleet.store.restarts, 30,
+                    "the store's death seen")
+        app.tick()
+        alert = str(app.dashboard.query_one(RunHeader).render())
+        assert "STORE DOWN" in alert or "STORE RESTARTING" in alert or fleet.store.state == "up", alert
+        await until(pilot, lambda: fleet.store.state == "up" and fleet.store.restarts == 1
+                    and fleet.store.keys is not None, 60, "the store restarted and probed")
+        assert int((Path(two_by_two.run.dir) / "_store" / "pid").read_text()) != store_pid
+        assert [e.change for e in fleet.timeline if e.subject == "store"][-3:] == [
+            "store down", "store restarting", "store up"]
+
+        await pilot.press("q")
+        await pilot.press("s")
+        await until(pilot, lambda: not app.is_running, 90, "the console to stop the cluster and exit")
+    assert fleet.store.state == "stopped"

@@ -66,7 +66,54 @@ def test_number_formats_never_raise_on_garbage():
     assert cells.loss_cell(3.14159) == "3.1416"
     assert cells.loss_cell(1e308) == "1e+308" and cells.num_cell(-3e12) == "-3e+12"
     assert cells.eta_text(3725) == "1h02m" and cells.eta_text(65) == "1m05s" and cells.eta_text(None) == "-"
-    assert cells.state_cell("dead", "killed by operator").plain == "dead (killed by operator)"
+
+
+def test_state_column_is_the_state_and_the_reason_goes_whole_where_it_fits():
+    """Defect: "dead (killed by the operat" -- the column cut the reason. Now the column holds the state, and the
+    status line (and the detail view, the log title, the timeline) carries the reason whole."""
+    reason = "exited with status 1: ValueError: train.batch_size (8) is not divisible by 16"
+    fleet = _training_fleet()
+    fleet.set_state("node-b", NodeState.FAILED, reason)
+    row = node_row(fleet.nodes["node-b"], 6.0)
+    assert row["state"].plain == "failed"
+    assert cli.node_line(fleet.nodes["node-b"]).endswith(f"({reason})")
+    assert cells.reason_text("training", "whatever") == ""  # a healthy state needs no why
+
+
+def test_status_line_of_a_node_says_where_it_is_in_its_data():
+    fleet = _training_fleet()
+    fleet.ingest("node-a", _event("step", "node-a", step=11, loss=3.0, lr=1e-3, tokens_per_s=900.0, grad_norm=None,
+                                  tokens=45056, outer_step=2, epoch=0.25))
+    assert "| data 45,056 tok epoch 0.250" in cli.node_line(fleet.nodes["node-a"])
+    assert "| data" not in cli.node_line(fleet.nodes["node-b"])  # an engine that does not say: nothing made up
+
+
+def test_status_of_dead_and_left_nodes_shows_no_stale_figures():
+    """Defect: `status` printed "dead ... CPU 100.0% RSS 620.5M" from the last sample of a gone process."""
+    fleet = _training_fleet()
+    for name in fleet.nodes:
+        fleet.ingest(name, _event("resource", name, device="cpu", util=100.0, mem_used=650_000_000,
+                                  mem_total=8 * 2**30))
+    fleet.set_state("node-b", NodeState.DEAD, "killed by the operator")
+    fleet.ingest("node-c", _event("run_end", "node-c", status="stopped", step=10))
+    lines = {n: cli.node_line(fleet.nodes[n]) for n in fleet.nodes}
+    assert "CPU 100.0%" in lines["node-a"] and "RSS 619.9M" in lines["node-a"] and "1,000 tok/s" in lines["node-a"]
+    for name in ("node-b", "node-c"):
+        assert "CPU" not in lines[name] and "RSS" not in lines[name] and "1,000" not in lines[name], lines[name]
+        assert lines[name].split()[3:5] == ["-", "-"]
+
+
+def test_hosts_not_started_are_off_and_only_standby_hosts_are_standby(tmp_path):
+    """Defect: before a start every host read "standby"; only a profile standby is one, the others are off."""
+    from console.cluster import Cluster
+    from console.profile import parse_profile
+
+    fleet = Fleet(run="unit")
+    Cluster(parse_profile(PROFILE_TEXT, str(tmp_path / "unit.toml")), fleet)
+    assert {n: str(node.state) for n, node in fleet.nodes.items()} == {
+        "node-a": "off", "node-b": "off", "node-c": "standby"}
+    assert cli.run_outcome(fleet) is None  # nothing started: no outcome yet
+    assert cli.status_line(fleet, now=0).endswith("| off 2")
 
 
 def test_node_row_has_the_live_values():
@@ -122,6 +169,50 @@ def test_run_outcome_failure_and_stop():
     assert cli.run_outcome(fleet) == cli.EXIT_STOPPED
     fleet.set_state("a", NodeState.UNREACHABLE, "link down")
     assert cli.run_outcome(fleet) is None  # its engine may still train
+
+
+def test_a_mesh_dead_label_is_not_the_end_of_the_run():
+    fleet = _training_fleet(names=("a", "b", "c"))
+    for subject in ("a", "b"):  # c, cut off from a and b, declares them dead; then c is killed
+        fleet.ingest("c", _event("membership", "c", ts=time.time() + 0.01, change="dead", subject=subject,
+                                 generation=5, members=["c"]))
+    fleet.set_state("c", NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
+    assert {n.state for n in fleet.nodes.values()} == {NodeState.DEAD}  # every node shown dead
+    assert cli.run_outcome(fleet) is None  # but a and b were not seen to end: the run goes on
+    fleet.set_state("a", NodeState.DEAD, "process gone without an exit status (killed?)")  # the console saw it
+    assert cli.run_outcome(fleet) is None  # b still runs
+    fleet.ingest("b", _event("run_end", "b", ts=time.time() + 1, status="completed", step=100))
+    assert cli.run_outcome(fleet) == cli.EXIT_FAILED
+
+
+async def test_headless_never_stops_engines_it_still_follows(unit_profile):
+    """The fleet's view says the run is over (each node reported gone by its peer) while the cluster still follows
+    both live processes: no stop() and no exit until the watchers have seen the processes end."""
+    from console.profile import load_profile
+
+    fleet = Fleet(run="unit")
+    cluster = RecordingCluster(load_profile(unit_profile), fleet)
+    live = {"node-a", "node-b"}
+    cluster.running = lambda: sorted(live)
+
+    async def start():
+        await cluster.attach()
+        for reporter, subject in (("node-a", "node-b"), ("node-b", "node-a")):
+            fleet.ingest(reporter, _event("membership", reporter, change="left", subject=subject, generation=4,
+                                          members=[reporter]))
+        assert cli.run_outcome(fleet) == cli.EXIT_STOPPED  # the (wrong) view: every node gone
+
+        async def finish():
+            await asyncio.sleep(0.5)
+            live.clear()  # the watchers saw both processes end
+        asyncio.ensure_future(finish())
+
+    cluster.start = start
+    out = io.StringIO()
+    begun = time.monotonic()
+    code = await cli.run_headless(cluster, fleet, attach=False, interval=0.1, out=out)
+    assert time.monotonic() - begun >= 0.5  # it waited for the processes, not for the fleet's view
+    assert code == cli.EXIT_STOPPED and cluster.calls[-2:] == [("stop", "all"), "close"]
 
 
 def test_standby_nodes_do_not_hold_the_outcome():
@@ -190,7 +281,7 @@ class RecordingCluster:
         for name, host in profile.hosts.items():
             fleet.add_node(name, "local", NodeState.STANDBY)
 
-    async def attach(self):
+    async def attach(self, **kw):
         self.calls.append("attach")
         for name in ("node-a", "node-b"):
             self.fleet.ingest(name, _event("state", name, state="training"))
@@ -348,7 +439,7 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
         deadline = time.monotonic() + 120
         while True:
             rows = {line.split()[0]: line for line in _console(procs, str(profile), "status").stdout.splitlines()[1:]}
-            if "left (drained)" in rows["node-b"] and " dead " in rows["node-c"] and " training " in rows["node-a"]:
+            if " left " in rows["node-b"] and rows["node-b"].endswith("(drained)") and " dead " in rows["node-c"] and " training " in rows["node-a"]:
                 break
             assert time.monotonic() < deadline, rows
             time.sleep(2)
@@ -359,6 +450,11 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
         lines = out.splitlines()
         assert headless.returncode == cli.EXIT_FAILED, (out, err)  # node-c died: not a clean completion
         assert sum(" | " in line for line in lines) >= 3 and "training 3" in out
+        assert any(" | store 127.0.0.1:" in line and " up | rtt " in line for line in lines), out  # store health
+        outer = [line for line in lines if line.startswith("  outer ")]
+        # a line per outer step (these engines split the exchange into wire and codec seconds)
+        assert outer and all(" compute " in line and " wire " in line and " codec " in line and " members | " in line
+                              for line in outer), out
         final = {line.split()[0]: line for line in lines if line.startswith("  ")}
         assert "stopped" in final["node-a"] and "drained" in final["node-b"] and "dead" in final["node-c"]
     finally:

@@ -9,6 +9,8 @@ test runs the real engine on configs/debug-diloco.toml.
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import signal
 import sys
@@ -171,7 +173,7 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     profile = make_profile(workdir)
     fleet = Fleet(run="t")
     cluster = Cluster(profile, fleet)
-    assert states(fleet) == {"node-a": "standby", "node-b": "standby", "node-c": "standby"}
+    assert states(fleet) == {"node-a": "off", "node-b": "off", "node-c": "standby"}
     await cluster.start()
     await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"},
                 what="training")
@@ -297,7 +299,7 @@ async def test_add_a_new_address_writes_it_into_the_profile(workdir, cleanup):
     assert (host.user, host.port, host.transport, host.python) == ("tester", 1, "ssh", sys.executable)
     bad = await cluster.add("not a host!")
     assert not bad and fleet.nodes["not a host!"].state is NodeState.FAILED
-    assert fleet.nodes["node-a"].state is NodeState.STANDBY  # nothing else touched
+    assert fleet.nodes["node-a"].state is NodeState.OFF  # nothing else touched
     await cluster.close()
 
 
@@ -419,3 +421,87 @@ async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workd
     assert '--ckpt.resume="auto"' in engine_argv(profile, profile.hosts["node-a"])
     assert await third.stop()
     await third.close()
+
+
+FLAKY_STORE = r'''
+import json, os, sys, time
+if os.path.exists("store-fails-once"):  # the test's switch: this start dies before it is ready
+    os.remove("store-fails-once")
+    print("cannot listen: address in use", file=sys.stderr)
+    sys.exit(2)
+print(json.dumps({"v": 1, "type": "state", "ts": time.time(), "node": "store", "rank": -1, "state": "ready",
+                  "pid": os.getpid()}), flush=True)
+time.sleep(600)
+'''
+
+
+async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(workdir, cleanup):
+    """Issue 13: the console restarts a store it started. A restart that dies before it is ready is retried; the
+    nodes are never failed for a store that the run already had."""
+    (workdir / "engine" / "store.py").write_text(FLAKY_STORE)
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+        first = int((workdir / "runs/t/_store/pid").read_text())
+        (workdir / "store-fails-once").write_text("")
+        os.killpg(first, signal.SIGKILL)
+        await until(lambda: fleet.store.restarts >= 1, what="a restart")
+        await until(lambda: fleet.store.state == "up" and fleet.store.restarts == 2, 30, what="up after two tries")
+        assert not (workdir / "store-fails-once").exists()  # the first restart did die before it was ready
+        assert states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"}
+        assert int((workdir / "runs/t/_store/pid").read_text()) not in (first,)
+        assert (workdir / "runs/t/_store/events.jsonl").read_text().count('"ready"') == 2  # appended, not replaced
+        await cluster.stop()
+        assert fleet.store.state == "stopped"
+    finally:
+        await cluster.close()
+
+
+async def test_a_watching_console_follows_a_node_another_console_starts(workdir, cleanup):
+    """The chaos lab's way back: a node dies, a shell's `add NODE` (another console process) starts it again, and
+    the dashboard watching the run shows it training again; the same for a standby host added from a shell."""
+    from console import cli
+
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    watching = Cluster(profile, fleet)
+    await watching.start()
+    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"},
+                what="training")
+    old_pid = fleet.nodes["node-b"].pid
+    os.killpg(int((workdir / "runs/t/node-b/pid").read_text()), signal.SIGKILL)  # not by this console
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.DEAD, what="b settled dead")
+
+    for node in ("node-b", "node-c"):  # `zeroband-console PROFILE add NODE` from a shell
+        shell = Cluster(profile, Fleet())
+        args = cli.parse_args([str(profile.path), "add", node])
+        assert await cli.run_command(shell, shell.fleet, args, io.StringIO()) == 0
+    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "training"},
+                what="the watching console sees both started by the shell")
+    b = fleet.nodes["node-b"]
+    starts = [e for e in map(json.loads, (workdir / "runs/t/node-b/events.jsonl").read_text().splitlines())
+              if e["type"] == "run_start"]
+    assert len(starts) == 2 and b.pid == starts[-1]["pid"] != old_pid  # the shell's process, appended
+    step_c = fleet.nodes["node-c"].step or 0
+    await until(lambda: (fleet.nodes["node-c"].step or 0) > step_c + 2, what="c followed")
+    assert sorted(watching.running()) == ["node-a", "node-b", "node-c"]
+
+    # a console attached while the node is dead follows its next start too
+    os.killpg(int((workdir / "runs/t/node-a/pid").read_text()), signal.SIGKILL)
+    await until(lambda: fleet.nodes["node-a"].state is NodeState.DEAD, what="a settled dead")
+    late_fleet = Fleet()
+    late = Cluster(profile, late_fleet)
+    await late.attach(steer_store=False)
+    assert late_fleet.nodes["node-a"].state is NodeState.DEAD
+    shell = Cluster(profile, Fleet())
+    assert await cli.run_command(shell, shell.fleet, cli.parse_args([str(profile.path), "add", "node-a"]),
+                                 io.StringIO()) == 0
+    await until(lambda: fleet.nodes["node-a"].state is late_fleet.nodes["node-a"].state is NodeState.TRAINING,
+                what="both consoles see a again")
+    await late.close()
+    assert await watching.stop()  # and it ends what it adopted, as its own
+    assert states(fleet) == {"node-a": "left", "node-b": "left", "node-c": "left"}
+    await watching.close()

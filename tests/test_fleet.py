@@ -36,7 +36,8 @@ def test_ingest_numbers_and_summary():
     fleet.ingest("b", step(12, 4.0, 500.0, "b", ts=t0 + 5).encode())  # bytes are accepted too
     fleet.ingest("a", line("resource", device="cpu", util=42.5, mem_used=10, mem_total=100))
     fleet.ingest("a", line("outer_step", outer_step=3, step=20, generation=2, members=["a", "b"],
-                           pgrad_norm=0.1, bytes_sent=10, allreduce_s=0.1, checksum="c"))
+                           pgrad_norm=0.1, bytes_sent=10, allreduce_s=0.1, wire_s=0.08, codec_s=0.02,
+                           compute_s=1.0, outer_s=0.12, checksum="c", contributors=["a", "b"], weights=[1.0, 1.0]))
     a = fleet.nodes["a"]
     assert (a.step, a.loss, a.tokens_per_s, a.outer_step, a.pid) == (20, 2.0, 1500.0, 3, 100)
     assert (a.device, a.util, a.mem_used, a.mem_total) == ("cpu", 42.5, 10, 100)
@@ -152,3 +153,203 @@ def test_unknown_node_is_created_and_bounded_history():
     x = fleet.nodes["x"]
     assert x.host == "?" and x.step == 1999
     assert len(x.loss_history) == x.loss_history.maxlen and len(x.log) == x.log.maxlen
+
+
+# ---- per-GPU figures, the detail view, the outer step, the store (issue 14 items 8-10) ----------------------
+def gpu(index: int, util: float, used_g: float, ts: float | None = None, node: str = "a") -> str:
+    """A resource sample as engine/resources.py emits one per GPU (a fake NVML: no GPU here)."""
+    return line("resource", node, ts=ts, device="gpu", index=index, util=util, mem_used=int(used_g * 2**30),
+                mem_total=80 * 2**30, temp_c=60 + index, power_w=300.0 + index)
+
+
+def test_a_node_of_several_gpus_shows_mean_minimum_and_fullest():
+    """Defect: a host of 8 GPUs was one row with one device's figures (the last sample won)."""
+    from console.widgets import cells
+    from console.widgets.node_table import node_row
+
+    fleet = Fleet()
+    fleet.add_node("a", "h", NodeState.TRAINING)
+    for index, (util, used) in enumerate([(90.0, 40.0), (95.0, 71.0), (35.0, 20.0), (100.0, 50.0)]):
+        fleet.ingest("a", gpu(index, util, used))
+    node = fleet.nodes["a"]
+    assert sorted(node.devices) == ["gpu 0", "gpu 1", "gpu 2", "gpu 3"]
+    row = node_row(node, 6.0)
+    assert row["util"].plain == "4GPU 80% ↓35"  # the straggler at 35% shows, the mean alone would hide it
+    assert row["mem"].plain == "max 71.0G/80.0G"
+    fleet.set_state("a", NodeState.DEAD, "killed")
+    assert node_row(node, 6.0)["util"].plain == "-"  # a dead node's samples are not current figures
+    assert cells.gpu_cells({"x": node.devices["gpu 0"]}) is None  # one GPU: the plain device cells
+
+
+def test_detail_view_lists_every_gpu_rank_checkpoint_and_event():
+    from console.screens.detail import detail_tables
+    from rich.console import Console
+    import io
+
+    fleet = Fleet()
+    fleet.add_node("a", "h", NodeState.TRAINING)
+    now = time.time()
+    fleet.ingest("a", line("run_start", pid=4242, host="h", world_size=2, config_digest="d1g3st", strategy="fsdp",
+                           max_steps=100, run="r", diloco=True, dataset="fineweb-edu-10m"))
+    for rank, (s, tps) in enumerate([(30, 1000.0), (29, 990.0)]):
+        fleet.ingest("a", line("step", rank=rank, ts=now, step=s, loss=2.5 + rank, lr=1e-3, tokens_per_s=tps,
+                               grad_norm=None, tokens=61440, outer_step=6, epoch=0.125))
+    for index in (0, 1):
+        fleet.ingest("a", gpu(index, 50.0 + index, 10.0, ts=now))
+    fleet.ingest("a", line("checkpoint", step=30, path="runs/x/step-00000030", seconds=1.5))
+    node = fleet.nodes["a"]
+    node.command, node.overrides = "python -m engine.train configs/x.toml", {"train.max_steps": 100}
+    out = Console(width=200, record=True, file=io.StringIO())
+    for part in detail_tables(node, now=now + 2):
+        out.print(part)
+    text = out.export_text()
+    for expected in ("4242", "python -m engine.train configs/x.toml", "d1g3st", "fsdp", "fineweb-edu-10m",
+                     "train.max_steps=100", "61,440 tokens, epoch 0.125", "gpu 0", "gpu 1", "GPU  51.0%", "61C",
+                     "301W", "runs/x/step-00000030", "990"):
+        assert expected in text, (expected, text)
+    assert fleet.dataset == "fineweb-edu-10m" and node.ranks[1].step == 29
+
+
+def outer(n: int, ts: float, node: str = "a", members=("a", "b"), allreduce: float = 0.5, **new) -> str:
+    return line("outer_step", node, ts=ts, outer_step=n, step=n * 10, generation=1, members=list(members),
+                pgrad_norm=0.1, bytes_sent=1000, allreduce_s=allreduce, checksum="c", **new)
+
+
+def test_outer_rounds_from_todays_fields_and_from_the_new_ones():
+    """Today's engines: compute = time since the node's previous outer step less the all-reduce (the slowest node
+    counts). Engines with compute_s/wire_s/codec_s/outer_s: those, and idle = outer_s - wire_s - codec_s."""
+    from console.cli import outer_lines
+
+    fleet = Fleet()
+    for name in ("a", "b"):
+        fleet.add_node(name, "h")
+        fleet.ingest(name, line("state", name, ts=100.0, state="training"))
+    fleet.ingest("a", outer(1, 110.0, "a", allreduce=0.5))
+    fleet.ingest("b", outer(1, 112.0, "b", allreduce=1.0))
+    rnd = fleet.outer_rounds[1]
+    assert (rnd.compute_s, rnd.allreduce_s, rnd.bytes_sent, rnd.reporters, rnd.derived) == (11.0, 1.0, 2000, 2, True)
+    assert outer_lines(fleet, -1) == (["  outer 1: compute 11.00s~ allreduce 1.00s idle - (8% comm) | 2 members | "
+                                       "2.0K sent"], 1)
+    fleet.ingest("a", outer(2, 120.0, "a", allreduce=0.6, compute_s=8.0, wire_s=0.4, codec_s=0.2, outer_s=1.5))
+    assert outer_lines(fleet, 1) == ([], 1)  # b has not reported outer step 2 yet
+    fleet.ingest("b", outer(2, 121.0, "b", allreduce=0.6, compute_s=7.0, wire_s=0.3, codec_s=0.3, outer_s=1.2))
+    rnd = fleet.outer_rounds[2]
+    assert (rnd.compute_s, rnd.wire_s, rnd.codec_s, rnd.derived) == (8.0, 0.4, 0.3, False)
+    assert rnd.idle_s == pytest.approx(0.9)  # a's 1.5 - 0.4 - 0.2: the slowest node's wait
+    lines, last = outer_lines(fleet, 1)
+    assert last == 2 and lines[0].startswith("  outer 2: compute 8.00s wire 0.40s codec 0.30s idle 0.90s")
+
+    from console.widgets.outer_chart import bar_series
+    bars = bar_series(list(fleet.outer_rounds.values()))
+    assert bars == {"compute": [11.0, 8.0], "wire": [0.0, 0.4], "codec": [0.0, 0.3], "idle": [0.0, rnd.idle_s]}
+
+
+def test_store_health_and_its_alert():
+    from console.widgets import cells
+
+    fleet = Fleet()
+    fleet.store.address = "10.0.0.1:29600"
+    assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 off"
+    fleet.ingest_store(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
+    fleet.ingest_store(line("heartbeat", "store", rank=-1, seq=1, peers={}, keys=14, rtt_ms=0.42))
+    assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 up | rtt 0.4ms | 14 keys"
+    fleet.set_store("down", "store exited: Killed; restarting it")
+    alert = cells.store_text(fleet.store)
+    assert alert.plain.startswith("STORE DOWN 10.0.0.1:29600: store exited: Killed; restarting it -- ")
+    assert "wait for it" in alert.plain and str(alert.style) == "bold white on red"
+    assert fleet.store.keys is None  # a dead store has no current figures
+    assert [e.change for e in fleet.timeline] == ["store up", "store down"]
+
+
+def _mesh_of_three() -> tuple[Fleet, float]:
+    fleet, t0 = Fleet(), time.time() - 100
+    for name in ("a", "b", "c"):
+        fleet.add_node(name, "h", NodeState.STARTING)
+        fleet.ingest(name, line("run_start", name, ts=t0, pid=10, host="h", world_size=1, config_digest="x",
+                                strategy="diloco", max_steps=100))
+        fleet.ingest(name, line("state", name, ts=t0 + 1, state="training"))
+    return fleet, t0
+
+
+def _dead(reporter: str, subject: str, ts: float, generation: int = 3) -> str:
+    return line("membership", reporter, ts=ts, change="dead", subject=subject, generation=generation,
+                members=[n for n in ("a", "b", "c") if n != subject])
+
+
+def test_a_mesh_dead_node_that_speaks_again_trains_without_a_new_run_start():
+    """A link fault or a long freeze: the peers declare c dead, the same process re-joins (no run_start)."""
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("a", _dead("a", "c", t0 + 10))
+    c = fleet.nodes["c"]
+    assert (c.state, c.mesh_dead_ts) == (NodeState.DEAD, t0 + 10) and "mesh" in c.reason
+    fleet.ingest("c", step(5, 1.0, 1.0, "c", ts=t0 + 9))  # written before the report, read after: still dead
+    assert c.state is NodeState.DEAD
+    fleet.ingest("c", line("outer_step", "c", ts=t0 + 12, outer_step=4, step=20, generation=4,
+                           members=["a", "b", "c"], pgrad_norm=0.1, bytes_sent=1, allreduce_s=0.1, wire_s=0.1,
+                           codec_s=0.0, compute_s=1.0, outer_s=0.1, checksum="k", contributors=["a", "b", "c"],
+                           weights=[1.0, 1.0, 1.0]))
+    assert (c.state, c.reason, c.mesh_dead_ts) == (NodeState.TRAINING, None, None)
+    # a heartbeat is the node's own word too
+    fleet.ingest("b", _dead("b", "c", t0 + 20, generation=5))
+    assert c.state is NodeState.DEAD
+    fleet.ingest("c", line("heartbeat", "c", ts=t0 + 21, seq=9, peers={"a": 0.1}))
+    assert c.state is NodeState.TRAINING
+    # a console fact (the process is gone) is final: a late line of the old process does not undo it
+    fleet.ingest("a", _dead("a", "c", t0 + 30, generation=6))
+    fleet.set_state("c", NodeState.DEAD, "process gone without an exit status (killed?)")
+    fleet.ingest("c", step(30, 1.0, 1.0, "c", ts=t0 + 31))
+    assert c.state is NodeState.DEAD and c.mesh_dead_ts is None
+
+
+def test_attach_replay_a_peers_old_dead_report_does_not_kill_a_node_that_spoke_since():
+    """--attach reads b's whole file, then a's: a's old `dead b` lands after b's newer own events."""
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("b", line("run_start", "b", ts=t0 + 50, pid=20, host="h", world_size=1, config_digest="x",
+                           strategy="diloco", max_steps=100))
+    fleet.ingest("b", line("state", "b", ts=t0 + 60, state="training"))
+    fleet.ingest("a", _dead("a", "b", t0 + 40))  # about b's previous process, replayed late
+    assert fleet.nodes["b"].state is NodeState.TRAINING and fleet.nodes["b"].mesh_dead_ts is None
+    # the other order (a's file first) ends the same: b's own later events override the report
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("a", _dead("a", "b", t0 + 40))
+    assert fleet.nodes["b"].state is NodeState.DEAD
+    fleet.ingest("b", line("run_start", "b", ts=t0 + 50, pid=20, host="h", world_size=1, config_digest="x",
+                           strategy="diloco", max_steps=100))
+    fleet.ingest("b", line("state", "b", ts=t0 + 60, state="training"))
+    assert fleet.nodes["b"].state is NodeState.TRAINING
+    # a run_start older than the report does not undo it: the report is about that process
+    fleet.ingest("a", _dead("a", "b", t0 + 70, generation=4))
+    fleet.ingest("b", line("run_start", "b", ts=t0 + 65, pid=20, host="h", world_size=1, config_digest="x",
+                           strategy="diloco", max_steps=100))
+    assert fleet.nodes["b"].state is NodeState.DEAD
+
+
+def test_attach_replay_a_peers_old_drained_report_does_not_end_a_node_restarted_since():
+    """The 50-fault soak: b drained and was added again; a console attached later read b's file (b training in its
+    new process), then a's, whose `drained b` about b's previous process set b left: `training 1 left 2` for a
+    run of three training nodes."""
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("b", line("run_start", "b", ts=t0 + 50, pid=20, host="h", world_size=1, config_digest="x",
+                           strategy="diloco", max_steps=100))
+    fleet.ingest("b", line("state", "b", ts=t0 + 60, state="training"))
+    fleet.ingest("a", line("membership", "a", ts=t0 + 40, change="drained", subject="b", generation=4,
+                           members=["a", "b", "c"]))
+    assert fleet.nodes["b"].state is NodeState.TRAINING
+    assert fleet.summary().members == 3
+    # in order (followed live), the same report ends b until its new process speaks
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("a", line("membership", "a", ts=t0 + 40, change="drained", subject="b", generation=4,
+                           members=["a", "b", "c"]))
+    assert fleet.nodes["b"].state is NodeState.LEFT
+
+
+def test_a_process_that_ended_as_it_said_is_not_left_dead_by_a_later_mesh_report():
+    """--attach reads a's file first (it declared c dead), then c's: its run_end is older than the report, so c
+    stays dead on the mesh's word; once its process is gone, its own run_end is what counts."""
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("a", _dead("a", "c", t0 + 12))
+    fleet.ingest("c", line("run_end", "c", ts=t0 + 10, status="completed", step=100))
+    c = fleet.nodes["c"]
+    assert c.state is NodeState.DEAD and c.engine_state is NodeState.LEFT
+    assert fleet.process_ended("c") and (c.state, c.reason, c.mesh_dead_ts) == (NodeState.LEFT, "completed", None)
+    assert not fleet.process_ended("c") and not fleet.process_ended("a")  # nothing of the mesh's to undo

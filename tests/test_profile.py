@@ -163,3 +163,24 @@ def test_hosts_with_different_worker_counts_are_refused_at_the_host_line():
     plain = parse_profile(text.replace("configs/debug-diloco.toml", "configs/debug.toml"), "local.toml")
     check_engine_config(plain)  # does not raise
     assert plain.hosts["node-b"].workers == 2
+
+
+def test_store_on_an_ssh_alias_host_is_dialled_at_its_hostname(tmp_path):
+    """Defect: with the store on an ssh_alias host, engines dialled the alias ("cannot bind on zbl-1:29650:
+    Temporary failure in name resolution"); the alias exists only in this machine's ssh_config."""
+    from console.profile import parse_profile
+
+    config = tmp_path / "ssh_config"
+    config.write_text("Host zbl-*\n  User trainer\nHost zbl-1\n  HostName 10.1.2.3\n  Port 2201\n"
+                      "Host zbl-2\n  HostName gpu-2.lab.example\n")
+    text = (f'[engine]\nconfig = "configs/debug-diloco.toml"\n[store]\nhost = "h1"\n'
+            f'[defaults]\nssh_config = "{config}"\n'
+            f'[hosts.h1]\nssh_alias = "zbl-1"\n[hosts.h2]\nssh_alias = "zbl-2"\n')
+    profile = parse_profile(text, "p.toml")
+    assert (profile.store_address, profile.store_bind) == ("10.1.2.3", "10.1.2.3")
+    on_h2 = parse_profile(text.replace('host = "h1"', 'host = "h2"'), "p.toml")
+    assert on_h2.store_address == "gpu-2.lab.example"
+    pinned = parse_profile(text.replace('host = "h1"', 'host = "h1"\naddress = "10.9.9.9"'), "p.toml")
+    assert (pinned.store_address, pinned.store_bind) == ("10.9.9.9", "10.9.9.9")  # what the profile says wins
+    no_config = parse_profile(text.replace(f'ssh_config = "{config}"', f'ssh_config = "{tmp_path}/none"'), "p.toml")
+    assert no_config.store_address == "zbl-1"  # nothing to resolve it with: the name as given

@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from console.transport import commands as C
 from console.transport.base import collect
 from console.transport.ssh import MAX_CHANNELS, SshTransport
 from procs import free_port
-from sshd import Sshd
+from sshd import SSHD, Sshd
 
 WRITER = ("import sys, time\n"
           "for i in range(int(sys.argv[1])):\n"
@@ -70,6 +72,27 @@ async def test_start_detached_tail_and_kill_with_metacharacters(sshd):
         pid = await t.start_detached([sshd.user_python(), writer(sshd), "5", "0.05"], NASTY_DIR,
                                      env={"ZB_X": "a 'b' $(c)"})
         assert await t.alive(pid)
+        # the environment went over the channel's stdin: in the process's environment, in no command line
+        children, env_file = Path(f"/proc/{pid}/task/{pid}/children"), sshd.home / NASTY_DIR / "env"
+        want = b"ZB_X=a 'b' $(c)\0"
+
+        def holder() -> int | None:
+            """The wrapper's child that holds the environment (it may first fork short helpers, e.g. rm)."""
+            for kid in children.read_text().split():
+                try:
+                    if want in Path(f"/proc/{kid}/environ").read_bytes():
+                        return int(kid)
+                except OSError:
+                    pass  # a helper that just ended
+            return None
+        for _ in range(200):  # the wrapper reads the environment file, removes it, then starts its child
+            if holder() is not None and not env_file.exists():
+                break
+            await asyncio.sleep(0.05)
+        child = holder()
+        assert child is not None, children.read_text()
+        assert not any(b"$(c)" in Path(f"/proc/{p}/cmdline").read_bytes() for p in (pid, child))
+        assert not env_file.exists()
         tail = t.tail(f"{NASTY_DIR}/events.jsonl")
         assert await asyncio.wait_for(collect(tail, 5), 20) == [b'{"i": %d}' % i for i in range(5)]
         await tail.aclose()
@@ -428,6 +451,176 @@ async def test_cluster_bad_hosts_each_get_a_reason_and_the_good_one_trains(sshd)
         assert got["no-python"] == (NodeState.FAILED, "python not found on the host: /opt/nowhere/bin/python3")
         step = fleet.nodes["node-a"].step or 0
         await until(lambda: fleet.nodes["node-a"].step > step + 3, 20, "node-a goes on")
+    finally:
+        await cluster.stop()
+        await cluster.close()
+        kill_run(run_dir)
+
+
+# ---- a target only the jump host can reach, and hosts named only by ~/.ssh/config aliases ----------------------
+class NetnsSshd(Sshd):
+    """An sshd inside its own network namespace (`zbqc-*`, a veth pair to this one): it listens on the veth address
+    (what this namespace reaches: the jump host) and on the namespace's own loopback (what only processes inside
+    it reach: the target). Connecting to the target's port on this namespace's loopback finds nothing."""
+
+    def __init__(self, root: Path, port: int, target_port: int):
+        super().__init__(root, port)
+        tag = f"{os.getpid() % 10000}{port % 100:02d}"
+        self.netns, self.veth = f"zbqc-{tag}", f"zbqc{tag}"
+        self.subnet = f"10.213.{os.getpid() % 250}"
+        self.jump_address, self.target_port = f"{self.subnet}.2", target_port
+
+    @classmethod
+    def start_in_netns(cls) -> "NetnsSshd":
+        plain = Sshd.start_new()  # keys, user, home; its own server is not used
+        plain.stop()
+        server = cls(plain.root, free_port(), free_port())
+        run = lambda *a: subprocess.run(a, check=True, capture_output=True, timeout=30)  # noqa: E731
+        run("ip", "netns", "add", server.netns)
+        try:
+            run("ip", "link", "add", f"{server.veth}a", "type", "veth", "peer", "name", f"{server.veth}b")
+            run("ip", "link", "set", f"{server.veth}b", "netns", server.netns)
+            run("ip", "addr", "add", f"{server.subnet}.1/30", "dev", f"{server.veth}a")
+            run("ip", "link", "set", f"{server.veth}a", "up")
+            inside = ("ip", "netns", "exec", server.netns)
+            run(*inside, "ip", "addr", "add", f"{server.jump_address}/30", "dev", f"{server.veth}b")
+            run(*inside, "ip", "link", "set", f"{server.veth}b", "up")
+            run(*inside, "ip", "link", "set", "lo", "up")
+            server.start()
+        except BaseException:
+            server.close()
+            raise
+        return server
+
+    def _config(self) -> Path:
+        config = super()._config()
+        text = config.read_text().replace("ListenAddress 127.0.0.1\n", "").replace(f"Port {self.port}\n", "")
+        config.write_text(f"ListenAddress {self.jump_address}:{self.port}\n"
+                          f"ListenAddress 127.0.0.1:{self.target_port}\n" + text)
+        return config
+
+    def start(self, new_host_key: bool = False) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 (handed to the child)
+        self.proc = subprocess.Popen(["ip", "netns", "exec", self.netns, SSHD, "-D", "-e", "-f", str(self._config())],
+                                     stdout=log, stderr=log, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection((self.jump_address, self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"sshd did not start:\n{self.log_path.read_text()[-2000:]}") from None
+                time.sleep(0.05)
+
+    def trust(self, path: Path | None = None) -> Path:
+        path = path or self.known_hosts
+        algorithm, blob = (self.root / "host_key.pub").read_text().split()[:2]
+        path.write_text(f"[{self.jump_address}]:{self.port} {algorithm} {blob}\n"
+                        f"[127.0.0.1]:{self.target_port} {algorithm} {blob}\n")
+        return path
+
+    def close(self) -> None:
+        super().close()
+        subprocess.run(["ip", "link", "del", f"{self.veth}a"], capture_output=True, timeout=30)
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
+
+
+async def test_jump_host_reaches_a_target_only_it_can_reach():
+    """Defect: the jump-host test passed with the jump host ignored. Here the target (the namespace's loopback) is
+    out of reach from this machine: only a connection through the jump host gets there."""
+    sshd = NetnsSshd.start_in_netns()
+    try:
+        sshd.trust()
+        target = dict(address="127.0.0.1", port=sshd.target_port)
+        direct = make_transport(sshd.host_spec("n", **target))
+        with pytest.raises(TransportError, match="connection refused"):
+            await direct.connect()  # the target is not reachable without the jump host
+        jumped = make_transport(sshd.host_spec("n", **target,
+                                               jump_host=f"{sshd.user}@{sshd.jump_address}:{sshd.port}"))
+        try:
+            rc, out, _ = await jumped.run("echo $SSH_CONNECTION")
+            # the target saw the connection arrive on its own loopback, from the jump host inside the namespace
+            assert rc == 0 and out.split()[0] == "127.0.0.1" and out.split()[3] == str(sshd.target_port), out
+        finally:
+            await asyncio.gather(direct.close(), jumped.close())
+        # the same through ~/.ssh/config: an alias whose ProxyJump is another alias
+        config = sshd.root / "ssh_config"
+        config.write_text(f"Host zbq-jump\n  HostName {sshd.jump_address}\n  Port {sshd.port}\n"
+                          f"Host zbq-target\n  HostName 127.0.0.1\n  Port {sshd.target_port}\n  ProxyJump zbq-jump\n"
+                          f"Host zbq-*\n  User {sshd.user}\n  IdentityFile {sshd.user_key}\n")
+        aliased = make_transport(sshd.host_spec("n", address=None, port=None, user=None, identity_file=None,
+                                                ssh_alias="zbq-target", ssh_config=str(config)))
+        try:
+            rc, out, _ = await aliased.run("echo $SSH_CONNECTION")
+            assert rc == 0 and out.split()[3] == str(sshd.target_port), out
+        finally:
+            await aliased.close()
+    finally:
+        sshd.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_profile_of_ssh_config_aliases_starts_and_trains(sshd, repo_root):
+    """Defect: hosts named only by ssh_alias could not host the store (engines dialled the alias). A profile with
+    no address anywhere: the store runs on h1, the engines dial its HostName, and the two nodes train together."""
+    from console.cluster import Cluster
+    from console.fleet import Fleet, NodeState
+    from console.profile import load_profile
+
+    python, env = sshd.user_python_env()
+    run_dir = sshd.home / "runs"
+    config = sshd.root / "ssh_config"
+    config.write_text(f"Host zbl-1 zbl-2\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+                      f"  IdentityFile {sshd.user_key}\n")
+    env_text = "".join(f', {k} = "{v}"' for k, v in env.items())
+    path = sshd.root / "aliases.toml"
+    path.write_text(f"""[run]
+name = "aliases"
+dir = "{run_dir}"
+[store]
+host = "h1"
+port = {free_port()}
+[engine]
+config = "configs/debug-diloco.toml"
+[engine.overrides]
+"data.path" = "corpus/stdlib_docstrings.jsonl"
+"inner.device" = "cpu"
+"train.micro_batch_size" = 2
+"train.batch_size" = 2
+"data.seq_len" = 32
+"train.log_interval" = 1
+"diloco.inner_steps" = 3
+"diloco.min_nodes" = 2
+"train.max_steps" = 100000
+[console]
+poll_interval = 0.5
+[defaults]
+transport = "ssh"
+ssh_config = "{config}"
+known_hosts = "{sshd.known_hosts}"
+python = "{python}"
+workdir = "{repo_root}"
+env = {{ OMP_NUM_THREADS = "1"{env_text} }}
+[hosts.h1]
+ssh_alias = "zbl-1"
+[hosts.h2]
+ssh_alias = "zbl-2"
+""")
+    profile = load_profile(path)
+    assert all(h.address is None for h in profile.hosts.values()) and profile.store.address is None
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: all((n.outer_step or 0) >= 1 for n in fleet.nodes.values())
+                    or any(n.state is NodeState.FAILED for n in fleet.nodes.values()), 300,
+                    "an outer step on both alias hosts")
+        assert all(n.state is NodeState.TRAINING for n in fleet.nodes.values()), \
+            {n.name: (n.state.value, n.reason) for n in fleet.nodes.values()}
+        assert fleet.members is not None and set(fleet.members) == {"h1", "h2"}
     finally:
         await cluster.stop()
         await cluster.close()

@@ -21,8 +21,8 @@ NASTY = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "; touch 
          "$HOME", "--flag=1"]
 
 
-def sh(cmd: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=30)
+def sh(cmd: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=30, input=stdin)
 
 
 def local_host(workdir: Path, **kw) -> HostSpec:
@@ -42,13 +42,16 @@ def test_detached_command_quotes_every_value(tmp_path):
     workdir.mkdir()
     run_dir = "run; $(touch PWNED) 'n'/node \"b\""
     argv = [sys.executable, "-c", "import json,os,sys; print(json.dumps([sys.argv[1:], os.environ['ZB_V']]))", *NASTY]
-    cmd = C.detached_command(argv, workdir=str(workdir), run_dir=run_dir, env={"ZB_V": "v $(x) 'y'"})
-    done = sh(cmd, tmp_path)
+    env = {"ZB_V": "v $(x) 'y'\nz"}
+    cmd = C.detached_command(argv, workdir=str(workdir), run_dir=run_dir, with_env=True)
+    assert "v $(x)" not in cmd  # the environment goes on stdin, never into the command text
+    done = sh(cmd, tmp_path, stdin=C.env_file_text(env))
     assert done.returncode == 0, done.stderr
     pid = int(done.stdout.strip())
     out = workdir / run_dir
     wait_until(lambda: (out / "rc").exists())
-    assert json.loads((out / "events.jsonl").read_text()) == [NASTY, "v $(x) 'y'"]
+    assert json.loads((out / "events.jsonl").read_text()) == [NASTY, "v $(x) 'y'\nz"]
+    assert not (out / C.ENV_FILE).exists()  # the wrapper removed it once read
     assert (out / "pid").read_text().strip() == str(pid) and (out / "rc").read_text().strip() == "0"
     assert not list(tmp_path.rglob("PWNED")), "a value reached the shell unquoted"
 
@@ -65,7 +68,7 @@ def test_builders_are_pure_and_reject_bad_values():
     with pytest.raises(ValueError, match="unknown signal"):
         C.kill_command(42, "TERM; reboot")
     with pytest.raises(ValueError, match="bad environment variable name"):
-        C.detached_command(["x"], workdir=".", run_dir="r", env={"A;B": "1"})
+        C.env_file_text({"A;B": "1"})
     with pytest.raises(ValueError, match="empty argv"):
         C.detached_command([], workdir=".", run_dir="r")
 

@@ -17,6 +17,7 @@ from textual.widgets import DataTable, Footer, Input
 
 from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable, visible
+from console.widgets.outer_chart import OuterChart
 from console.widgets.panes import LogPane, RunHeader, Timeline
 
 # actions that change the cluster: hidden (and refused) in --readonly
@@ -49,7 +50,9 @@ class DashboardScreen(Screen[None]):
         yield RunHeader(id="header")
         yield NodeTable(self.heartbeat_timeout, id="nodes")
         with Horizontal(id="lower"):
-            yield LossChart(id="chart")
+            with Vertical(id="charts"):
+                yield LossChart(id="chart")
+                yield OuterChart(id="outer")
             with Vertical(id="side"):
                 yield Timeline(id="timeline")
                 yield LogPane(id="log")
@@ -67,7 +70,7 @@ class DashboardScreen(Screen[None]):
 
     def render_fleet(self, fleet: Any) -> None:
         nodes = visible(fleet.nodes.values(), self.filter_query)
-        self.query_one(RunHeader).show(fleet.summary(), self.readonly)
+        self.query_one(RunHeader).show(fleet.summary(), self.readonly, fleet.store, fleet.dataset)
         self.table.sync(nodes)
         self.query_one(Timeline).show(fleet.timeline)
         self.query_one(LogPane).show(fleet.nodes.get(self.table.selected_name() or ""))
@@ -77,10 +80,15 @@ class DashboardScreen(Screen[None]):
         selected = self.table.selected_name()
         self.query_one(LossChart).show(visible(fleet.nodes.values(), self.filter_query),
                                        focus=([selected] if selected else []) + focus)
+        self.query_one(OuterChart).show(fleet)
 
     def render_ages(self, fleet: Any) -> None:
         """Heartbeat ages grow with the clock, not with events: refresh that one column."""
         self.table.sync(visible(fleet.nodes.values(), self.filter_query), only=("hb",))
+
+    @on(DataTable.RowSelected, "#nodes")
+    def _open_detail(self, event: DataTable.RowSelected) -> None:
+        self.app.show_detail(event.row_key.value)  # type: ignore[attr-defined]  # Enter: the node in full
 
     @on(DataTable.RowHighlighted, "#nodes")
     def _selected(self, event: DataTable.RowHighlighted) -> None:

@@ -19,6 +19,7 @@ KEYS = """\
 | `d` | drain: the node finishes its outer round, hands off and leaves |
 | `k` | kill: the process group ends now; the mesh declares it dead |
 | `r` | restart a dead, failed or left node |
+| `enter` | the selected node in full: every GPU, each rank, command line, checkpoints, last events |
 | `l` | the selected node's full log |
 | `/` | filter nodes by name, host or state (`escape` clears) |
 | `t` | sparkline of tokens/s or loss |
@@ -27,7 +28,10 @@ KEYS = """\
 | `q` | quit: leave training running, or stop it |
 
 Heartbeat ages turn yellow at a third of the mesh's heartbeat timeout and red past it.
-Without a GPU the util and memory columns show the engine process's CPU% and RSS.
+Without a GPU the util and memory columns show the engine process's CPU% and RSS. A node of several GPUs shows
+their mean utilization with the lowest after `↓`, and the memory of the fullest GPU.
+The header's second line is the store: its address, a round trip, its keys; red when it is down.
+The lower chart is each outer step: compute against all-reduce (wire, codec) and idle time.
 """
 
 READONLY_NOTE = "\n**Read-only**: add, drain, kill, restart and stop are hidden.\n"

@@ -54,13 +54,15 @@ class Transport(abc.ABC):
     def workdir(self) -> str:
         return self.host.workdir
 
-    async def run(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, str, str]:
-        """Run shell text on the host; (exit status, stdout, stderr). -1 when it died of a signal."""
-        rc, out, err = await self.run_bytes(cmd, timeout)
+    async def run(self, cmd: str, timeout: float | None = 30.0, stdin: bytes | None = None) -> tuple[int, str, str]:
+        """Run shell text on the host; (exit status, stdout, stderr). -1 when it died of a signal.
+        stdin: bytes fed to the command (secrets go this way, never into the command text)."""
+        rc, out, err = await self.run_bytes(cmd, timeout, stdin)
         return rc, out.decode(errors="replace"), err
 
     @abc.abstractmethod
-    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0,
+                        stdin: bytes | None = None) -> tuple[int, bytes, str]:
         """run() with stdout as bytes: event files are read byte-exact, so offsets stay true."""
 
     @abc.abstractmethod
@@ -76,9 +78,12 @@ class Transport(abc.ABC):
     # ---- built on run() ----------------------------------------------------------------------------------
     async def start_detached(self, argv: Sequence[str], run_dir: str, env: Mapping[str, str] | None = None,
                              append: bool = False) -> int:
-        """Start argv detached (setsid + nohup) with its output in run_dir; returns its pid (= its process group)."""
-        cmd = C.detached_command(argv, workdir=self.workdir, run_dir=run_dir, env=env, append=append)
-        rc, out, err = await self.run(cmd)
+        """Start argv detached (setsid + nohup) with its output in run_dir; returns its pid (= its process group).
+        env reaches argv through a 0600 file fed on stdin, never through a command line (see commands.py)."""
+        text = C.env_file_text(env) if env else None
+        cmd = C.detached_command(argv, workdir=self.workdir, run_dir=run_dir, with_env=text is not None,
+                                 append=append)
+        rc, out, err = await self.run(cmd, stdin=None if text is None else text.encode())
         last = out.strip().splitlines()[-1:] if out.strip() else []
         if rc != 0 or not last or not last[0].isdigit():
             raise TransportError(f"could not start {argv[0]}: {(err or out).strip() or f'status {rc}'}")
@@ -106,6 +111,11 @@ class Transport(abc.ABC):
         """A small file's text, or None if it is not there."""
         rc, out, _ = await self.run(C.read_command(path, self.workdir))
         return out if rc == 0 else None
+
+    async def size(self, path: str) -> int | None:
+        """A file's size in bytes, or None if it is not there."""
+        rc, out, _ = await self.run(C.size_command(path, self.workdir))
+        return int(out.strip()) if rc == 0 and out.strip().isdigit() else None
 
     async def last_lines(self, path: str, lines: int = 5) -> str:
         rc, out, _ = await self.run(C.tail_lines_command(path, lines, self.workdir))

@@ -4,9 +4,14 @@ The same text runs through a local `sh -c` and through an SSH channel, so local 
 
 Detached start (what lets an engine outlive the console and the link):
 
-    cd WORKDIR && mkdir -p RUN && rm -f RUN/rc || exit 1;
-    setsid nohup sh -c 'trap : TERM ...; rc=$1; shift; "$@"; echo $? > "$rc"' zeroband RUN/rc env K=V ... ARGV...
-        > RUN/events.jsonl 2> RUN/engine.log < /dev/null & echo $! > RUN/pid && echo $!
+    cd WORKDIR && mkdir -p RUN && rm -f RUN/rc && (umask 077 && cat > RUN/env) || exit 1;
+    setsid nohup sh -c 'trap : TERM ...; rc=$1; envf=$2; shift 2; . "$envf"; rm -f "$envf"; "$@"; ...' zeroband
+        RUN/rc RUN/env ARGV... > RUN/events.jsonl 2> RUN/engine.log < /dev/null & echo $! > RUN/pid && echo $!
+
+The environment (the profile's `env`, which may hold an HF_TOKEN or a WANDB_API_KEY) never appears in a command
+line: `ps` and /proc/*/cmdline show every argument to every user of the host, and the command text itself runs as
+`sh -c TEXT`. It travels on the channel's stdin (env_file_text) into RUN/env, created mode 0600, which the wrapper
+sources (`set -a`: exported) and removes before it starts the engine.
 
 setsid makes the wrapper shell the leader of a new session and process group (its pid is the group id), so
 `kill -- -PID` reaches the engine and everything it forked; nohup and the redirects cut it loose from the
@@ -27,7 +32,10 @@ DRAIN = "drain"
 
 # The trap keeps the wrapper alive through a TERM/INT/HUP/USR1 sent to the whole group (stop, drain), so it can
 # still record the exit status; a trap with a command (unlike an ignored signal) is reset for the child it runs.
-_WRAPPER = 'trap : TERM INT HUP USR1 USR2; rc=$1; shift; "$@"; echo $? > "$rc"'
+_WRAPPER = ('trap : TERM INT HUP USR1 USR2; rc=$1; envf=$2; shift 2; '
+            # sourced, then removed at once: the secrets live on only in the engine's own environment
+            'if [ -n "$envf" ]; then set -a; . "$envf"; set +a; rm -f "$envf"; fi; "$@"; echo $? > "$rc"')
+ENV_FILE = "env"
 TAG = "zeroband"  # the wrapper's $0: marks our processes, so a reused pid is not taken for an engine
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
 
@@ -56,21 +64,30 @@ def join(run_dir: str, *names: str) -> str:
     return "/".join([run_dir.rstrip("/") or "/", *names])
 
 
-def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, env: Mapping[str, str] | None = None,
-                     append: bool = False) -> str:
-    """Start argv detached in workdir; its output goes to run_dir; prints the pid (also written to run_dir/pid)."""
-    if not argv:
-        raise ValueError("detached_command: empty argv")
-    for key in env or {}:
+def env_file_text(env: Mapping[str, str]) -> str:
+    """The environment as `K='v'` lines for the wrapper to source: what start_detached sends on stdin."""
+    for key in env:
         if not key or "=" in key or not key.replace("_", "a").isalnum() or key[0].isdigit():
             raise ValueError(f"detached_command: bad environment variable name {key!r}")
+    return "".join(f"{k}={q(v)}\n" for k, v in env.items())
+
+
+def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, with_env: bool = False,
+                     append: bool = False) -> str:
+    """Start argv detached in workdir; its output goes to run_dir; prints the pid (also written to run_dir/pid).
+
+    with_env: the command reads env_file_text(...) from its stdin into run_dir/env (mode 0600) first, and the
+    wrapper exports it to argv and removes the file: values never appear in any process's command line."""
+    if not argv:
+        raise ValueError("detached_command: empty argv")
     run = qpath(run_dir)
+    env_path = qpath(join(run_dir, ENV_FILE))  # join() puts a '/' in it: `.` never searches $PATH for it
     redirect = ">>" if append else ">"  # a restart appends, so a tail's offset stays valid
-    env_words = " ".join(q(f"{k}={v}") for k, v in (env or {}).items())
+    write_env = f" && (umask 077 && rm -f {env_path} && cat > {env_path})" if with_env else ""
     words = " ".join(q(a) for a in argv)
     # `|| exit 1;` ends the first list: `a && b & c` would send cd and mkdir to the background too
-    return (f"cd {qpath(workdir)} && mkdir -p {run} && rm -f {run}/{RC} || exit 1; "
-            f"setsid nohup sh -c {q(_WRAPPER)} {TAG} {run}/{RC} env {env_words}{' ' if env_words else ''}{words}"
+    return (f"cd {qpath(workdir)} && mkdir -p {run} && rm -f {run}/{RC}{write_env} || exit 1; "
+            f"setsid nohup sh -c {q(_WRAPPER)} {TAG} {run}/{RC} {env_path if with_env else q('')} {words}"
             f" {redirect} {run}/{EVENTS} 2{redirect} {run}/{LOG} < /dev/null & "
             f"echo $! > {run}/{PID} && echo $!")
 
@@ -113,6 +130,11 @@ def read_command(path: str, workdir: str = ".") -> str:
 
 def tail_lines_command(path: str, lines: int = 5, workdir: str = ".") -> str:
     return f"cd {qpath(workdir)} && tail -n {int(lines)} {qpath(path)} 2>/dev/null"
+
+
+def size_command(path: str, workdir: str = ".") -> str:
+    """Print a file's size in bytes; exit 1 (and print nothing) if it is not there."""
+    return f"cd {qpath(workdir)} && wc -c 2>/dev/null < {qpath(path)}"
 
 
 def touch_command(path: str, workdir: str = ".") -> str:

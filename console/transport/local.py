@@ -18,15 +18,16 @@ _CHUNK = 1 << 16
 class LocalTransport(Transport):
     kind = "local"
 
-    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0,
+                        stdin: bytes | None = None) -> tuple[int, bytes, str]:
         try:
             proc = await asyncio.create_subprocess_shell(
-                cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                cmd, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE, start_new_session=True)  # its own group: a timeout kills it all
         except OSError as e:
             raise TransportError(f"cannot run a shell here: {e}") from None
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError) as e:
             _kill_group(proc.pid)
             await proc.wait()

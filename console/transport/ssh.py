@@ -21,6 +21,7 @@ import time
 import asyncssh
 
 from console.profile import HostSpec
+from console.sshconfig import proxy_jump, split_target
 from console.transport import commands as C
 from console.transport.base import Tail, Transport, TransportError
 
@@ -109,19 +110,24 @@ class SshTransport(Transport):
         options = self._options()
         if h.port is not None:
             options["port"] = h.port
-        if h.jump_host:
-            # like ssh -J, with this host's key, known_hosts and timeouts (a bare tunnel string would not use them)
-            user, jump, port = parse_jump(h.jump_host)
+        jump_spec = h.jump_host or proxy_jump(h)
+        if jump_spec:
+            # like ssh -J, with this host's key, known_hosts and timeouts (a bare tunnel string, or asyncssh's own
+            # ProxyJump from ssh_config, would check the jump's key against ~/.ssh/known_hosts instead)
+            user, jump, port = parse_jump(jump_spec)
             jump_options = self._options()
             if user:
                 jump_options["username"] = user
+            elif h.jump_host is None:
+                jump_options.pop("username", None)  # a ProxyJump alias brings its own User from the config
+            if port is not None:
+                jump_options["port"] = port
             if self._jump is not None:
                 self._jump.close()  # the one under a link that dropped
             try:
-                self._jump = await asyncio.wait_for(asyncssh.connect(jump, port=port, **jump_options),
-                                                    h.connect_timeout * 2)
+                self._jump = await asyncio.wait_for(asyncssh.connect(jump, **jump_options), h.connect_timeout * 2)
             except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
-                raise TransportError(f"jump host {h.jump_host}: {self._describe(e)}", link=True) from None
+                raise TransportError(f"jump host {jump_spec}: {self._describe(e)}", link=True) from None
             options["tunnel"] = self._jump
         # connect_timeout covers TCP + handshake; wait_for bounds the whole login too
         return await asyncio.wait_for(asyncssh.connect(h.target, **options), h.connect_timeout * 2)
@@ -186,11 +192,12 @@ class SshTransport(Transport):
                 pass
 
     # ---- channels --------------------------------------------------------------------------------------------
-    async def run_bytes(self, cmd: str, timeout: float | None = 30.0) -> tuple[int, bytes, str]:
+    async def run_bytes(self, cmd: str, timeout: float | None = 30.0,
+                        stdin: bytes | None = None) -> tuple[int, bytes, str]:
         conn = await self._connection()
         async with self._channels:
             try:
-                proc = await self._open_channel(conn, cmd)
+                proc = await self._open_channel(conn, cmd, stdin)
                 try:
                     result = await proc.wait(check=False, timeout=timeout)
                 finally:
@@ -208,15 +215,24 @@ class SshTransport(Transport):
         return rc, out, _text(result.stderr)
 
     @staticmethod
-    async def _open_channel(conn: asyncssh.SSHClientConnection, cmd: str) -> asyncssh.SSHClientProcess:
+    async def _open_channel(conn: asyncssh.SSHClientConnection, cmd: str,
+                            stdin: bytes | None = None) -> asyncssh.SSHClientProcess:
         """Open a session channel, retrying briefly when sshd still counts recently closed sessions against
-        MaxSessions (seen here: ten sessions open on the server while the client had eight)."""
+        MaxSessions (seen here: ten sessions open on the server while the client had eight). stdin, when given,
+        is written to the channel and closed (EOF)."""
+        mode = asyncssh.DEVNULL if stdin is None else asyncssh.PIPE
         for delay in CHANNEL_RETRY_S:
             try:
-                return await conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None)
+                proc = await conn.create_process(cmd, stdin=mode, encoding=None)
+                break
             except asyncssh.ChannelOpenError:
                 await asyncio.sleep(delay)
-        return await conn.create_process(cmd, stdin=asyncssh.DEVNULL, encoding=None)
+        else:
+            proc = await conn.create_process(cmd, stdin=mode, encoding=None)
+        if stdin is not None:
+            proc.stdin.write(stdin)
+            proc.stdin.write_eof()
+        return proc
 
     def tail(self, path: str, from_offset: int = 0) -> Tail:
         return SshTail(self, path, from_offset)
@@ -268,13 +284,14 @@ class SshTail(Tail):
                 self.transport._channels.release()
 
 
-def parse_jump(text: str) -> tuple[str | None, str, int]:
-    """`[user@]host[:port]` (as ssh -J takes it) -> (user, host, port)."""
-    user, _, rest = text.rpartition("@")
-    host, _, port = rest.partition(":")
-    if not host or (port and not port.isdigit()):
+def parse_jump(text: str) -> tuple[str | None, str, int | None]:
+    """`[user@]host[:port]` (as ssh -J takes it) -> (user, host, port); port None: ssh_config's, else 22."""
+    if "," in text:
+        raise TransportError(f"jump host {text!r}: several hops are not supported; name one jump host", link=True)
+    parts = split_target(text)
+    if parts is None:
         raise TransportError(f"jump_host {text!r}: expected [user@]host[:port]", link=True)
-    return user or None, host, int(port) if port else 22
+    return parts
 
 
 async def _close_channel(proc: asyncssh.SSHClientProcess) -> None:

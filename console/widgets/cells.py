@@ -14,6 +14,7 @@ from rich.text import Text
 # htop/k9s habit: green is healthy, yellow is in transition, red is lost, dim is gone.
 STATE_STYLES: dict[str, str] = {
     "standby": "dim",
+    "off": "dim",
     "starting": "cyan",
     "joining": "bold cyan",
     "training": "bold green",
@@ -25,6 +26,10 @@ STATE_STYLES: dict[str, str] = {
     "failed": "bold white on red",
 }
 
+REASON_STATES = frozenset({"dead", "unreachable", "failed", "left"})
+# silent on purpose (or never started): their heartbeat age is no alarm and their figures are not current
+QUIET_STATES = frozenset({"left", "standby", "off", "failed"})
+
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 HUGE = 1e9  # past this a number is shown in exponent form: it fits its column and is garbage anyway
 
@@ -35,18 +40,24 @@ def state_name(state: object) -> str:
     return str(value).lower() if value is not None else "?"
 
 
-def state_cell(state: object, reason: str | None = None) -> Text:
+def state_cell(state: object) -> Text:
+    """The state alone: its reason is longer than any column (it goes where it fits: `reason_text`)."""
     name = state_name(state)
-    text = Text(name, style=STATE_STYLES.get(name, ""))
-    if reason and name in ("dead", "unreachable", "failed", "left"):
-        # the reason is the first thing an operator asks; keep it short enough for the column
-        text.append(f" ({_clip(reason, 24)})", style="dim")
-    return text
+    return Text(name, style=STATE_STYLES.get(name, ""))
 
 
-def _clip(text: str, width: int) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
+def reason_text(state: object, reason: str | None) -> str:
+    """Why a node is where it is, for the states that need a why (the detail view, the log title, `status`)."""
+    if reason and state_name(state) in REASON_STATES:
+        return " ".join(str(reason).split())
+    return ""
+
+
+def shows_figures(state: object) -> bool:
+    """Whether a node's last resource sample is current: a node that no longer runs uses nothing, and its last
+    sample would read as a live 100% CPU."""
+    name = state_name(state)
+    return name not in QUIET_STATES and name != "dead"
 
 
 def human_bytes(n: float | None) -> str:
@@ -72,6 +83,62 @@ def device_cells(device: str | None, util: float | None, mem_used: float | None,
     else:
         mem = f"RSS {human_bytes(mem_used)}"
     return util_text, Text(mem)
+
+
+def gpu_cells(devices: Any) -> tuple[Text, Text] | None:
+    """A node of several GPUs in one row: mean and minimum utilization (an idle straggler shows in the minimum),
+    and the memory of the fullest (the one that runs out first). None when it has fewer than two GPUs."""
+    gpus = [d for d in devices.values() if d.kind == "gpu" and _finite(d.util)]
+    if len(gpus) < 2:
+        return None
+    utils = [float(d.util) for d in gpus]
+    mean, low = sum(utils) / len(utils), min(utils)
+    fullest = max(gpus, key=lambda d: d.mem_used / d.mem_total if d.mem_total else 0.0)
+    util = Text(f"{len(gpus)}GPU {mean:.0f}%", style=_util_style(mean))
+    util.append(f" ↓{low:.0f}", style=_util_style(low))
+    return util, Text(f"max {human_bytes(fullest.mem_used)}/{human_bytes(fullest.mem_total)}")
+
+
+def store_text(store: Any) -> Text:
+    """The store's health for the header: up, where, a round trip and its keys; a dead store is an alert that says
+    what is happening and what to do."""
+    where = store.address or "?"
+    if store.bind:
+        where += f" (listening on {store.bind})"
+    if store.state == "up":
+        rtt = "-" if store.rtt_ms is None else f"{store.rtt_ms:.1f}ms"
+        keys = "-" if store.keys is None else f"{store.keys}"
+        text = Text("store ", style="bold")
+        text.append(f"{where} up", style="green")
+        text.append(f" | rtt {rtt} | {keys} keys" + (f" | restarted {store.restarts}x" if store.restarts else ""))
+        if store.reason:
+            text.append(f" | {store.reason}", style="yellow")
+        return text
+    if store.state in ("down", "restarting", "unreachable"):
+        todo = {"down": "engines keep their state and wait for it",
+                "restarting": "the console restarted it; engines re-form the run",
+                "unreachable": "the console cannot reach its host"}[store.state]
+        return Text(f"STORE {store.state.upper()} {where}: {store.reason or ''} -- {todo}",
+                    style="bold white on red")
+    return Text(f"store {where} {store.state}", style="dim")
+
+
+def outer_line(rnd: Any) -> str:
+    """One outer step for the headless output and the chart's caption: compute against communication and idle."""
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}s"
+
+    compute = s(rnd.compute_s) + ("~" if rnd.derived and rnd.compute_s is not None else "")
+    if rnd.wire_s is not None or rnd.codec_s is not None:
+        comm = f"wire {s(rnd.wire_s)} codec {s(rnd.codec_s)}"
+    else:
+        comm = f"allreduce {s(rnd.allreduce_s)}"
+    ratio = ""
+    if rnd.compute_s:
+        spent = (rnd.wire_s or 0.0) + (rnd.codec_s or 0.0) if rnd.wire_s is not None else rnd.allreduce_s
+        ratio = f" ({100 * spent / (rnd.compute_s + spent):.0f}% comm)"
+    return (f"outer {rnd.outer_step}: compute {compute} {comm} idle {s(rnd.idle_s)}{ratio} | "
+            f"{rnd.members} members | {human_bytes(rnd.bytes_sent)} sent")
 
 
 def _util_style(util: float) -> str:
@@ -143,6 +210,7 @@ def summary_text(summary: Any) -> str:
     if summary.max_steps:
         step += f"/{summary.max_steps}"
     outer = "-" if summary.outer_step is None else str(summary.outer_step)
+    store = getattr(summary, "store", None)
     return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
             f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
-            f"ETA {eta_text(summary.eta_s)}")
+            f"ETA {eta_text(summary.eta_s)}" + (f" | {store}" if store else ""))

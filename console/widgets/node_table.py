@@ -17,9 +17,9 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("mark", " ", 1),
     ("name", "node", 14),
     ("host", "host", 16),
-    ("state", "state", 26),
-    ("util", "util", 11),
-    ("mem", "memory", 15),
+    ("state", "state", 11),  # the state alone: the reason is in the log title, the detail view, the timeline
+    ("util", "util", 14),
+    ("mem", "memory", 16),
     ("hb", "heartbeat", 9),
     ("step", "step", 8),
     ("loss", "loss", 8),
@@ -28,7 +28,6 @@ COLUMNS: tuple[tuple[str, str, int], ...] = (
 )
 TREND_WIDTH = 16
 TREND_METRICS = ("tokens/s", "loss")
-QUIET_STATES = frozenset({"left", "standby", "failed"})  # silent on purpose: their heartbeat age is no alarm
 
 
 def _last_values(history: Any, n: int) -> list[float]:
@@ -45,11 +44,10 @@ def _key(value: Any) -> Any:
 
 def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> dict[str, Any]:
     """The cells of one node's row, by column key. Pure: tested without an app."""
-    state = cells.state_name(node.state)
-    quiet = state in QUIET_STATES
-    # a node that no longer runs uses nothing: its last sample would read as a live 100% CPU
-    running = not quiet and state != "dead"
-    util, mem = cells.device_cells(node.device if running else None, node.util, node.mem_used, node.mem_total)
+    quiet = cells.state_name(node.state) in cells.QUIET_STATES
+    live = cells.shows_figures(node.state)
+    util, mem = (live and cells.gpu_cells(getattr(node, "devices", {}))) or cells.device_cells(
+        node.device if live else None, node.util, node.mem_used, node.mem_total)
     history = node.loss_history if trend == "loss" else node.tps_history
     spark_style = "cyan" if trend == "loss" else "green"
     # every cell a Text: a str cell is parsed as markup on every render of the table
@@ -57,7 +55,7 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
         "mark": Text("●", style="bold yellow") if node.marked else Text(" "),
         "name": Text(str(node.name), style="bold"),
         "host": Text(str(node.host)),
-        "state": cells.state_cell(node.state, node.reason),
+        "state": cells.state_cell(node.state),
         "util": util,
         "mem": mem,
         "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout,

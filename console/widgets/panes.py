@@ -18,22 +18,28 @@ LOG_TAIL = 300  # lines of the selected node shown in the pane (the fleet keeps 
 
 
 class RunHeader(Static):
+    """Two fixed lines: the run (members, outer step, step, tokens/s, loss, ETA, dataset) and the store's health."""
+
     DEFAULT_CSS = """
-    RunHeader { height: 1; background: $primary-background; color: $text; text-style: bold; padding: 0 1; }
+    RunHeader { height: 2; background: $primary-background; color: $text; padding: 0 1; }
     """
 
-    def show(self, summary: Any, readonly: bool = False) -> None:
-        line = summary_text(summary)
-        if line == self._shown:
+    def show(self, summary: Any, readonly: bool = False, store: Any = None, dataset: str | None = None) -> None:
+        line = summary_text(summary) + (f" | data {dataset}" if dataset else "")
+        store_line = cells.store_text(store) if store is not None else Text("")
+        key = (line, store_line.plain, str(store_line.style), readonly)
+        if key == self._shown:
             return
-        self._shown = line
+        self._shown = key
         text = Text("ZeroBand ", style="bold")
-        text.append(line)
+        text.append(line, style="bold")
         if readonly:
             text.append("  [read-only]", style="bold yellow")
-        self.update(text, layout=False)  # one fixed line: a relayout of the whole screen per tick buys nothing
+        text.append("\n")
+        text.append_text(store_line)
+        self.update(text, layout=False)  # fixed lines: a relayout of the whole screen per tick buys nothing
 
-    _shown: str | None = None
+    _shown: tuple | None = None
 
 
 class LogPane(Log):
@@ -70,6 +76,9 @@ class LogPane(Log):
             self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
         self.node_name, self._last = node.name, (raw[-1] if raw else None)
         title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
+        why = cells.reason_text(node.state, node.reason)
+        if why:  # the state column holds the state alone; its reason is read here (and in the detail view)
+            title += f"  {cells.state_name(node.state)}: {why}"
         if title != self._title:  # setting a title repaints the whole pane: only when it changes
             self._title = title
             self.border_title = Content(title)  # a border title is markup: a node name is data

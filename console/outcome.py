@@ -1,0 +1,57 @@
+"""What the run came to, and how long a heartbeat may be silent: shared by the dashboard, `--headless` and shells.
+
+Pure (no Textual, no I/O): console/app.py and console/cli.py both import it, and neither imports the other at
+module level (cli builds the app lazily, only when a screen is wanted).
+
+    run_outcome(fleet)            None while a started node still runs; then an exit code (EXIT_*)
+    heartbeat_timeout_of(profile) the mesh's heartbeat timeout the ages are coloured against
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from console.fleet import Fleet, NodeState
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DEFAULT_HEARTBEAT_TIMEOUT = 6.0
+RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
+                     NodeState.UNREACHABLE})  # unreachable: the engine may well still be training
+_SUCCESS_REASONS = frozenset({"completed", "drained"})
+
+
+def started(fleet: Fleet) -> list[Any]:
+    """The nodes this run started (a standby or off host is not part of it)."""
+    return [n for n in fleet.nodes.values() if n.state not in (NodeState.STANDBY, NodeState.OFF)]
+
+
+def run_outcome(fleet: Fleet) -> int | None:
+    """None while any started node still runs; then 0 if all completed/drained, 3 if stopped, else 1.
+
+    A node DEAD only on the mesh's word (`mesh_dead_ts`) still runs here: a cut-off or frozen engine comes back as
+    the same process, and the run ends only when the console saw every process end (run_end, exit, kill)."""
+    nodes = started(fleet)
+    if not nodes or any(n.state in RUNNING or n.mesh_dead_ts is not None for n in nodes):
+        return None
+    if any(n.state in (NodeState.FAILED, NodeState.DEAD) for n in nodes):
+        return EXIT_FAILED
+    if all(n.state is NodeState.LEFT and n.reason in _SUCCESS_REASONS for n in nodes):
+        return EXIT_OK
+    return EXIT_STOPPED
+
+
+def heartbeat_timeout_of(profile: Any) -> float:
+    """The mesh's heartbeat timeout the ages are coloured against: the engine config with the profile's overrides."""
+    overrides = getattr(getattr(profile, "engine", None), "overrides", {}) or {}
+    value = overrides.get("mesh.heartbeat_timeout")
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    from engine.config import ConfigError, load_config
+
+    from console.profile import toml_value
+
+    try:
+        as_text = {k: toml_value(v) for k, v in overrides.items()}  # as the engine reads its command line
+        return float(load_config(profile.engine.config, as_text).mesh.heartbeat_timeout)
+    except (ConfigError, OSError, AttributeError):  # a remote-only config is not readable here: the default
+        return DEFAULT_HEARTBEAT_TIMEOUT

@@ -1,0 +1,70 @@
+"""The outer step made visible: per DiLoCo outer step, compute against communication (wire, codec) and idle time,
+as stacked bars (textual-plotext), captioned with the newest step's members and bytes.
+
+It tells an operator whether H (diloco.inner_steps) and the compression are right: communication that is a large
+share of each bar wants a larger H or more compression; idle time is nodes waiting for the slowest one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import RenderResult
+from textual_plotext import PlotextPlot
+
+from console.widgets import cells
+
+BARS = 30  # the newest outer steps shown
+
+
+def bar_series(rounds: list[Any]) -> dict[str, list[float]]:
+    """{part: seconds per outer step} for the newest BARS steps; communication split into wire and codec when
+    the engine reports them, one "allreduce" part otherwise. Pure: tested without an app."""
+    rounds = rounds[-BARS:]
+    split = any(r.wire_s is not None or r.codec_s is not None for r in rounds)
+    series: dict[str, list[float]] = {"compute": [r.compute_s or 0.0 for r in rounds]}
+    if split:
+        series["wire"] = [r.wire_s or 0.0 for r in rounds]
+        series["codec"] = [r.codec_s or 0.0 for r in rounds]
+    else:
+        series["allreduce"] = [r.allreduce_s for r in rounds]
+    if any(r.idle_s is not None for r in rounds):
+        series["idle"] = [r.idle_s or 0.0 for r in rounds]
+    return series
+
+
+class OuterChart(PlotextPlot):
+    """Redrawn by `show(fleet)` only; it keeps what it plotted so tests can read the numbers."""
+
+    DEFAULT_CSS = """
+    OuterChart { height: 1fr; min-height: 8; }
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.steps: list[int] = []
+        self.series: dict[str, list[float]] = {}
+        self.caption = ""
+
+    def show(self, fleet: Any) -> None:
+        rounds = list(fleet.outer_rounds.values())[-BARS:]
+        steps = [r.outer_step for r in rounds]
+        series = bar_series(rounds)
+        caption = cells.outer_line(rounds[-1]) if rounds else "no outer step yet"
+        if (steps, series, caption) == (self.steps, self.series, self.caption):
+            return
+        self.steps, self.series, self.caption = steps, series, caption
+        plt = self.plt
+        plt.clear_data()
+        plt.title(caption)
+        plt.xlabel("outer step")
+        if steps:
+            plt.stacked_bar([str(s) for s in steps], list(series.values()), labels=list(series))
+        self.refresh()
+
+    def render(self) -> RenderResult:
+        try:
+            return super().render()
+        except (ArithmeticError, ValueError, IndexError) as e:  # plotext on data it cannot scale: say so, go on
+            return Text(f"outer-step chart unavailable: {type(e).__name__}: {e}", style="dim")
