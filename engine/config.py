@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -85,13 +85,19 @@ class InnerConfig(_Section):
 class DilocoConfig(_Section):
     enabled: bool = False
     inner_steps: int = Field(default=50, gt=0)  # H
+    # Nesterov with no momentum at lr 1.0 is the plain mean of the members' models: what learned best in every run
+    # shorter than ~100 outer steps that docs/learning.md measured. The DiLoCo paper's 0.7 / 0.9 pays off only in
+    # long runs (its 150M runs had 176 outer steps); configs/150m-diloco.toml and 1b-diloco.toml set it.
     outer_optimizer: Literal["nesterov", "sgd", "average"] = "nesterov"
-    outer_lr: float = Field(default=0.7, gt=0)
-    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    outer_lr: float = Field(default=1.0, gt=0)
+    outer_momentum: float = Field(default=0.0, ge=0, lt=1)
     compression: Literal["none", "bf16", "fp16", "int8"] = "none"
     min_nodes: int = Field(default=1, gt=0)  # nodes the first outer step waits for (bounded by mesh.start_timeout)
     allreduce_timeout: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=5, gt=0)  # redo an outer step at most this often after failures
+    # the outer step of round t runs in a background thread while round t+1 trains; its update lands one round
+    # late (docs/architecture.md, "Overlap"). Nodes of one process only.
+    overlap: bool = False
 
 
 class MeshConfig(_Section):
@@ -104,12 +110,43 @@ class MeshConfig(_Section):
     polling_interval: float = Field(default=0.1, gt=0)
     start_timeout: float = Field(default=60.0, gt=0)  # how long the first boundary waits for diloco.min_nodes
     join_timeout: float = Field(default=600.0, gt=0)  # how long a joiner waits to be admitted
+    # how long a node that lost the store keeps training and waits for it to come back before it gives up
+    # (checkpoint, run_end "failed")
+    store_lost_timeout: float = Field(default=600.0, gt=0)
     drain_file: str | None = None  # a file whose appearance requests a drain (for hosts without signals)
+    # "tcp": the TCPStore at store_addr:store_port (one process); "etcd": a replicated etcd cluster (docs/mesh.md)
+    store_backend: Literal["tcp", "etcd"] = "tcp"
+    etcd_endpoints: list[str] = []  # host:port of every member's client URL
+    etcd_prefix: str = "zeroband/run/"  # every key of this run lives under it: one prefix per run (the console sets it)
+    etcd_ca: str | None = None  # the run's CA certificate (PEM), which signed the members' certificates
+    etcd_cert: str | None = None  # this client's certificate and key: etcd refuses clients without one
+    etcd_key: str | None = None
+    etcd_insecure: bool = False  # plain http, no client certificate: only for an etcd nobody else can reach
 
     @model_validator(mode="after")
     def _timeout_exceeds_interval(self) -> "MeshConfig":
         if self.heartbeat_timeout <= 2 * self.heartbeat_interval:
             raise ValueError("heartbeat_timeout must exceed twice heartbeat_interval")
+        return self
+
+    @field_validator("etcd_endpoints", mode="before")
+    @classmethod
+    def _endpoint_list(cls, value: Any) -> Any:
+        # "a:2379,b:2379" as well as a TOML list: one command-line override carries them all
+        return [e.strip() for e in value.split(",") if e.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _etcd_complete(self) -> "MeshConfig":
+        if self.store_backend != "etcd":
+            return self
+        if not self.etcd_endpoints:
+            raise ValueError("store_backend etcd needs mesh.etcd_endpoints (host:port of each member)")
+        if not self.etcd_prefix.strip("/"):
+            raise ValueError("etcd_prefix must name the run (e.g. 'zeroband/run-1/'), not the whole keyspace")
+        tls = [self.etcd_ca, self.etcd_cert, self.etcd_key]
+        if not self.etcd_insecure and not all(tls):
+            raise ValueError("store_backend etcd needs mesh.etcd_ca, etcd_cert and etcd_key (TLS with a client "
+                             "certificate: whoever reaches the store can steer the run), or etcd_insecure = true")
         return self
 
 
@@ -126,6 +163,8 @@ class TelemetryConfig(_Section):
     resource_interval: float = Field(default=5.0, gt=0)
     human: bool = True  # progress lines on stderr
     all_ranks: bool = False  # JSON events from every rank, not only local rank 0
+    tensorboard_dir: str = ""  # TensorBoard event files under <dir>/<node id> (empty: none); engine/metrics.py
+    wandb: bool = False  # Weights & Biases, offline, under <run.dir>/wandb, when the wandb package is installed
 
 
 class RunConfig(_Section):
@@ -178,7 +217,7 @@ def grad_accum_steps(train: TrainConfig, local_world_size: int, source: str = "c
 
 # ZeroBand-compatible environment variables and the config keys they set.
 ZERO_BAND_ENV = {
-    "ZERO_BAND_LOG_LEVEL": None,  # read by world.py, not a config key
+    "ZERO_BAND_LOG_LEVEL": None,  # read by world.py: which progress lines reach stderr (not a config key)
     "ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "mesh.store_timeout",
     "ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS": "mesh.polling_interval",
     "ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS": "mesh.heartbeat_interval",
@@ -189,10 +228,12 @@ GLOBAL_ENV = {
     "GLOBAL_PORT": "mesh.store_port",
     "GLOBAL_UNIQUE_ID": "mesh.node_id",
 }
+GLOBAL_HINTS = ("GLOBAL_RANK", "GLOBAL_WORLD_SIZE")  # read by world.py: the data shard of this node
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
-    """Config keys set by the environment. An unknown ZERO_BAND_* variable is an error (likely a typo)."""
+    """Config keys set by the environment. An unknown ZERO_BAND_* or GLOBAL_* variable is an error (likely a typo:
+    a GLOBAL_ADRR silently ignored would send the node to the default store)."""
     out: dict[str, str] = {}
     for name, value in environ.items():
         if name.startswith("ZERO_BAND_"):
@@ -204,6 +245,9 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
                 out[key] = value
         elif name in GLOBAL_ENV:
             out[GLOBAL_ENV[name]] = value
+        elif name.startswith("GLOBAL_") and name not in GLOBAL_HINTS:
+            known = ", ".join(sorted([*GLOBAL_ENV, *GLOBAL_HINTS]))
+            raise ConfigError(f"environment: unknown variable {name} (known: {known})")
     return out
 
 
@@ -290,6 +334,6 @@ def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "d
     if "diloco" in picked:
         picked["diloco"] = {k: v for k, v in picked["diloco"].items()
                             if k in ("enabled", "inner_steps", "outer_optimizer", "outer_lr",
-                                     "outer_momentum", "compression")}
+                                     "outer_momentum", "compression", "overlap")}
     blob = json.dumps(picked, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]

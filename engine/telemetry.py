@@ -59,6 +59,13 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "run_end": {"status": (str,), "step": (int,)},
 }
 
+# fields added after SCHEMA_VERSION 1 shipped: checked when present, never required, so that a reader still takes
+# the lines of an engine from before them (a console attached to an older run)
+OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
+                   "weights": (list,)},
+}
+
 NODE_STATES = ("starting", "joining", "training", "draining", "left")
 RUN_END_STATUSES = ("completed", "drained", "stopped", "failed")
 MEMBERSHIP_CHANGES = ("joined", "drained", "left", "dead", "leader", "rejected")
@@ -98,6 +105,10 @@ def validate(event: dict[str, Any]) -> dict[str, Any]:
         # bool is an int subclass; a bool where a number belongs is a producer bug
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
+    for name, types in OPTIONAL_FIELDS.get(type_, {}).items():
+        value = event.get(name, _MISSING)
+        if value is not _MISSING and (not isinstance(value, types) or isinstance(value, bool)):
+            raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
     return event
 
 
@@ -130,7 +141,8 @@ def format_human(event: dict[str, Any]) -> str | None:
         return f"{who} eval  step {event['step']:>6} loss {event['loss']:.4f}"
     if t == "outer_step":
         return (f"{who} outer {event['outer_step']:>4} gen {event['generation']} members {len(event['members'])}"
-                f" pgrad {event['pgrad_norm']:.4f} allreduce {event['allreduce_s']:.2f}s sum {event['checksum']}")
+                f" pgrad {event['pgrad_norm']:.4f} compute {event['compute_s']:.2f}s outer {event['outer_s']:.2f}s"
+                f" (wire {event['wire_s']:.2f}s codec {event['codec_s']:.2f}s) sum {event['checksum']}")
     if t == "membership":
         return f"{who} membership {event['change']} {event['subject']} -> {len(event['members'])} members"
     if t in ("checkpoint", "export"):

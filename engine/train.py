@@ -9,12 +9,17 @@ the checkpointer; restore a checkpoint if asked; run inner steps until max_steps
 save, export, and shut down cleanly.
 
 Telemetry: JSON events on stdout (local rank 0, or every rank with telemetry.all_ranks), a human line per event
-on stderr. Signals: SIGUSR1 or the appearance of mesh.drain_file -> drain (the outer loop decides when to stop);
-SIGTERM/SIGINT -> stop after the current step, checkpoint, run_end "stopped". All ranks of the node agree on a
-stop or drain through a tiny all-reduce after every step, so they leave the loop at the same step.
+on stderr, and TensorBoard / offline W&B scalars when telemetry.tensorboard_dir / telemetry.wandb ask for them
+(engine/metrics.py). Signals: SIGUSR1 or the appearance of mesh.drain_file -> drain (the outer loop decides when
+to stop); SIGTERM/SIGINT -> stop after the current step, checkpoint, run_end "stopped". All ranks of the node agree
+on a stop or drain through a tiny all-reduce after every step, so they leave the loop at the same step. Inside the
+outer loop's waits (the mesh, the collectives) the outer loop polls Signals.requested(): a stop ends the wait
+within a poll (checkpoint, run_end "stopped", exit 0); a drain ends it only where the node has nothing to
+contribute (a join), and otherwise lets the round commit and leaves right after it (run_end "drained").
 
 Exit codes: 0 completed, drained or stopped; 2 bad input (`error: ...` on stderr plus an "error" event);
-1 crash (traceback on stderr, "error" event, run_end "failed").
+1 crash or mesh failure ("error" event, run_end "failed"; a traceback on stderr for a crash, one line for a
+mesh failure). A failure after training started saves a checkpoint first: no trained step is lost.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ import torch.distributed as dist
 
 from engine.checkpoint import Checkpointer, export
 from engine.config import Config, digest, grad_accum_steps, load_config
-from engine.data import Data, TokenStream, build_data
-from engine.mesh.protocol import MeshError
+from engine.data import Data, TokenStream, build_data, dataset_name
+from engine.mesh.protocol import MeshError, Stopped
 from engine.model import build_model, count_params, model_config
 from engine.outer import Outer, Progress, build_outer
 from engine.parallel import build_inner, setup_distributed
@@ -61,6 +66,15 @@ class Signals:
 
     def _on_drain(self, signum, frame) -> None:
         self.drain = True
+
+    def requested(self) -> str | None:
+        """"stopped" or "drained" if asked for, else None. This rank's own view, no collective: polled by the
+        outer loop's waits (every rank of a node receives the signal; the mesh answer reaches all of them)."""
+        if self.stop:
+            return "stopped"
+        if self.drain or (self.drain_file and os.path.exists(self.drain_file)):
+            return "drained"
+        return None
 
     def poll(self, world: World, group) -> tuple[bool, bool]:
         """(stop, drain), the same on every rank. A collective when the node has several ranks."""
@@ -101,11 +115,29 @@ def human_line(event: dict) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def warning_line(event: dict) -> None:
+    """ZERO_BAND_LOG_LEVEL=WARNING: only warnings reach stderr as progress lines."""
+    if event["type"] == "warning":
+        human_line(event)
+
+
 def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
     node = (cfg.mesh.node_id if cfg is not None else None) or world.default_node_id()
     speaks = world.rank == 0 or (cfg is not None and cfg.telemetry.all_ranks)
     human = cfg is None or cfg.telemetry.human
-    return Telemetry(node, world.rank, enabled=speaks, extra_sinks=[human_line] if human else [])
+    # ZERO_BAND_LOG_LEVEL: DEBUG and INFO print every progress line, WARNING only warnings, ERROR none (main()
+    # prints the one `error:` line whatever the level); the JSON events on stdout are never filtered
+    line = {"WARNING": warning_line, "ERROR": None}.get(world.log_level, human_line)
+    sinks: list = [line] if human and line else []
+    notes: list[str] = []
+    if cfg is not None and speaks and (cfg.telemetry.tensorboard_dir or cfg.telemetry.wandb):
+        from engine.metrics import metric_sinks  # imports torch's tensorboard writer only when asked for
+        sinks += metric_sinks(cfg.telemetry, run_dir=cfg.run.dir, run_name=cfg.run.name, node=node,
+                              rank=world.rank, all_ranks=cfg.telemetry.all_ranks, warn=notes.append)
+    telemetry = Telemetry(node, world.rank, enabled=speaks, extra_sinks=sinks)
+    for note in notes:
+        telemetry.emit("warning", message=note)
+    return telemetry
 
 
 def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
@@ -117,13 +149,16 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
     hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
     ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy, device, group)
     resume_from = ckpt.check_start()  # before the expensive part: refuse bad folders early
+    if ckpt.archived is not None:
+        telemetry.emit("warning", message=f"ckpt.dir: an older run's checkpoints moved to {ckpt.archived}")
     model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
     params = count_params(model)  # before sharding: ZeRO-3 empties the partitioned tensors
     inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
     outer = build_outer(cfg, world, inner, telemetry, local_group=group)
-    session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt,
-                      Signals(cfg.mesh.drain_file), resources=None,
-                      accum=grad_accum_steps(cfg.train, world.world_size))
+    signals = Signals(cfg.mesh.drain_file)
+    outer.interrupt = signals.requested  # the outer loop's waits end on a stop or drain
+    session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt, signals,
+                      resources=None, accum=grad_accum_steps(cfg.train, world.world_size))
     session.facts = {"params": params, "device": str(device), "grad_accum": session.accum}
     if resume_from is not None:
         ckpt.load(resume_from, inner, data, session.progress, outer)
@@ -170,6 +205,7 @@ def evaluate(s: Session) -> float | None:
 
 
 def save(s: Session) -> None:
+    s.outer.flush()  # diloco.overlap: the outer update in flight lands in the weights before they are saved
     if s.ckpt.last_saved_step == s.progress.step:
         return
     path, seconds = s.ckpt.save(s.progress.step, s.inner, s.data, s.progress, s.outer)
@@ -192,7 +228,10 @@ def run(s: Session) -> str:
     cfg, progress = s.cfg, s.progress
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
     before = progress.step
-    s.outer.start(progress)
+    try:
+        s.outer.start(progress)
+    except Stopped as e:  # stopped while waiting to form or join: nothing trained in this process yet
+        return e.reason
     s.training = True
     if progress.step != before:
         follow_handoff(s)
@@ -208,18 +247,27 @@ def run(s: Session) -> str:
             rate = tokens_per_step * (progress.step - last_log_step) / max(now - last_log, 1e-9)
             s.telemetry.emit("step", step=progress.step, loss=mean_loss, lr=s.inner.current_lr(),
                              tokens_per_s=rate, grad_norm=float(grad_norm), tokens=progress.tokens,
-                             outer_step=progress.outer_step)
+                             outer_step=progress.outer_step, epoch=s.data.train.epoch)
             last_log, last_log_step = now, progress.step
-        if cfg.train.eval_interval and progress.step % cfg.train.eval_interval == 0:
-            eval_loss = evaluate(s)
-            if eval_loss is not None:
-                s.telemetry.emit("eval", step=progress.step, loss=eval_loss)
         stop, drain = s.signals.poll(s.world, s.group)
         if drain and not s.draining:
             s.draining = True
             s.telemetry.emit("state", state="draining")
             s.outer.request_drain()
-        if s.outer.after_inner_step(progress):
+        step = progress.step
+        try:
+            left = s.outer.after_inner_step(progress)
+        except Stopped as e:  # a stop or drain inside the outer step's waits: this round is saved, not sent
+            status = e.reason
+            break
+        if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
+            follow_handoff(s)
+        # after the outer step: at a DiLoCo boundary this evaluates the run's model, not this node's local drift
+        if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            eval_loss = evaluate(s)
+            if eval_loss is not None:
+                s.telemetry.emit("eval", step=step, loss=eval_loss)
+        if left:
             status = "drained"
             break
         if stop:
@@ -232,6 +280,18 @@ def run(s: Session) -> str:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group)
         s.telemetry.emit("export", step=progress.step, path=str(path))
     return status
+
+
+def save_before_failing(s: Session | None) -> None:
+    """A failure after training started (the mesh gave up, a crash in the outer loop) keeps the trained steps:
+    the model and data state are intact in memory, and a checkpoint mid-round resumes exactly."""
+    if s is None or not s.training:
+        return
+    try:
+        save(s)
+    except Exception as e:  # noqa: BLE001 - reported; the run is failing already and must still end cleanly
+        print(f"error: checkpoint before exit failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        s.telemetry.emit("error", message=f"checkpoint before exit failed: {type(e).__name__}: {e}")
 
 
 def split_args(argv: list[str]) -> tuple[str, list[str]]:
@@ -247,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     process itself through cli()'s exit path; with argv (tests, embedding) it returns."""
     if argv is None:
         cli()
-    world = read_world()
+    try:
+        world = read_world()
+    except ValueError as e:  # a bad RANK or WORLD_SIZE: one line, as for any bad input (no traceback)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     telemetry = make_telemetry(None, world)
     session: Session | None = None
     status, code = "failed", 1
@@ -257,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry = make_telemetry(cfg, world)
         telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
                        config_digest=digest(cfg), strategy=cfg.inner.strategy, max_steps=cfg.train.max_steps,
-                       run=cfg.run.name, diloco=cfg.diloco.enabled)
+                       run=cfg.run.name, diloco=cfg.diloco.enabled, dataset=dataset_name(cfg.data))
         session = build(cfg, world, telemetry)
         status = run(session)
         code = 0
@@ -269,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         code = 1 if session is not None and session.training else 2
         print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
+        save_before_failing(session)
     except Exception as e:  # noqa: BLE001 - a crash: report it as an event too, then exit 1
         traceback.print_exc()
         telemetry.emit("error", message=f"{type(e).__name__}: {e}")
+        save_before_failing(session)
     finally:
         shutdown(session, telemetry, status, clean=code == 0)
     return code

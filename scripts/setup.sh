@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up of everything the project needs on a fresh Debian/Ubuntu machine:
-# system packages (OpenSSH server for the SSH tests, tmux, iproute2), a virtual environment in .venv,
+# system packages (OpenSSH server for the SSH tests, tmux, iproute2 and nftables for the chaos lab's network
+# namespaces and packet loss, etcd-server for the etcd store backend and its tests), a virtual environment in .venv,
 # torch (the CPU build, pinned, where there is no NVIDIA driver), and the project with its extras.
 # Re-running it is cheap: each step is skipped when already done.
 set -euo pipefail
@@ -11,7 +12,7 @@ VENV=${VENV:-.venv}
 say() { printf '[setup] %s\n' "$*" >&2; }
 
 need_apt=()
-for pkg in openssh-server openssh-client tmux iproute2; do
+for pkg in openssh-server openssh-client tmux iproute2 nftables etcd-server; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -20,6 +21,10 @@ if [ ${#need_apt[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -qq >/dev/null
     apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    if [[ " ${need_apt[*]} " == *" etcd-server "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+      # the package also starts a system etcd on localhost:2379; the console and the tests run their own members
+      systemctl disable --now etcd >/dev/null 2>&1 || say "could not stop the system etcd service (it holds localhost:2379)"
+    fi
   else
     say "missing system packages (install them as root): ${need_apt[*]}"
   fi
@@ -30,6 +35,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+
+# The second, larger corpus (the standard library's sources) for bench/learning.py: built here, never downloaded.
+if [ ! -s corpus-large/stdlib_sources.jsonl ]; then
+  say "building corpus-large/ from this Python's standard library"
+  "$PY" scripts/make_corpus.py --sources >/dev/null
+fi
 
 # Install again only when the dependency list changed.
 stamp="$VENV/.zeroband-setup"

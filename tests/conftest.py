@@ -36,3 +36,20 @@ def procs():
 def _quiet_threads(monkeypatch):
     # tiny models on 2 cores: more intra-op threads only add contention between test processes
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster(tmp_path_factory):
+    """One real 3-member etcd cluster (TLS, client certificates) for the whole session; tests use their own key
+    prefix. A test that kills members starts its own cluster instead."""
+    import shutil
+    import tempfile
+
+    from etcd_cluster import EtcdTestCluster
+
+    # the Raft log on tmpfs: etcd fsyncs every write, and the protocol scenarios make thousands
+    folder = Path(tempfile.mkdtemp(prefix="zb-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    cluster = EtcdTestCluster(folder).start()
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(folder, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""`python -m engine.setup`: every generated file is parsed back by what consumes it, and the shell scripts are
+"""`python -m console.recipes`: every generated file is parsed back by what consumes it, and the shell scripts are
 run against stub programs (python, srun, scontrol, hostname) that record what they receive, so quoting is
 tested by execution, not by reading: hostile values (spaces, quotes, $(...), backticks) must arrive intact.
 """
@@ -20,14 +20,14 @@ from console.cluster import engine_argv
 from console.cluster import engine_env as console_engine_env
 from console.profile import load_profile
 from engine.config import load_config, parse_overrides
-from engine.setup import main, parse_hostfile
+from console.recipes import main, parse_hostfile
 
 HOSTILE = "it's $(touch PWNED) `touch PWNED2` \"q\" a;b"
 SECRET = "hf_do_not_write_me"
 
 
 def setup_cli(procs, *args: str) -> subprocess.CompletedProcess:
-    return procs.run([PYTHON, "-m", "engine.setup", *args], timeout=60)
+    return procs.run([PYTHON, "-m", "console.recipes", *args], timeout=60)
 
 
 @pytest.fixture
