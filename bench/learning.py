@@ -4,6 +4,7 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py                           # CPU-sized default arms, real engines and store (~5 min)
     python bench/learning.py --corpus stdlib           # the larger corpus (corpus-large/, built by scripts/setup.sh)
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
+    python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
     python bench/learning.py --overlap                 # adds a diloco.overlap arm: the learning cost of overlap
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
@@ -113,6 +114,17 @@ def sweep_arms(args) -> list[Arm]:
     arms.append(Arm("nesterov lr0.7 m0.9 H5", "diloco", k=4, inner_steps=5, outer_lr=0.7, outer_momentum=0.9))
     arms.append(Arm("mean k2", "diloco", k=2, inner_steps=20, outer_lr=1.0, outer_momentum=0.0))
     arms.append(Arm("nesterov lr0.7 m0.9 k2", "diloco", k=2, inner_steps=20, outer_lr=0.7, outer_momentum=0.9))
+    return arms
+
+
+def h_sweep_arms(args) -> list[Arm]:
+    """H = 10, 50, 200 (the issue's grid) for the plain mean and the paper's 0.7 / 0.9: a run long enough for H = 200
+    to mean two outer steps (--steps 400 by default here)."""
+    arms = [Arm("single", "single"), Arm("ddp", "ddp", k=4)]
+    for h in (10, 50, 200):
+        arms.append(Arm(f"mean H{h}", "diloco", k=4, inner_steps=h, outer_lr=1.0, outer_momentum=0.0))
+        arms.append(Arm(f"nesterov lr0.7 m0.9 H{h}", "diloco", k=4, inner_steps=h, outer_lr=0.7,
+                        outer_momentum=0.9))
     return arms
 
 
@@ -385,7 +397,7 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default="debug")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=120, help="inner steps per worker")
+    ap.add_argument("--steps", type=int, help="inner steps per worker (default 120; 400 with --sweep-h)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1337)
@@ -401,10 +413,13 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
     ap.add_argument("--arm-timeout", type=float, default=1800.0)
-    ap.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
+    sweeps = ap.add_mutually_exclusive_group()
+    sweeps.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
+    sweeps.add_argument("--sweep-h", action="store_true", help="H = 10, 50, 200 over 400 inner steps per worker")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
     args = ap.parse_args(argv)
     args.data = args.data or CORPORA[args.corpus]
+    args.steps = args.steps or (400 if args.sweep_h else 120)
     if not args.data.exists():
         ap.error(f"--corpus {args.corpus}: {args.data} is missing (build it: python scripts/make_corpus.py "
                  f"--sources)")
@@ -422,9 +437,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
-    arms = sweep_arms(args) if args.sweep else default_arms(args)
+    arms = sweep_arms(args) if args.sweep else h_sweep_arms(args) if args.sweep_h else default_arms(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}" + ("-sweep" if args.sweep else "")
+    kind = "-sweep" if args.sweep else "-sweep-h" if args.sweep_h else ""
+    stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}{kind}"
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="zb-learning-") as tmp:
         for arm in arms:
