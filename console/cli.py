@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -196,6 +197,8 @@ async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out:
             outcome = await cluster.add(args.host)
         else:
             outcome = await cluster.stop()
+    except BrokenPipeError:
+        raise  # the reader went away (`| head`): not a failure of the command; main() ends quietly
     except Exception as e:  # noqa: BLE001 -- the boundary: one line, exit 1
         print(f"zeroband-console: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
@@ -229,11 +232,17 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         return int(e.code or 0)
     fleet = Fleet(run=profile.run.name)
     cluster = cluster_factory(profile, fleet, **({"resume": True} if args.resume else {}))
-    if args.command:
-        return asyncio.run(run_command(cluster, fleet, args, out))
-    if args.headless:
-        return asyncio.run(run_headless(cluster, fleet, attach=args.attach, interval=args.interval, out=out,
-                                        heartbeat_timeout=heartbeat_timeout_of(profile)))
+    try:
+        if args.command:
+            return asyncio.run(run_command(cluster, fleet, args, out))
+        if args.headless:
+            return asyncio.run(run_headless(cluster, fleet, attach=args.attach, interval=args.interval, out=out,
+                                            heartbeat_timeout=heartbeat_timeout_of(profile)))
+    except BrokenPipeError:
+        # `zeroband-console P status | head -1`: what the reader wanted was printed; the engines run on (they
+        # outlive the console). Point stdout at /dev/null so the interpreter's last flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
     from console.app import make_app
 
     app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,

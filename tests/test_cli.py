@@ -256,6 +256,24 @@ def test_missing_profile_exits_2(tmp_path, capsys):
     assert "nope.toml" in capsys.readouterr().err
 
 
+def test_a_reader_that_goes_away_ends_status_quietly(tmp_path):
+    """`zeroband-console P status | head -1`: a closed pipe is the reader's choice, not a failure of the command
+    (it said "status failed: BrokenPipeError" and exited 1). A real process, its stdout a pipe nobody reads."""
+    import subprocess
+
+    from procs import ROOT, engine_env
+    profile = tmp_path / "p.toml"
+    profile.write_text(PROFILE_TEXT.replace('name = "unit"', f'name = "unit"\ndir = "{tmp_path / "runs"}"'))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "console", str(profile), "status"], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=60, cwd=ROOT, env=engine_env())
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
+
+
 # ---- subcommands against a stand-in cluster (the real one is driven in test_cli_against_a_running_cluster) ----
 PROFILE_TEXT = """\
 [run]
