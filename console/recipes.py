@@ -80,7 +80,9 @@ def deepspeed_json(stage: int, offload_optimizer: bool, offload_params: bool, pr
     from engine.model import model_config
     cfg = load_config(config_path, ["--data.fake=true"])  # the data source plays no part in a DeepSpeed config
     accum = grad_accum_steps(cfg.train, workers, source=config_path or "engine defaults")
-    hidden = getattr(model_config(cfg.model, 1, cfg.data.seq_len), "hidden_size", None)  # sizes the buckets
+    # the hidden size sizes the buckets and does not depend on the vocabulary; 256 (bytes) holds the special ids
+    # (a vocabulary of 1 made transformers warn that bos/eos 1 and 2 are out of range)
+    hidden = getattr(model_config(cfg.model, 256, cfg.data.seq_len), "hidden_size", None)
     return deepspeed_config(stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=accum,
                             precision=precision, clip_norm=cfg.optim.clip_norm,
                             offload_optimizer=offload_optimizer, offload_params=offload_params, hidden_size=hidden)

@@ -109,6 +109,7 @@ def test_deepspeed_config_is_what_deepspeed_reads(procs, tmp_path):
     done = setup_cli(procs, "deepspeed", "--zero-stage", "3", "--offload-optimizer", "--offload-params", "--bf16",
                      "--config", "configs/debug.toml", "--workers", "1", "--output", str(out))
     assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == f"wrote {out}"  # and nothing else: no library warnings to a user
     cfg = json.loads(out.read_text())
     # debug.toml: micro batch 8, batch 8, one worker -> no accumulation, clip 1.0: as engine/zero.py builds it
     from engine.zero import deepspeed_config
