@@ -239,10 +239,11 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
             return asyncio.run(run_headless(cluster, fleet, attach=args.attach, interval=args.interval, out=out,
                                             heartbeat_timeout=heartbeat_timeout_of(profile)))
     except BrokenPipeError:
-        # `zeroband-console P status | head -1`: what the reader wanted was printed; the engines run on (they
-        # outlive the console). Point stdout at /dev/null so the interpreter's last flush cannot fail again.
+        # `zeroband-console P status | head -1`: what the reader wanted was printed. --headless has lost its
+        # reader before the run ended: like an interrupt, the engines run on (they outlive the console). Point
+        # stdout at /dev/null so the interpreter's last flush cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return EXIT_OK if args.command else EXIT_INTERRUPTED
     from console.app import make_app
 
     app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,
