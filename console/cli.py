@@ -242,7 +242,10 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         # `zeroband-console P status | head -1`: what the reader wanted was printed. --headless has lost its
         # reader before the run ended: like an interrupt, the engines run on (they outlive the console). Point
         # stdout at /dev/null so the interpreter's last flush cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # stdout is not a file descriptor (embedded, under a test's capture)
+            pass
         return EXIT_OK if args.command else EXIT_INTERRUPTED
     from console.app import make_app
 

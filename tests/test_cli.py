@@ -378,6 +378,25 @@ def test_unknown_node_exits_2_and_acts_on_nothing(unit_profile, capsys):
     assert "unknown node 'node-z' (nodes: node-a, node-b, node-c)" in capsys.readouterr().err
 
 
+class _ClosedPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_headless_that_loses_its_reader_leaves_the_run_going_and_exits_130(unit_profile, capsys):
+    """`--headless | tee log` and tee dies: like an interrupt (the run is not over), never a traceback."""
+    made = []
+
+    def factory(profile, fleet):
+        made.append(RecordingCluster(profile, fleet))
+        return made[-1]
+
+    code = cli.main([unit_profile, "--headless", "--attach", "--interval", "0.05"], cluster_factory=factory,
+                    out=_ClosedPipe())
+    assert code == 130 and "stop" not in [c if isinstance(c, str) else c[0] for c in made[0].calls]
+    assert capsys.readouterr().err == ""
+
+
 async def test_headless_prints_lines_until_the_outcome(unit_profile):
     """run_headless with a cluster whose nodes finish after a few intervals: one line per interval, then exit 0."""
     from console.profile import load_profile
