@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import pickle
-import socket
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
+
+from ranks import report_to, run_ranks  # bench/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -47,12 +45,6 @@ def wchar() -> int:
             if line.startswith("wchar:"):
                 return int(line.split()[1])
     raise RuntimeError("/proc/self/io has no wchar line")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _setup(rank: int, nodes: int, port: int):
@@ -147,15 +139,14 @@ def run_diloco(pg, rank: int, args, h: int, compression_name: str) -> dict:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
-    try:
+    def rows() -> list[dict]:
         pg = _setup(rank, args.nodes, port)
-        rows = [run_ddp(pg, rank, args)]
+        out = [run_ddp(pg, rank, args)]
         for h in args.hs:
             for name in args.compressions:
-                rows.append(run_diloco(pg, rank, args, h, name))
-        queue.put((rank, pickle.dumps(rows)))
-    except Exception:  # reported by the parent with the traceback
-        queue.put((rank, traceback.format_exc()))
+                out.append(run_diloco(pg, rank, args, h, name))
+        return out
+    report_to(queue, rank, rows)
 
 
 def report(rows: list[dict], args) -> list[dict]:
@@ -200,23 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     args.compressions = args.compressions.split(",")
     if args.nodes < 2:
         p.error("--nodes: at least 2 (one node sends nothing)")
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(args.nodes)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(queue.get(timeout=1800) for _ in range(args.nodes))
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, r in results.items():
-        if not isinstance(r, bytes):
-            print(f"worker {rank} failed:\n{r}", file=sys.stderr)
-            return 1
-    rows = report(pickle.loads(results[0]), args)
+    results = run_ranks(worker, args.nodes, args, what="worker")
+    if results is None:
+        return 1
+    rows = report(results[0], args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0 if all(r["goal_met"] in (None, True) for r in rows) else 3

@@ -32,29 +32,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import pickle
-import socket
 import statistics
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
+
+from ranks import report_to, run_ranks  # bench/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 VOCAB = 258
 NAMES = ("n0", "n1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class AlwaysMesh:
@@ -128,10 +120,7 @@ def _sync(device) -> None:
 
 
 def worker(rank: int, port: int, args, queue) -> None:
-    try:
-        queue.put((rank, pickle.dumps(run(rank, port, args))))
-    except Exception:  # reported by the parent with the traceback
-        queue.put((rank, traceback.format_exc()))
+    report_to(queue, rank, lambda: run(rank, port, args))
 
 
 def run(rank: int, port: int, args) -> dict:
@@ -250,23 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds: at least 1")
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, args, queue)) for r in range(len(NAMES))]
-    for proc in procs:
-        proc.start()
-    try:
-        results = dict(queue.get(timeout=1800) for _ in NAMES)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, r in results.items():
-        if not isinstance(r, bytes):
-            print(f"node {rank} failed:\n{r}", file=sys.stderr)
-            return 1
-    report(pickle.loads(results[0]), args)
+    results = run_ranks(worker, len(NAMES), args, what="node")
+    if results is None:
+        return 1
+    report(results[0], args)
     return 0
 
 
