@@ -31,6 +31,31 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def spawned_ranks(target, size: int, timeout: float) -> dict[int, object]:
+    """Run target(rank, port, queue) in `size` spawned processes (a gloo group on a free port) and return each
+    rank's result, which the target puts on the queue as (rank, pickle.dumps(result)), or (rank, traceback text)
+    to fail the caller with it. Plain pickle: torch's queue reducers would share tensors through a server that
+    dies with the child."""
+    import multiprocessing as mp
+    import pickle
+
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    workers = [ctx.Process(target=target, args=(r, port, queue)) for r in range(size)]
+    for w in workers:
+        w.start()
+    try:
+        got = dict(queue.get(timeout=timeout) for _ in range(size))
+    finally:
+        for w in workers:
+            w.join(timeout=10)
+            if w.is_alive():
+                w.kill()
+    for rank, r in got.items():
+        assert isinstance(r, bytes), f"rank {rank} failed:\n{r}"
+    return {rank: pickle.loads(r) for rank, r in got.items()}
+
+
 def engine_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_BAND_", "GLOBAL_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -5,7 +5,6 @@ to plain training. The mesh is replaced by scripted fakes here; tests/test_diloc
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import pickle
 import traceback
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compression
+from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.diloco import DilocoOuter, OuterOptimizer, flat_params
 from engine.mesh.protocol import Plan
@@ -300,23 +300,7 @@ def _group_worker(rank: int, port: int, queue) -> None:
 
 @pytest.fixture(scope="module")
 def group_results():
-    from procs import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    workers = [ctx.Process(target=_group_worker, args=(r, port, queue)) for r in range(SIZE)]
-    for w in workers:
-        w.start()
-    try:
-        results = dict(queue.get(timeout=60) for _ in range(SIZE))
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-    for rank, r in results.items():
-        assert isinstance(r, bytes), f"rank {rank} failed:\n{r}"
-    return {rank: pickle.loads(r) for rank, r in results.items()}
+    return spawned_ranks(_group_worker, SIZE, timeout=60)
 
 
 def _exact_mean() -> torch.Tensor:

@@ -5,7 +5,6 @@ reported back (ReduceStats.weights, what the outer_step event's `weights` come f
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import pickle
 import traceback
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compression
+from procs import spawned_ranks
 
 SIZE = 3
 NUMEL = 1_001  # not a multiple of 3: the padded chunk is divided as well
@@ -45,23 +45,7 @@ def _worker(rank: int, port: int, queue) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from procs import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    workers = [ctx.Process(target=_worker, args=(r, port, queue)) for r in range(SIZE)]
-    for w in workers:
-        w.start()
-    try:
-        got = dict(queue.get(timeout=90) for _ in range(SIZE))
-    finally:
-        for w in workers:
-            w.join(timeout=10)
-            if w.is_alive():
-                w.kill()
-    for rank, r in got.items():
-        assert isinstance(r, bytes), f"rank {rank} failed:\n{r}"
-    return {rank: pickle.loads(r) for rank, r in got.items()}
+    return spawned_ranks(_worker, SIZE, timeout=90)
 
 
 @pytest.mark.parametrize("name", WEIGHT_SETS)
