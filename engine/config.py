@@ -95,6 +95,11 @@ class DilocoConfig(_Section):
     min_nodes: int = Field(default=1, gt=0)  # nodes the first outer step waits for (bounded by mesh.start_timeout)
     allreduce_timeout: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=5, gt=0)  # redo an outer step at most this often after failures
+    # a collective (group rendezvous, all-reduce) running longer than this while this node's own store round trips
+    # are being retransmitted (mesh.slow_tick) steps the node out of the round, so that a lossy link stalls its
+    # peers for seconds, not for the whole fault (docs/mesh.md, "Stragglers"). 0: half mesh.heartbeat_timeout, or
+    # four times the slowest of the last five all-reduces if that is longer
+    straggler_timeout: float = Field(default=0.0, ge=0)
     # the outer step of round t runs in a background thread while round t+1 trains; its update lands one round
     # late (docs/architecture.md, "Overlap"). Nodes of one process only.
     overlap: bool = False
@@ -108,6 +113,10 @@ class MeshConfig(_Section):
     heartbeat_timeout: float = Field(default=6.0, gt=0)
     store_timeout: float = Field(default=30.0, gt=0)  # connecting to and waiting on the store
     polling_interval: float = Field(default=0.1, gt=0)
+    # a heartbeat tick this much slower than the node's fastest recent one had a packet retransmitted (TCP's
+    # minimum retransmission timeout is 200 ms on Linux): two such ticks of the last eight mark the node's own link
+    # slow, which lets it step out of an overdue collective (diloco.straggler_timeout)
+    slow_tick: float = Field(default=0.2, gt=0)
     start_timeout: float = Field(default=60.0, gt=0)  # how long the first boundary waits for diloco.min_nodes
     join_timeout: float = Field(default=600.0, gt=0)  # how long a joiner waits to be admitted
     # how long a node that lost the store keeps training and waits for it to come back before it gives up

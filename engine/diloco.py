@@ -35,6 +35,7 @@ the whole outer step; docs/telemetry.md).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import hashlib
@@ -216,6 +217,7 @@ class DilocoOuter:
         # nodes resumed from checkpoints of different ages then start from one set of weights.
         self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
+        self._recent_wire: collections.deque[float] = collections.deque(maxlen=5)  # seconds of recent all-reduces
 
     # ------------------------------------------------------------------ local group plumbing
 
@@ -353,6 +355,7 @@ class DilocoOuter:
             return fn()  # unit tests with an injected mesh: no store to watch
         from engine.mesh import Keys
         decision = Keys().decision(plan.epoch, plan.outer_step, plan.attempt)
+        began, overdue = time.monotonic(), self._straggler_timeout()
 
         def give_up() -> str | None:
             if self.world.world_size == 1:  # several local ranks leave together, through the mesh calls
@@ -365,6 +368,13 @@ class DilocoOuter:
                     return f"{what}: {', '.join(dead)} stopped beating (mesh.heartbeat_timeout)"
             if not until_decided:
                 return None
+            if self.mesh is not None and time.monotonic() - began > overdue and self.mesh.link_slow():
+                # this node is the straggler: its own store round trips are being retransmitted while the
+                # collective is overdue. It steps out (and aborts the attempt) rather than hold its peers for as
+                # long as the fault lasts; its other local ranks see the abort at their next poll
+                why = f"{what} overdue ({overdue:.1f}s, diloco.straggler_timeout) on a slow link (mesh.slow_tick)"
+                self.mesh.step_out(plan, why)
+                return why
             store = self.mesh.store if self.mesh is not None else self._store
             try:
                 decided = store.check([decision]) and bool(store.get(decision))
@@ -372,6 +382,12 @@ class DilocoOuter:
                 decided = False  # the store is away: the collective may still finish; the mesh handles the store
             return f"{what}: outer step {plan.outer_step} attempt {plan.attempt} was decided" if decided else None
         return _run_sliced(fn, f"diloco-{what.replace(' ', '-')}", self.mesh_cfg.polling_interval, give_up)
+
+    def _straggler_timeout(self) -> float:
+        """How long a collective may run before a member on a slow link steps out (diloco.straggler_timeout)."""
+        if self.cfg.straggler_timeout:
+            return self.cfg.straggler_timeout
+        return max(self.mesh_cfg.heartbeat_timeout / 2, 4 * max(self._recent_wire, default=0.0))
 
     # ------------------------------------------------------------------ the Outer protocol
 
@@ -567,6 +583,8 @@ class DilocoOuter:
                 with self._phase("handoff"):
                     self._send_state(plan, progress)
         self._rounds += 1
+        if stats is not None:
+            self._recent_wire.append(stats.wire_s + stats.codec_s)
         # whose pseudo-gradient entered the mean, with the weights the reduce really used (off the wire)
         counted = [(m, w) for m, w in zip(plan.members, stats.weights if stats else []) if w > 0]
         self._emit("outer_step", outer_step=progress.outer_step, step=progress.step, generation=plan.generation,

@@ -131,6 +131,17 @@ def test_a_member_that_restarted_and_asks_to_join_is_a_joiner_not_awaited_as_a_m
     assert early is not None and early.members == ("a", "c") and early.joiners == ()
 
 
+def test_a_member_that_stepped_out_is_neither_awaited_nor_admitted():
+    """c stepped out of the aborted attempt (its link is slow, state standby): the retry is planned without it at
+    once, not after a wait for its arrival (the stall a lossy member caused), and c is not admitted meanwhile."""
+    prev = _prev(["a", "b", "c"])
+    view = BoundaryView(epoch=0, outer_step=4, attempt=1, prev=prev, prev_committed=False,
+                        arrived={"a": Arrival(), "b": Arrival()}, standby=frozenset({"c"}))
+    plan = compute_plan(view)
+    assert plan is not None and plan.members == ("a", "b") and plan.joiners == () and plan.generation == 4
+    assert compute_plan(replace(view, standby=frozenset())) is None  # a member still in the round: awaited
+
+
 def test_formation_waits_for_min_nodes_and_fails_clearly_below_it():
     one = {"a": Arrival()}
     view = dict(epoch=0, outer_step=0, attempt=0, prev=None, prev_committed=False, min_nodes=2)
@@ -358,6 +369,80 @@ def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
     assert sim.nodes["c"].state == "training"
     again = sim.boundary(3, 0, ["a", "b", "c"])["a"]
     assert again.joiners == () and again.generation == admitted.generation  # same group: no rebuild
+
+
+def test_a_member_on_a_slow_link_steps_out_the_others_go_on_and_it_rejoins_when_healthy(store):
+    """c's collective of outer step 1 is overdue and its own ticks are slow: it steps out. The attempt is aborted
+    by c itself (its peers stop waiting at their next poll), the retry is planned without it at once, c's next
+    boundary excludes it, and it asks to join only once its link is healthy again."""
+    sim = Sim(store)
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    plan = sim.boundary(1, 0, ["a", "b", "c"])["a"]
+    sim.nodes["c"].step_out(plan, "all-reduce overdue on a slow link")
+    assert sim.nodes["c"].state == "standby" and not sim.nodes["c"].is_leader
+    assert sim.commit(plan, {"a": False, "b": False}) == {"a": ABORT, "b": ABORT}
+    t0 = sim.t
+    retry = sim.boundary(1, 1, ["a", "b"])["a"]
+    assert retry.members == ("a", "b") and sim.t - t0 < CFG.heartbeat_timeout  # no wait for c
+    _post_all_ok(sim, retry, "ab")
+    assert all(sim.nodes[n].commit(retry, True) for n in "ab")
+    with pytest.raises(Excluded, match="stepped out"):
+        sim.nodes["c"].boundary(1, 1)
+    assert sim.nodes["c"].state == "standby"  # not asking to join while its link is slow
+    sim.nodes["c"]._ticks.clear()
+    sim.nodes["c"]._ticks.extend([0.01] * 8)  # its ticks are on time again
+    sim.nodes["c"]._await_link()  # returns at once: healthy
+    assert not sim.nodes["c"]._stepped_out
+    sim.nodes["c"]._set_state("joining")  # what wait_admission() posts next
+    admitted = sim.boundary(2, 0, ["a", "b"])["a"]
+    assert admitted.members == ("a", "b", "c") and admitted.joiners == ("c",)
+    assert sim.nodes["c"].wait_admission() == admitted
+
+
+def test_a_slow_link_is_told_from_its_ticks():
+    """Two of the last eight heartbeat ticks mesh.slow_tick (200 ms: one TCP retransmission) slower than the
+    node's fastest: its link is slow. A tick stuck in a retransmission counts while it lasts. Four ticks on time:
+    healthy again. Steady slowness (a store far away) is the baseline, not a slow link."""
+    sim = Sim()
+    slow = {"s": 0.0}
+
+    class Lossy(MemoryStore):  # every store operation of this node costs slow["s"] on the fake clock
+        def __getattribute__(self, name):
+            attr = super().__getattribute__(name)
+            if callable(attr) and not name.startswith("_"):
+                def op(*a, **kw):
+                    sim.t += slow["s"]
+                    return attr(*a, **kw)
+                return op
+            return attr
+    store = Lossy()
+    sim.store = store
+    sim.start("a")
+    mesh = sim.nodes["a"]
+    sim.advance(2.0)
+    assert not mesh.link_slow() and mesh.link_healthy()
+    slow["s"] = 0.1  # 3 operations a tick: 0.3 s, over the 0.2 s margin
+    sim.sleep(CFG.heartbeat_interval)
+    assert not mesh.link_slow()  # one late tick is not a slow link
+    sim.sleep(CFG.heartbeat_interval)
+    assert mesh.link_slow() and not mesh.link_healthy()
+    slow["s"] = 0.0
+    for _ in range(3):
+        sim.sleep(CFG.heartbeat_interval)
+    assert not mesh.link_healthy()
+    sim.sleep(CFG.heartbeat_interval)
+    assert mesh.link_healthy()
+    mesh._tick_began = sim.t - 0.5  # a tick under way for 0.5 s counts as one more late tick
+    mesh._ticks.append(0.9)
+    assert mesh.link_slow()
+    mesh._tick_began = None
+    far = sim.node("far", store=Lossy())  # a steady 60 ms round trip: every tick 0.18 s, none late
+    slow["s"] = 0.06
+    far.start()
+    sim.alive.add("far")
+    sim.advance(2.0)
+    assert not far.link_slow() and far.link_healthy()
 
 
 def test_joiner_stays_a_joiner_across_an_aborted_attempt(store):

@@ -186,12 +186,44 @@ class Heartbeat:
             raise LookupError(f"membership store: key(s) {', '.join(missing)} missing")
         return values
 
+    def _timed_tick(self) -> None:
+        began = self._tick_began = self.clock()
+        try:
+            self.tick()
+        finally:
+            self._tick_began = None
+        self._ticks.append(self.clock() - began)
+
+    def link_slow(self) -> bool:
+        """This node's own store round trips are being retransmitted: at least two of its last eight heartbeat
+        ticks (the one under way counts once it is late) took mesh.slow_tick longer than its fastest of the last
+        32. A lost packet costs a tick TCP's minimum retransmission timeout (200 ms on Linux), far above the
+        round trips of a healthy link, loaded or far away; a slow store slows every node's ticks, but then no
+        collective between the nodes is overdue, and a node steps out only when both are true (engine/diloco.py)."""
+        ticks = list(self._ticks)
+        if len(ticks) < 8:
+            return False  # no baseline yet
+        late = min(ticks) + self.cfg.slow_tick
+        slow = sum(t > late for t in ticks[-8:])
+        began = self._tick_began
+        if began is not None and self.clock() - began > late:
+            slow += 1
+        return slow >= 2
+
+    def link_healthy(self) -> bool:
+        """The last four ticks were all on time (see link_slow): a node that stepped out may ask to join again."""
+        ticks = list(self._ticks)
+        began = self._tick_began
+        late = (min(ticks) if ticks else 0.0) + self.cfg.slow_tick
+        return len(ticks) >= 4 and all(t <= late for t in ticks[-4:]) \
+            and (began is None or self.clock() - began <= late)
+
     def _beat(self) -> bool:
         """One tick with store-loss handling. False when this node must give up (the error is in _hb_error)."""
         try:
             if self._lost_since is not None:
                 self._reconnect_now()
-            self.tick()
+            self._timed_tick()
         except MeshError as e:
             self._hb_error = str(e)
             return False

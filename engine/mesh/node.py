@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -102,6 +103,9 @@ class Mesh(Heartbeat, Planner):
         # a store with leases (etcd) deletes a dead node's heartbeat key by itself: its absence is death
         self._leased = bool(getattr(store, "has_leases", lambda: False)())
         self._ready = False  # start() decided joiner or member: only then may this node take the lease
+        self._ticks: deque[float] = deque(maxlen=32)  # durations of the last heartbeat ticks (link_slow)
+        self._tick_began: float | None = None  # when the tick under way began
+        self._stepped_out = False  # step_out(): the next boundary excludes this node; it re-joins when healthy
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -157,6 +161,22 @@ class Mesh(Heartbeat, Planner):
         decision = self._resilient(what, lambda: self._commit(plan, succeeded))
         self._after_decision(plan, decision)
         return decision == COMMIT
+
+    def step_out(self, plan: Plan, why: str) -> None:
+        """Leave the plan's attempt because this node's own link is too slow for the run (link_slow while a
+        collective of the attempt is overdue). In state `standby` the planner neither waits for it nor admits it;
+        the abort it writes (the attempt cannot commit without this node's ok anyway) ends its peers' wait at their
+        next poll, and they re-plan without it. Its pseudo-gradient of this round is not counted. Its next
+        boundary raises Excluded; wait_admission asks to join again once the link is healthy."""
+        self._stepped_out = True
+        try:
+            self._set_state("standby")  # first: the re-plan the abort starts must find it out already
+            self.store.compare_set(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt), "", ABORT)
+            self._release_lease()
+        except STORE_ERRORS as e:  # cut off for good: its peers see its heartbeat stop instead
+            why += f" (the store did not answer: {first_line(e)})"
+        self.emit("warning", message=f"node {self.node_id}: stepped out of outer step {plan.outer_step} attempt "
+                                     f"{plan.attempt}: {why}; it asks to join again once its link is healthy")
 
     def leave(self, reason: str) -> None:
         """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
@@ -261,6 +281,8 @@ class Mesh(Heartbeat, Planner):
     def _boundary(self, outer_step: int, attempt: int, contributing: bool, draining: bool, what: str) -> Plan:
         if self._reset:  # the store restarted while this node trained: this boundary forms the run anew
             self._forget_run()
+        if self._stepped_out:
+            raise Excluded(f"node {self.node_id}: stepped out at {what} (its link is slow): re-join as a joiner")
         self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
         wait = self.cfg.start_timeout if self._forming else self.cfg.store_timeout
         limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
@@ -277,6 +299,8 @@ class Mesh(Heartbeat, Planner):
     def _wait_admission(self) -> Plan:
         what = "waiting for admission"
         self._release_lease()
+        if self._stepped_out:
+            self._await_link()
         self._set_state("joining")
         deadline = self.clock() + self.cfg.join_timeout
         while True:
@@ -291,6 +315,16 @@ class Mesh(Heartbeat, Planner):
                 raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
                                 f"({self.cfg.join_timeout:g}s); is any member of the run alive?")
             self._idle(what)
+
+    def _await_link(self) -> None:
+        """A node that stepped out stays in standby until its heartbeat ticks are on time again (bounded by
+        mesh.join_timeout; then it asks to join anyway), so that it is not admitted over the link that made it
+        step out: a joiner takes part in the next collective and receives the state."""
+        what = "waiting for its link to recover (stepped out)"
+        deadline = self.clock() + self.cfg.join_timeout
+        while not self.link_healthy() and self.clock() < deadline:
+            self._idle(what)
+        self._stepped_out = False
 
     def _commit(self, plan: Plan, succeeded: bool) -> str:
         what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"
@@ -445,7 +479,7 @@ class Mesh(Heartbeat, Planner):
             with self._lock:
                 now = self.clock()
                 running = [m for m in listed if self._liveness.moved(m) and not self._liveness.is_dead(m, now)
-                           and states[m] is not None and states[m].state in ("training", "draining")]
+                           and states[m] is not None and states[m].state in ("training", "draining", "standby")]
                 idle = all(self._liveness.is_dead(m, now) or (states[m] is not None and
                                                               states[m].state in ("starting", "joining", "left"))
                            for m in listed)

@@ -53,7 +53,7 @@ class Planner:
         here = (self.epoch, outer_step, attempt)
 
         def arrived_here(st: NodeState) -> bool:
-            if st.at is None or st.state in ("left", "joining"):
+            if st.at is None or st.state in ("left", "joining", "standby"):
                 return False
             if prev is None:  # formation: every outer step of this epoch and attempt (see compute_plan)
                 return st.at[0] == self.epoch and st.at[2] == attempt
@@ -64,11 +64,12 @@ class Planner:
                             and n not in dead)
         starting = frozenset(n for n, st in states.items() if st is not None and st.state == "starting"
                              and n not in dead)
+        standby = frozenset(n for n, st in states.items() if st is not None and st.state == "standby")
         prev_committed = prev is not None and self._read(
             self.keys.decision(prev.epoch, prev.outer_step, prev.attempt)) == COMMIT
         return BoundaryView(epoch=self.epoch, outer_step=outer_step, attempt=attempt, prev=prev,
                             prev_committed=prev_committed, arrived=arrived, dead=dead, joining=joining,
-                            starting=starting, min_nodes=self.min_nodes, timed_out=timed_out,
+                            starting=starting, standby=standby, min_nodes=self.min_nodes, timed_out=timed_out,
                             base_generation=self._base_generation)
 
     def _collect_decisions(self, epoch: int, last_step: int, steps: int) -> None:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-NODE_STATES = ("starting", "joining", "training", "draining", "left", "dead")
+NODE_STATES = ("starting", "joining", "training", "draining", "standby", "left", "dead")
 LEAVE_REASONS = ("drained", "completed", "failed")
 COMMIT, ABORT = "commit", "abort"
 
@@ -260,6 +260,7 @@ class BoundaryView:
     dead: frozenset[str] = frozenset()  # dead or left, among every node the planner knows
     joining: frozenset[str] = frozenset()  # nodes with a join request
     starting: frozenset[str] = frozenset()  # nodes in state "starting" (formation candidates; restarted members)
+    standby: frozenset[str] = frozenset()  # members that stepped out (slow link): neither awaited nor admitted
     min_nodes: int = 1
     timed_out: bool = False  # the planner's wait for this boundary is over: plan with whoever arrived
     base_generation: int = 0  # first generation of a (re)formed run is base_generation + 1
@@ -297,7 +298,8 @@ def compute_plan(v: BoundaryView) -> Plan | None:
             gone_clean = set()
         # joiners need not arrive: the planner admits them from their join request. A member in state starting is
         # a new process under its id (a restart): it cannot arrive as a member, it will ask to join
-        expected = set(prev.members) - gone_clean - set(v.dead) - joiners - set(v.starting)
+        # a member that stepped out (standby) is not waited for: its peers re-plan without it at once
+        expected = set(prev.members) - gone_clean - set(v.dead) - joiners - set(v.starting) - set(v.standby)
         if not v.timed_out and expected - set(v.arrived):
             return None
         core = expected & set(v.arrived)
