@@ -171,7 +171,10 @@ class Mesh(Heartbeat, Planner):
         self._stepped_out = True
         try:
             self._set_state("standby")  # first: the re-plan the abort starts must find it out already
-            self.store.compare_set(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt), "", ABORT)
+            latest = self._read_latest()[1]
+            if latest is not None and latest.epoch == plan.epoch and not self._moved_past(plan, latest):
+                # (a run that moved on decided this attempt already, and may have collected its decision)
+                self.store.compare_set(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt), "", ABORT)
             self._release_lease()
         except STORE_ERRORS as e:  # cut off for good: its peers see its heartbeat stop instead
             why += f" (the store did not answer: {first_line(e)})"
