@@ -1,7 +1,7 @@
 """Learning study: does DiLoCo learn? Held-out eval loss of single-worker, DDP-equivalent and DiLoCo arms,
 side by side in one run, on the same data order and the same held-out batches.
 
-    python bench/learning.py                           # CPU-sized default arms, real engines and store (~5 min)
+    python bench/learning.py                           # CPU-sized default arms, real engines and store (~15 min)
     python bench/learning.py --corpus stdlib           # the larger corpus (corpus-large/, built by scripts/setup.sh)
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
     python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
@@ -395,8 +395,10 @@ def parse_args(argv=None):
     ap.add_argument("--corpus", choices=sorted(CORPORA), default="docstrings")
     ap.add_argument("--data", type=Path, help="a corpus path (overrides --corpus)")
     ap.add_argument("--preset", default="debug")
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    # 2,048 tokens per worker step (sequences of the shipped debug-diloco length): below ~1k, DDP's k-times batch
+    # still pays off in full and no outer setting keeps up with it (docs/learning.md, "Batch per worker")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--steps", type=int, help="inner steps per worker (default 120; 400 with --sweep-h)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10)
