@@ -343,6 +343,25 @@ def test_drained_node_contributes_then_leaves_without_a_heartbeat_wait(store):
     assert ("a", "b") in sim.changes("drained") and sim.nodes["b"].state == "left"
 
 
+def test_a_member_that_left_after_a_commit_and_was_pruned_is_not_awaited(store):
+    """b leaves right after a commit it was not `leaving` in (a drain that came during its boundary wait), and the
+    leader prunes it from the registry before the next boundary. Before, the planner no longer saw b at all (not
+    registered, so not dead) and awaited it as a member of the last plan until store_timeout: the soak's 4.9 s
+    stall, ended only by b's restart."""
+    sim = Sim(store)
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    assert sim.leader() == "a"
+    sim.nodes["b"].leave("drained")
+    sim.kill("b")
+    sim.advance(1.0)  # the leader's prune drops b from the registry, then its keys
+    _, reg = Registry.read(sim.store, Keys())
+    assert "b" not in reg.ids
+    t0 = sim.t
+    nxt = sim.boundary(1, 0, ["a", "c"])["a"]
+    assert nxt.members == ("a", "c") and sim.t - t0 < CFG.heartbeat_timeout, sim.t - t0
+
+
 def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
     sim = Sim(store)
     sim.start("a", "b", "c")

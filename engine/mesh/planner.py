@@ -50,6 +50,11 @@ class Planner:
         states = self._read_states(nodes)
         with self._lock:
             dead = self._liveness.dead([n for n in nodes if n != self.node_id], self.clock())
+        if prev is not None:
+            # a member of the last plan that is no longer registered was pruned (it left, or was dead for two
+            # timeouts): gone, never awaited. (A drain that lands during the round leaves after the commit
+            # without being in `leaving`; once pruned, nothing else would tell the planner it is gone.)
+            dead = dead | frozenset(set(prev.members) - set(nodes))
         here = (self.epoch, outer_step, attempt)
 
         def arrived_here(st: NodeState) -> bool:
