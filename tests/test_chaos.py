@@ -127,6 +127,13 @@ def test_stalls_excuse_only_store_outages():
     assert verdict.worst is not None and verdict.worst.counted == 4.0 and verdict.ok
     strict = judge(events, [], ["a", "b"], 23.5, [(12.0, 14.0)], stall_limit=4.0)
     assert not strict.ok and strict.reasons == ["a stall of 7.0s exceeds 4.0s"]
+    # each kind of fault is charged with the longest counted stall that overlaps it (injection to recovery)
+    from lab.schedule import Fault
+    loss = Fault(1, "loss", "a", 2.0, 1.0, percent=20, start=12.5, healed=14.5, recovered=20.0)
+    kill = Fault(2, "kill", "b", 0.0, 1.0, start=21.0, recovered=21.5)
+    charged = judge(events, [loss, kill], ["a", "b"], 23.5, [(12.0, 17.0)], stall_limit=4.0)
+    assert charged.by_kind() == {"loss": 4.0, "kill": 2.0}
+    assert "longest stall by fault kind: kill 2.0s, loss 4.0s" in "\n".join(charged.lines(t0=10.0))
 
 
 def test_verdict_fails_on_each_goal_and_says_which():

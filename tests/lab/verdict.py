@@ -128,6 +128,18 @@ class Verdict:
     stall_limit: float
     problems: list[str] = field(default_factory=list)  # from the lab: a console that crashed, an abort...
     commits: int = 0
+    every: list[Stall] = field(default_factory=list)
+
+    def by_kind(self) -> dict[str, float]:
+        """The longest counted stall that overlaps each kind of fault (from its injection to its recovery)."""
+        out: dict[str, float] = {}
+        for f in self.faults:
+            if f.start is None:
+                continue
+            end = max(t for t in (f.start, f.healed, f.recovered) if t is not None)
+            hit = [st.counted for st in self.every if st.start < end and st.start + st.seconds > f.start]
+            out[f.kind] = max([out.get(f.kind, 0.0), *hit])
+        return out
 
     @property
     def failed_faults(self) -> list[Fault]:
@@ -178,6 +190,9 @@ class Verdict:
             assert r is not None
             out.append(f"longest stall: {w.counted:.1f}s from +{w.start - t0:.1f}s (limit {self.stall_limit:.1f}s, "
                        f"store outages excused; {r.seconds:.1f}s from +{r.start - t0:.1f}s counting them)")
+        kinds = self.by_kind()
+        if kinds:
+            out.append("longest stall by fault kind: " + ", ".join(f"{k} {v:.1f}s" for k, v in sorted(kinds.items())))
         out.append("verdict: " + ("PASS" if self.ok else "FAIL: " + "; ".join(self.reasons)))
         return out
 
@@ -198,4 +213,4 @@ def judge(events_by_node: dict[str, list[dict]], faults: list[Fault], survivors:
     return Verdict(faults=faults, losses=losses(commits), agree=agree, agree_line=line,
                    worst=max(every, key=lambda s: s.counted, default=None),
                    worst_raw=max(every, key=lambda s: s.seconds, default=None), stall_limit=stall_limit,
-                   problems=list(problems or []), commits=sum(len(c) for c in commits.values()))
+                   problems=list(problems or []), commits=sum(len(c) for c in commits.values()), every=every)
