@@ -6,6 +6,7 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
     python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
     python bench/learning.py --overlap                 # adds a diloco.overlap arm: the learning cost of overlap
+    python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
 Arms (every worker runs --steps inner steps of --micro-batch sequences; the same seed, model init and schedule):
@@ -29,6 +30,8 @@ eval events (mesh) or periodic evals (sim). Outputs: a JSON of results and a PNG
     diloco/ddp eval-loss ratio R1; diloco/single R2
 
 for the default DiLoCo arm (the shipped configs/debug-diloco.toml outer settings unless flags say otherwise).
+With --seeds, every arm runs once per seed (init, data order and held-out split all follow the seed), a table per
+seed and then the mean and spread of each arm's ratios are printed, and R1 and R2 are the means over the seeds.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class Result:
     tokens: int  # tokens trained on, all workers together
     bytes_sent: int = 0  # DiLoCo: bytes node 0 put on the wire
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, wall_s, eval loss)
+    seed: int = 0
 
 
 def shipped_outer() -> dict[str, object]:
@@ -234,7 +238,7 @@ def run_sim(args, arm: Arm) -> Result:
     wall = time.perf_counter() - start
     loss = eval_model(workers[0][1], evals, args)
     curve.append((args.steps * tokens_per_step, wall, loss))
-    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve)
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed)
 
 
 def sim_weighted_mean(xs, compression: str):
@@ -347,7 +351,7 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
                                                  dtype=torch.float32).to(args.device)
     loss = eval_model(model, held_out(args).eval, args)
     curve = [c for c in curve if c[0] < args.steps * tokens_per_step] + [(args.steps * tokens_per_step, wall, loss)]
-    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve)
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -368,15 +372,38 @@ def table(results: list[Result], ddp: Result | None, single: Result | None) -> s
     return "\n".join(lines)
 
 
+def spread(per_seed: list[list[Result]]) -> tuple[str, dict[str, tuple[float, float]]]:
+    """Each arm's ratios to DDP and to the single worker over the seeds: a table, and {arm: (mean /ddp, mean
+    /single)} (a ratio is taken within one seed, where the arms share init, data order and held-out batches)."""
+    import statistics
+    names = [r.arm.name for r in per_seed[0]]
+    head = f"{'arm':<30} {'seeds':>5} {'eval mean':>9} {'/ddp mean':>9} {'sd':>6} {'min':>6} {'max':>6} " \
+           f"{'/single mean':>12} {'sd':>6}"
+    lines, means = [head, "-" * len(head)], {}
+    for name in names:
+        runs = [{r.arm.name: r for r in rs} for rs in per_seed]
+        vs_ddp = [b[name].eval_loss / b["ddp"].eval_loss for b in runs if "ddp" in b]
+        vs_single = [b[name].eval_loss / b["single"].eval_loss for b in runs if "single" in b]
+        sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+        mean = lambda xs: statistics.fmean(xs) if xs else float("nan")  # noqa: E731
+        means[name] = (mean(vs_ddp), mean(vs_single))
+        lines.append(f"{name:<30} {len(runs):>5} {mean([b[name].eval_loss for b in runs]):>9.4f} "
+                     f"{mean(vs_ddp):>9.3f} {sd(vs_ddp):>6.3f} {min(vs_ddp, default=float('nan')):>6.3f} "
+                     f"{max(vs_ddp, default=float('nan')):>6.3f} {mean(vs_single):>12.3f} {sd(vs_single):>6.3f}")
+    return "\n".join(lines), means
+
+
 def plot(results: list[Result], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    seeds = sorted({r.seed for r in results})
     for r in results:
         toks = [c[0] / 1e6 for c in r.curve]
-        ax1.plot(toks, [c[2] for c in r.curve], marker=".", label=r.arm.name)
-        ax2.plot([c[1] for c in r.curve], [c[2] for c in r.curve], marker=".", label=r.arm.name)
+        label = r.arm.name if len(seeds) == 1 else f"{r.arm.name} (seed {r.seed})"
+        ax1.plot(toks, [c[2] for c in r.curve], marker=".", label=label)
+        ax2.plot([c[1] for c in r.curve], [c[2] for c in r.curve], marker=".", label=label)
     ax1.set_xlabel("tokens trained (millions, all workers)")
     ax2.set_xlabel("wall-clock seconds")
     for ax in (ax1, ax2):
@@ -403,6 +430,8 @@ def parse_args(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--seeds", help="comma-separated seeds: every arm once per seed, and the spread (overrides --seed)")
+    ap.add_argument("--arms", help="comma-separated arm names to run (default: every arm of the chosen set)")
     ap.add_argument("--k", type=int, default=4, help="DiLoCo nodes (and the DDP-equivalent batch multiple)")
     ap.add_argument("--inner-steps", type=int, help="H of the default DiLoCo arm (default: the shipped config's)")
     ap.add_argument("--outer-optimizer"), ap.add_argument("--outer-lr", type=float)
@@ -430,6 +459,13 @@ def parse_args(argv=None):
                                     ("outer_momentum", args.outer_momentum), ("outer_warmup", args.outer_warmup))
                   if v is not None}
     args.compressions = [c for c in args.compressions.split(",") if c and c != "none"]
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds else [args.seed]
+    except ValueError:
+        ap.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if not args.seeds:
+        ap.error("--seeds: no seed given")
+    args.arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     if args.overlap and args.engine != "mesh":
         ap.error("--overlap needs --engine mesh: the in-process engine does not model the late update")
     return args
@@ -440,29 +476,49 @@ def main(argv=None) -> int:
     import torch
     torch.set_num_threads(args.threads)
     arms = sweep_arms(args) if args.sweep else h_sweep_arms(args) if args.sweep_h else default_arms(args)
+    if args.arms:
+        unknown = sorted(set(args.arms) - {a.name for a in arms})
+        if unknown:
+            raise SystemExit(f"learning: --arms {','.join(unknown)}: no such arm (arms: "
+                             f"{', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name in args.arms]
     args.out.mkdir(parents=True, exist_ok=True)
     kind = "-sweep" if args.sweep else "-sweep-h" if args.sweep_h else ""
+    kind += "-seeds" if len(args.seeds) > 1 else ""
     stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}{kind}"
-    results: list[Result] = []
+    per_seed: list[list[Result]] = []
     with tempfile.TemporaryDirectory(prefix="zb-learning-") as tmp:
-        for arm in arms:
-            r = run_mesh(args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(args, arm)
-            results.append(r)
-            print(f"  {arm.name:<30} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
-    by = {r.arm.name: r for r in results}
-    ddp, single = by.get("ddp"), by.get("single")
-    print(table(results, ddp, single))
+        for seed in args.seeds:
+            run_args = argparse.Namespace(**{**vars(args), "seed": seed})
+            rs = []
+            for arm in arms:
+                r = run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
+                rs.append(r)
+                print(f"  {arm.name:<30} seed {seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
+            by = {r.arm.name: r for r in rs}
+            if len(args.seeds) > 1:
+                print(f"seed {seed}:")
+            print(table(rs, by.get("ddp"), by.get("single")))
+            per_seed.append(rs)
+    results = [r for rs in per_seed for r in rs]
+    ratios = None
+    if len(args.seeds) > 1:
+        text, ratios = spread(per_seed)
+        print(f"over {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}):")
+        print(text)
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
-             f"{args.seq_len}, engine {args.engine}")
+             f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
+             f"{', '.join(map(str, args.seeds))}")
     (args.out / f"{stem}.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()},
          "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
     plot(results, args.out / f"{stem}.png", title)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
-    d = by.get("diloco") or next((r for r in results if r.arm.kind == "diloco"), None)
-    if d and ddp and single:
-        print(f"diloco/ddp eval-loss ratio {d.eval_loss / ddp.eval_loss:.3f}; "
-              f"diloco/single {d.eval_loss / single.eval_loss:.3f}")
+    d = by.get("diloco") or next((r for r in per_seed[-1] if r.arm.kind == "diloco"), None)
+    if d and "ddp" in by and "single" in by:
+        r1, r2 = ratios[d.arm.name] if ratios else (d.eval_loss / by["ddp"].eval_loss,
+                                                    d.eval_loss / by["single"].eval_loss)
+        print(f"diloco/ddp eval-loss ratio {r1:.3f}; diloco/single {r2:.3f}")
     return 0
 
 

@@ -22,8 +22,8 @@ import learning  # noqa: E402
 # (sequences of 64, micro-batch 8; docs/learning.md, "Batch per worker"), which runs in a quarter of the time.
 # Measured there: single 2.767, DDP-equivalent 2.503, the shipped DiLoCo (H=5, the plain mean) 2.654 (1.060x DDP:
 # at this batch the k-times batch of DDP still pays off in full), the old default (Nesterov 0.7/0.9) 3.076 (1.229x
-# DDP, 1.112x single). The single margin fails the old default, and so does the DDP margin; the bench's default
-# scale holds the issue's 1.01x goal (docs/learning.md, "Against the goals").
+# DDP, 1.112x single). The single margin fails the old default, and so does the DDP margin; the issue's 1.01x goal
+# is judged at the bench's default scale, over several seeds (docs/learning.md, "Against the goals").
 DDP_MARGIN = 1.08  # DiLoCo k=4 eval loss at most this times the DDP-equivalent's
 SINGLE_MARGIN = 0.98  # and at most this times the single worker's
 
@@ -79,3 +79,27 @@ def test_outer_momentum_in_a_short_run_is_warned_about_once_configs_say_so():
     steps = 5 * SHORT_RUN_OUTER_STEPS
     assert note("debug-diloco.toml", **{"diloco.outer_momentum": 0.9, "train.max_steps": steps}) is None
     assert note("debug-diloco.toml", **{"diloco.outer_momentum": 0.9, "train.max_steps": steps - 5}) is not None
+
+
+def test_the_seed_spread_takes_each_ratio_within_its_seed():
+    """`--seeds`: a ratio is taken inside one seed (the arms of a seed share init, data order and held-out batches),
+    then averaged; the mean of the losses' ratio would be a different, wrong number."""
+    def seed(single, ddp, diloco):
+        return [learning.Result(learning.Arm(n, n.split()[0]), loss, 1.0, 1)
+                for n, loss in (("single", single), ("ddp", ddp), ("diloco", diloco))]
+
+    text, means = learning.spread([seed(3.0, 2.0, 2.2), seed(4.0, 3.0, 2.7)])
+    vs_ddp, vs_single = means["diloco"]
+    assert vs_ddp == pytest.approx((2.2 / 2.0 + 2.7 / 3.0) / 2)  # 1.000, while 4.9 / 5.0 would be 0.98
+    assert vs_single == pytest.approx((2.2 / 3.0 + 2.7 / 4.0) / 2)
+    assert means["ddp"][0] == pytest.approx(1.0)
+    row = next(line for line in text.splitlines() if line.startswith("diloco"))
+    assert row.split()[1:3] == ["2", "2.4500"] and row.split()[4:7] == ["0.141", "0.900", "1.100"]
+
+
+def test_seeds_and_arms_are_checked_before_anything_runs():
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--seeds", "1,x"])
+    args = learning.parse_args(["--seeds", "3, 5", "--arms", "single,ddp"])
+    assert args.seeds == [3, 5] and args.arms == ["single", "ddp"]
+    assert learning.parse_args([]).seeds == [1337]
