@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from procs import ROOT
+from procs import ROOT, spawned_ranks
 
 sys.path.insert(0, str(ROOT / "bench"))
 import learning  # noqa: E402
@@ -33,12 +33,27 @@ def small_args(*extra: str):
                                 *extra])
 
 
+def _arms_on_one_core(rank: int, port: int, queue) -> None:
+    """One of two spawned processes (one per core): rank 0 trains the DiLoCo arm, rank 1 the single worker and the
+    DDP-equivalent (about the same work: 4 and 1 + 4 worker-steps per step)."""
+    import pickle
+    import traceback
+
+    import torch
+    torch.set_num_threads(1)
+    try:
+        args = small_args()
+        arms = [learning.default_arms(args)[2]] if rank == 0 else \
+            [learning.Arm("single", "single"), learning.Arm("ddp", "ddp", k=4)]
+        queue.put((rank, pickle.dumps([learning.run_sim(args, arm) for arm in arms])))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))
+
+
 @pytest.mark.slow
 def test_diloco_with_shipped_defaults_beats_single_and_tracks_ddp():
-    args = small_args()
-    single = learning.run_sim(args, learning.Arm("single", "single"))
-    ddp = learning.run_sim(args, learning.Arm("ddp", "ddp", k=4))
-    diloco = learning.run_sim(args, learning.default_arms(args)[2])
+    got = spawned_ranks(_arms_on_one_core, 2, timeout=600)
+    (diloco,), (single, ddp) = got[0], got[1]
     assert diloco.arm.kind == "diloco" and diloco.arm.k == 4
     assert ddp.eval_loss < single.eval_loss * 0.95, "the scale no longer separates DDP from a single worker"
     assert diloco.eval_loss < single.eval_loss * SINGLE_MARGIN, (diloco.eval_loss, single.eval_loss)
