@@ -750,6 +750,20 @@ def test_a_stop_ends_every_wait_within_a_poll():
     assert sim.t - t0 <= CFG.polling_interval
 
 
+def test_a_stop_ends_the_commit_wait_within_a_poll():
+    """A member that posted its result waits for the others' (up to store_timeout): a stop then is honoured at the
+    next poll, not after the wait (defect 1 of issue 13: signals were read in no mesh wait)."""
+    stop_at: list[float] = []
+    sim = Sim()
+    sim.start("a", "b", min_nodes=2, interrupt=lambda: "stopped" if stop_at and sim.t >= stop_at[0] else None)
+    plan = _run_committed(sim, 0, ["a", "b"])
+    plan = sim.boundary(1, 0, ["a", "b"])["a"]
+    stop_at.append(sim.t + 2.0)  # b never posts: a waits in the commit until the stop comes
+    with pytest.raises(Stopped, match="commit of outer step 1 attempt 0"):
+        sim.nodes["a"].commit(plan, True)
+    assert stop_at[0] <= sim.t <= stop_at[0] + CFG.polling_interval + 1e-9
+
+
 # ---- cost and size: store round trips per heartbeat, keys over a long run -------------------------------------
 
 class CountingStore:
