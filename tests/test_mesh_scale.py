@@ -27,3 +27,27 @@ def test_store_round_trips_per_node_do_not_grow_with_the_number_of_nodes():
     assert large["boundary_s"] <= small["boundary_s"] + 2 * RTT, (small, large)
     # keys are bounded by the live nodes (a handful each), not by history
     assert large["keys"] <= 4 * large["n"] + 20, large
+
+
+def test_rebuilt_process_groups_leave_one_rendezvous_key_per_local_rank():
+    """Every new generation builds a gloo group under zb/pg/<generation>/<local rank>; gloo writes one key per rank
+    there. A node deletes its key of the previous generation as it builds the next, so a run of any length keeps one
+    such key per live node and local rank (defect 9 of issue 13: pg keys were never cleaned)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from engine.mesh.group import make_group
+    from engine.mesh.protocol import Plan
+    from procs import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    base = store.num_keys()
+    node = "pg-keys-test"  # an id no other test in this process builds groups for (groups are cached per id)
+    counts = []
+    for generation in range(1, 31):
+        plan = Plan(generation=generation, outer_step=generation, attempt=0, members=(node,))
+        for local_rank in (0, 1):
+            make_group(store, plan, node, local_rank, 10.0)
+        counts.append(store.num_keys() - base)
+    assert counts == [2] * 30, counts
