@@ -518,6 +518,9 @@ def main(argv=None) -> int:
     if d and "ddp" in by and "single" in by:
         r1, r2 = ratios[d.arm.name] if ratios else (d.eval_loss / by["ddp"].eval_loss,
                                                     d.eval_loss / by["single"].eval_loss)
+        if len(args.seeds) == 1 and args.device == "cpu":
+            print("one seed: at CPU scale these ratios move by about 3% with the seed (docs/learning.md, \"Batch per "
+                  "worker\"); --seeds 1337,7,11,23 gives their mean")
         print(f"diloco/ddp eval-loss ratio {r1:.3f}; diloco/single {r2:.3f}")
     return 0
 
