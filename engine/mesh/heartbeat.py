@@ -44,6 +44,9 @@ def first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+MIN_TICKS = 4  # heartbeat ticks a node must have timed before link_slow() judges its link (its baseline)
+
+
 @dataclass
 class Registry:
     """The value of `ids`: registered ids, and ids pruned from it whose keys are deleted at the next prune
@@ -199,9 +202,11 @@ class Heartbeat:
         ticks (the one under way counts once it is late) took mesh.slow_tick longer than its fastest of the last
         32. A lost packet costs a tick TCP's minimum retransmission timeout (200 ms on Linux), far above the
         round trips of a healthy link, loaded or far away; a slow store slows every node's ticks, but then no
-        collective between the nodes is overdue, and a node steps out only when both are true (engine/diloco.py)."""
+        collective between the nodes is overdue, and a node steps out only when both are true (engine/diloco.py).
+        A baseline needs only MIN_TICKS ticks, so that a link that turns lossy in the first seconds of a node's life
+        (a fault right after a start or a re-join) is told too; before that no tick is judged."""
         ticks = list(self._ticks)
-        if len(ticks) < 8:
+        if len(ticks) < MIN_TICKS:
             return False  # no baseline yet
         late = min(ticks) + self.cfg.slow_tick
         slow = sum(t > late for t in ticks[-8:])
