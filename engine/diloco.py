@@ -189,6 +189,9 @@ class DilocoOuter:
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last outer step (bench/outer_step.py)
         self._round_started: float | None = None  # when this round's inner steps began (compute_s)
         self._boundary_at: float | None = None  # when the outer step began (outer_s)
+        # (outer step, attempt, monotonic time) of this node's last arrival at a boundary: its peers can have been
+        # held in that attempt's collectives since then, not only since this node entered them (_bounded)
+        self._arrived: tuple[int, int, float] | None = None
         if cfg.overlap and world.world_size > 1:
             raise ValueError(f"diloco.overlap: needs nodes of one process; this node has {world.world_size} (its "
                              f"local collectives would run beside the inner strategy's on the same group)")
@@ -356,6 +359,11 @@ class DilocoOuter:
         from engine.mesh import Keys
         decision = Keys().decision(plan.epoch, plan.outer_step, plan.attempt)
         began, overdue = time.monotonic(), self._straggler_timeout()
+        arrived = self._arrived
+        if arrived is not None and arrived[:2] == (plan.outer_step, plan.attempt):
+            # the plan needed this node's arrival, so its peers were held from (at the earliest) then: a node whose
+            # slow link delayed its arrival or its reading of the plan has used up that much of the budget already
+            began = min(began, arrived[2])
 
         def give_up() -> str | None:
             if self.world.world_size == 1:  # several local ranks leave together, through the mesh calls
@@ -525,6 +533,7 @@ class DilocoOuter:
 
     def _plan(self, index: int, attempt: int, joining: bool, draining: bool, rejoined: bool) -> tuple[Any, bool]:
         """The plan of (index, attempt) from the mesh, or, when this node was left out, its admission."""
+        self._arrived = (index, attempt, time.monotonic())
         try:
             return self._on_leader("mesh boundary", lambda: self.mesh.boundary(
                 index, attempt, contributing=not joining, draining=draining)), rejoined

@@ -405,6 +405,68 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
     e2e.assert_identical(nodes)
 
 
+# The same link turning lossy a little earlier: as the node arrives at the boundary of outer step 2. Its arrival
+# (a store write) is retransmitted for LATE_S seconds, and the collective then cannot make progress until the fault
+# ends: its peers have been held since its arrival, not since it entered the collective.
+SLOW_LINK_AT_ARRIVAL = """import sys, time
+import engine.compression as comp
+import engine.mesh.heartbeat as hb
+import engine.mesh.node as node
+_gather, _tick, _arrive, _until = comp._all_gather, hb.Heartbeat.tick, node.Mesh.arrive, [0.0]
+def _slow_tick(self):
+    if time.monotonic() < _until[0]:
+        time.sleep(0.45)
+    return _tick(self)
+def _slow_arrive(self, outer_step, attempt, **kw):
+    if outer_step == {n} and attempt == 0:
+        _until[0] = time.monotonic() + {slow_s}
+        print(f"SLOW {{time.time()}}", file=sys.stderr, flush=True)
+        time.sleep({late_s})
+    return _arrive(self, outer_step, attempt, **kw)
+def _slow_gather(pg, mine):
+    if time.monotonic() < _until[0]:
+        print(f"GATHER {{time.time()}}", file=sys.stderr, flush=True)
+        time.sleep(max(0.0, _until[0] - time.monotonic()))
+    return _gather(pg, mine)
+hb.Heartbeat.tick = _slow_tick
+node.Mesh.arrive = _slow_arrive
+comp._all_gather = _slow_gather
+"""
+
+
+def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_as_soon_as_it_reaches_the_collective(
+        procs, port, tmp_path):
+    """c's link turns lossy as it arrives at outer step 2: the arrival takes 1.5 s, and a and b wait for it. Its
+    straggler budget counts from its arrival (its peers were held since then), so it steps out at its first poll in
+    the collective instead of waiting out diloco.straggler_timeout there too; a and b commit step 2 without it."""
+    e2e = _engine()
+    e2e.start_store(procs, port)
+    slow_s, late_s, k = 5.0, 1.5, 2
+    # long enough for c to come back once its link is healthy (a and b alone run about four outer steps a second)
+    steps = ["--train.max_steps=240", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
+    go = tmp_path / "go"
+    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
+            f"--run.dir={tmp_path / 'c'}"]
+    c = e2e.Node(procs, "c", [sys.executable, "-c", SLOW_LINK_AT_ARRIVAL.format(n=k, slow_s=slow_s, late_s=late_s)
+                              + e2e.PRIMED, str(go), *args])
+    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    e2e.primed(c)
+    go.touch()
+    nodes = [a, b, c]
+    e2e.wait_for(lambda: "GATHER" in c.err, 180, "c in the all-reduce of outer step 2 after a slow arrival", nodes)
+    gather = float(c.err.split("GATHER ")[1].split()[0])
+    e2e.wait_for(lambda: all(k in n.outer() for n in (a, b)), 40, f"the others' outer step {k}", nodes)
+    assert all(n.outer()[k]["members"] == ["a", "b"] for n in (a, b))
+    out = [w for w in c.of("warning") if "stepped out of outer step 2" in w["message"]]
+    assert out, c.report()
+    # from its own entry into the collective: one poll (0.05 s here) and the step-out's store writes, where the
+    # collective alone would have cost diloco.straggler_timeout (half the heartbeat timeout: 0.75 s) on top
+    print(f"stepped out {out[0]['ts'] - gather:.2f}s after entering the collective")
+    assert out[0]["ts"] - gather < 0.5, (out[0]["ts"] - gather, out[0]["message"])
+    assert all(e2e.finish(n, 180, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
+    e2e.assert_identical(nodes)
+
+
 @pytest.mark.parametrize("phase", ["rendezvous", "all-reduce"])
 def test_a_peer_frozen_in_the_rendezvous_or_the_all_reduce_stalls_the_survivors_one_heartbeat_timeout(
         procs, port, tmp_path, phase):
