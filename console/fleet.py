@@ -407,7 +407,8 @@ class Fleet:
         node.step = step = event["step"]
         node.loss = loss = event["loss"]
         node.tokens_per_s = tps = event["tokens_per_s"]
-        node.loss_history.append((ts, loss))
+        if loss is not None:  # null: the step's loss was not finite (a diverged round); nothing to plot
+            node.loss_history.append((ts, loss))
         node.tps_history.append((ts, tps))
         node._steps.append((ts, step))
         node.log.append(_LazyLine(event))

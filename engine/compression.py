@@ -48,6 +48,11 @@ _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
 
 
+class NothingToAverage(Exception):
+    """Every rank of the mean had weight 0 (no rank contributed). Not a RuntimeError: the caller must not take it for
+    a broken collective and retry it (engine/diloco.py: every member's round diverged)."""
+
+
 @dataclass
 class ReduceStats:
     bytes_sent: int  # payload + metadata this rank put on the wire
@@ -229,7 +234,8 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
     out = torch.empty_like(flat) if out is None else out
     size = 1 if pg is None else pg.size()
     if size == 1:
-        assert weight > 0, "a single rank of weight 0 has nothing to average"
+        if not weight > 0:
+            raise NothingToAverage("a single rank of weight 0 has nothing to average")
         if out.data_ptr() != flat.data_ptr():
             out.copy_(flat)
         return out, ReduceStats(0, time.perf_counter() - start, weight, [weight],
@@ -258,7 +264,8 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
     wire += time.perf_counter() - t0
     weights = _f32(recv_host[:, width + meta:]).reshape(-1)
     total = float(weights.sum())
-    assert total > 0, "every rank of the group has weight 0"
+    if not total > 0:
+        raise NothingToAverage("every rank of the group has weight 0")
     # 3. fp32 accumulation of my chunk, in rank order, then encoded once more
     recv = ex.to_device("recv", recv_host)
     acc = ex.buf("acc", (1, per_chunk), torch.float32)
@@ -301,7 +308,8 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     wire = time.perf_counter() - t0
     weights = buf[numel:].tolist()
     total = float(sum(weights))
-    assert total > 0, "every rank of the group has weight 0"
+    if not total > 0:
+        raise NothingToAverage("every rank of the group has weight 0")
     torch.div(buf[:numel], total, out=out)
     sent = 2 * (size - 1) * -(-(numel + size) // size) * 4  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start

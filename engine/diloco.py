@@ -212,6 +212,8 @@ class DilocoOuter:
         # polled by every mesh wait and collective (train.Signals.requested): "stopped" / "drained" end the wait
         self.interrupt: Callable[[], str | None] | None = None
         self._contributing = False  # in a round this node contributes to: a drain waits for its commit
+        self._discard = False  # this round's pseudo-gradient is not finite: not counted, the run's weights adopted
+        self._diverged_at_boundary = False  # overlap: the boundary found this round diverged (see _overlap_boundary)
         self._store_stale = False  # a group build failed: reconnect this rank's store client before the next
         self._left = False
         self._started = False  # mesh.start() succeeded: only then may close() say goodbye under this id
@@ -508,9 +510,11 @@ class DilocoOuter:
         attempt = plan.attempt if joining else 0
         pgrad = None
         rejoined = False  # left out mid-run and admitted again: say "training" once it has the state
+        self._discard = False
         if not joining:
             pgrad = self._pseudo_gradient()
-        self._contributing = not joining
+            self._discard = self._not_finite(pgrad, index)
+        self._contributing = not joining and not self._discard
         for _ in range(self.cfg.max_attempts):
             try:
                 if plan is None:
@@ -536,7 +540,7 @@ class DilocoOuter:
         self._arrived = (index, attempt, time.monotonic())
         try:
             return self._on_leader("mesh boundary", lambda: self.mesh.boundary(
-                index, attempt, contributing=not joining, draining=draining)), rejoined
+                index, attempt, contributing=not joining and not self._discard, draining=draining)), rejoined
         except Excluded as e:
             self._emit("warning", message=f"{e}")
             self._emit("state", state="joining")
@@ -556,7 +560,7 @@ class DilocoOuter:
         assert joiner or pgrad is not None, "a member without a pseudo-gradient"
         # the mesh's contributors: members that are not joiners and arrived with a pseudo-gradient
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
-        weight = 1.0 if self.node_id in contributors and not joiner else 0.0
+        weight = 1.0 if self.node_id in contributors and not joiner and not self._discard else 0.0
         # zeros go out of the mean buffer: pgrad stays intact for a retry that counts it
         send = pgrad if weight else self.bufs.mean.zero_()
         stats, reason = None, ""
@@ -565,6 +569,10 @@ class DilocoOuter:
             # into bufs.mean; nothing of the node's state (params, momentum, snapshot) changes before the commit
             _, stats = self._bounded(plan, "all-reduce", lambda: compression.weighted_mean(
                 send, weight, group, self.cfg.compression, out=self.bufs.mean, exchange=self.bufs.exchange))
+        except compression.NothingToAverage:
+            if self._discard:
+                self._every_member_diverged(plan)
+            raise
         except _GROUP_ERRORS as e:
             reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             self._groups.pop(plan.generation, None)  # a group whose collective failed is never reused
@@ -587,6 +595,8 @@ class DilocoOuter:
             self._receive_state(plan, progress)
         else:
             self._apply()
+            if self._discard and not self._in_flight():  # it holds the run's weights now; its moments are NaN
+                self.inner.reset_optimizer_state()  # (overlap: done at the boundary, _overlap_boundary)
             progress.outer_step = plan.outer_step
             if plan.joiners or (self._rounds == 0 and plan.size > 1):
                 with self._phase("handoff"):
@@ -616,6 +626,32 @@ class DilocoOuter:
             if self.bufs.device.type == "cuda":
                 torch.cuda.synchronize(self.bufs.device)
             self.last_phases[name] = self.last_phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _not_finite(self, pgrad: torch.Tensor, index: int) -> bool:
+        """A node whose round diverged (NaN or inf in its weights) must not poison the run's: its pseudo-gradient
+        is left out of the mean (it arrives as not contributing and sends weight 0), and at the commit it takes the
+        run's new weights like every member, with fresh optimizer state. Agreed across the node's local ranks."""
+        if self._diverged_at_boundary:  # overlap: found (and repaired) on the main thread at the boundary
+            self._diverged_at_boundary = False
+            return True
+        bad = self._local_any(not bool(torch.isfinite(pgrad).all()))
+        if bad:
+            self._emit("warning", message=f"node {self.node_id}: its pseudo-gradient of outer step {index} is not "
+                                          f"finite (its round diverged): not counted; it takes the run's weights")
+        return bad
+
+    def _every_member_diverged(self, plan: Any) -> None:
+        """No member of the attempt had a finite pseudo-gradient (every weight was 0): there is nothing to average,
+        and the same data would diverge again. Every member sees the same weights and stops alike, holding the last
+        committed weights (written back from the snapshot) with fresh optimizer state, so that the checkpoint it
+        saves before exit is the run's last good state."""
+        from engine.outer import Diverged
+        self.bufs.write_back(self.inner.outer_params())
+        self.inner.after_outer_update()
+        self.inner.reset_optimizer_state()
+        raise Diverged(f"outer step {plan.outer_step}: no member had a finite pseudo-gradient (every node's round "
+                       f"diverged); stopped at the last committed outer step's weights. Resume with a lower "
+                       f"optim.lr or a tighter optim.clip_norm", weights_finite=True)
 
     def _pseudo_gradient(self) -> torch.Tensor:
         if self._pgrad_ready:  # overlap: taken at the boundary, before the round went to the background
@@ -756,6 +792,16 @@ class DilocoOuter:
     def _overlap_boundary(self) -> None:
         with self._phase("pseudo_gradient"):
             self._rebase(self._settle())
+            if not bool(torch.isfinite(self.bufs.pgrad).all()):
+                # the round just ended diverged: its progress would carry NaN into the next one. Restart from the
+                # agreed weights with fresh optimizer state (here, on the training thread), and send nothing of it
+                self._emit("warning", message=f"node {self.node_id}: its last round diverged (not finite): not "
+                                              f"counted; it takes the run's weights")
+                self.bufs.pgrad.zero_()
+                self.bufs.write_back(self.inner.outer_params())
+                self.inner.after_outer_update()
+                self.inner.reset_optimizer_state()
+                self._diverged_at_boundary = True
         self._anchored = True  # the next round trains from snapshot - pgrad
         self._pgrad_ready = True
 

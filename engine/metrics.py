@@ -36,11 +36,12 @@ Sink = Callable[[dict[str, Any]], None]
 def scalars(event: dict[str, Any]) -> list[tuple[str, float]]:
     """(tag, value) pairs worth plotting in one event; [] for events without any."""
     t = event["type"]
-    if t == "step":
-        out = [("train/loss", event["loss"]), ("train/lr", event["lr"]), ("train/tokens_per_s", event["tokens_per_s"])]
-        return out + ([("train/grad_norm", event["grad_norm"])] if event["grad_norm"] is not None else [])
+    if t == "step":  # a loss or norm that was not finite is null: nothing to plot
+        out = [("train/loss", event["loss"]), ("train/lr", event["lr"]), ("train/tokens_per_s", event["tokens_per_s"]),
+               ("train/grad_norm", event["grad_norm"])]
+        return [(tag, v) for tag, v in out if v is not None]
     if t == "eval":
-        return [("eval/loss", event["loss"])]
+        return [("eval/loss", event["loss"])] if event["loss"] is not None else []
     if t == "outer_step":
         return [("outer/pgrad_norm", event["pgrad_norm"]), ("outer/bytes_sent", event["bytes_sent"]),
                 ("outer/allreduce_s", event["allreduce_s"]),

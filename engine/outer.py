@@ -20,6 +20,16 @@ from typing import Any, Protocol, runtime_checkable
 from engine.config import Config, digest
 
 
+class Diverged(RuntimeError):
+    """The training stopped being finite (a NaN or infinite loss, or every node's pseudo-gradient). weights_finite:
+    the weights in memory are good (DiLoCo put the last committed ones back), so a checkpoint before exit keeps the
+    run's work; otherwise nothing is saved over the last good checkpoint."""
+
+    def __init__(self, message: str, *, weights_finite: bool) -> None:
+        super().__init__(message)
+        self.weights_finite = weights_finite
+
+
 @dataclass
 class Progress:
     step: int = 0  # inner optimizer steps completed

@@ -153,6 +153,11 @@ class Inner:
     def after_outer_update(self) -> None:
         """Called after DiLoCo wrote into outer_params(); nothing to refresh for plain, DDP or FSDP2 params."""
 
+    def reset_optimizer_state(self) -> None:
+        """Forget the optimizer's moments (a diverged node restarting from the run's weights: NaN moments would
+        make its next step NaN again). AdamW builds fresh state at its next step."""
+        self.optimizer.state.clear()
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 

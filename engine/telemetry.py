@@ -33,9 +33,10 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "run_start": {"pid": (int,), "host": (str,), "world_size": (int,), "config_digest": (str,),
                   "strategy": (str,), "max_steps": (int,)},
     # one optimizer step of the inner loop (logged every log_interval steps)
-    "step": {"step": (int,), "loss": _num, "lr": _num, "tokens_per_s": _num, "grad_norm": _opt_num},
-    # held-out loss
-    "eval": {"step": (int,), "loss": _num},
+    # (loss and grad_norm are null when not finite: JSON has no NaN, and a diverged step must still be reported)
+    "step": {"step": (int,), "loss": _opt_num, "lr": _num, "tokens_per_s": _num, "grad_norm": _opt_num},
+    # held-out loss (null when not finite)
+    "eval": {"step": (int,), "loss": _opt_num},
     # a checkpoint was committed (path is the finished folder)
     "checkpoint": {"step": (int,), "path": (str,), "seconds": _num},
     # final weights exported in transformers format
@@ -128,6 +129,10 @@ def parse_line(line: str | bytes) -> dict[str, Any]:
     return validate(event)
 
 
+def _loss_text(loss: float | None) -> str:
+    return f"{loss:.4f}" if loss is not None else "not finite"
+
+
 def format_human(event: dict[str, Any]) -> str | None:
     """The one-line progress text for a person watching stderr; None for events not worth a line."""
     t = event["type"]
@@ -135,10 +140,10 @@ def format_human(event: dict[str, Any]) -> str | None:
     if t == "step":
         gn = event["grad_norm"]
         gn_text = f" gnorm {gn:.3f}" if gn is not None else ""
-        return (f"{who} step {event['step']:>6} loss {event['loss']:.4f} lr {event['lr']:.2e}"
+        return (f"{who} step {event['step']:>6} loss {_loss_text(event['loss'])} lr {event['lr']:.2e}"
                 f" {event['tokens_per_s']:,.0f} tok/s{gn_text}")
     if t == "eval":
-        return f"{who} eval  step {event['step']:>6} loss {event['loss']:.4f}"
+        return f"{who} eval  step {event['step']:>6} loss {_loss_text(event['loss'])}"
     if t == "outer_step":
         return (f"{who} outer {event['outer_step']:>4} gen {event['generation']} members {len(event['members'])}"
                 f" pgrad {event['pgrad_norm']:.4f} compute {event['compute_s']:.2f}s outer {event['outer_s']:.2f}s"

@@ -25,6 +25,7 @@ mesh failure). A failure after training started saves a checkpoint first: no tra
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import sys
@@ -41,7 +42,7 @@ from engine.config import Config, digest, grad_accum_steps, load_config
 from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.mesh.protocol import MeshError, Stopped
 from engine.model import build_model, count_params, model_config
-from engine.outer import Outer, Progress, build_outer
+from engine.outer import Diverged, Outer, Progress, build_outer
 from engine.parallel import build_inner, setup_distributed
 from engine.resources import ResourceMonitor
 from engine.telemetry import Telemetry, format_human
@@ -106,6 +107,7 @@ class Session:
     draining: bool = False
     training: bool = False  # outer.start() succeeded: a mesh error from now on is a failure, not bad input
     facts: dict[str, Any] = field(default_factory=dict)  # shown once on the "training" state event
+    diverged_round: int = -1  # the outer step whose round last said its loss was not finite (one warning a round)
 
 
 def human_line(event: dict) -> None:
@@ -237,6 +239,7 @@ def run(s: Session) -> str:
         follow_handoff(s)
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
+    loss = None
     while progress.step < cfg.train.max_steps:
         loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
         progress.step += 1
@@ -245,10 +248,12 @@ def run(s: Session) -> str:
             mean_loss = node_mean(loss, s)  # a device sync point: only at log steps
             now = time.monotonic()
             rate = tokens_per_step * (progress.step - last_log_step) / max(now - last_log, 1e-9)
-            s.telemetry.emit("step", step=progress.step, loss=mean_loss, lr=s.inner.current_lr(),
-                             tokens_per_s=rate, grad_norm=float(grad_norm), tokens=progress.tokens,
+            s.telemetry.emit("step", step=progress.step, loss=finite_or_none(mean_loss), lr=s.inner.current_lr(),
+                             tokens_per_s=rate, grad_norm=finite_or_none(float(grad_norm)), tokens=progress.tokens,
                              outer_step=progress.outer_step, epoch=s.data.train.epoch)
             last_log, last_log_step = now, progress.step
+            if not math.isfinite(mean_loss):
+                diverged(s, mean_loss)
         stop, drain = s.signals.poll(s.world, s.group)
         if drain and not s.draining:
             s.draining = True
@@ -266,7 +271,7 @@ def run(s: Session) -> str:
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             eval_loss = evaluate(s)
             if eval_loss is not None:
-                s.telemetry.emit("eval", step=step, loss=eval_loss)
+                s.telemetry.emit("eval", step=step, loss=finite_or_none(eval_loss))
         if left:
             status = "drained"
             break
@@ -274,12 +279,45 @@ def run(s: Session) -> str:
             status = "stopped"
             break
         if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0:
+            check_finite(s, loss)
             save(s)
+    check_finite(s, loss)
     save(s)
     if status == "completed" and cfg.ckpt.export_dir:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group)
         s.telemetry.emit("export", step=progress.step, path=str(path))
     return status
+
+
+def finite_or_none(value: float) -> float | None:
+    """A figure for the JSON lines: JSON has no NaN or infinity, and a diverged step must still be reported."""
+    return value if math.isfinite(value) else None
+
+
+def diverged(s: Session, value: float) -> None:
+    """The loss is NaN or infinite. Under DiLoCo this node's round is lost, not the run: its pseudo-gradient will not
+    be counted and it takes the run's weights at the next outer step (engine/diloco.py). Alone, the run stops here,
+    and these weights are not saved over the last good checkpoint."""
+    step = s.progress.step
+    if s.cfg.diloco.enabled:
+        if s.diverged_round != s.progress.outer_step:  # once per round
+            s.diverged_round = s.progress.outer_step
+            s.telemetry.emit("warning", message=f"loss is {value} at step {step}: this node's round diverged; it is "
+                                                f"not counted at the next outer step, where the node takes the "
+                                                f"run's weights")
+        return
+    raise Diverged(f"loss is {value} at step {step}: the run diverged. Nothing was saved over the last good "
+                   f"checkpoint; resume from it (--ckpt.resume=latest) with a lower optim.lr or a tighter "
+                   f"optim.clip_norm", weights_finite=False)
+
+
+def check_finite(s: Session, loss: torch.Tensor | None) -> None:
+    """Before a checkpoint: the last step's loss is finite (weights that went NaN make it NaN), or diverged()."""
+    if loss is None:  # no step ran in this process (a finished run resumed)
+        return
+    value = node_mean(loss, s)
+    if not math.isfinite(value):
+        diverged(s, value)
 
 
 def save_before_failing(s: Session | None) -> None:
@@ -325,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         session = build(cfg, world, telemetry)
         status = run(session)
         code = 0
+    except Diverged as e:  # NaN or inf: one line; keep the weights only where they are the run's good ones
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        telemetry.emit("error", message=str(e))
+        if e.weights_finite:
+            save_before_failing(session)
     except ValueError as e:  # bad input: config, files, data, checkpoint
         code = 2
         print(f"error: {e}", file=sys.stderr, flush=True)

@@ -230,6 +230,10 @@ class ZeroInner:
         return list(self.ds_optimizer.single_partition_of_fp32_groups)
 
     @torch.no_grad()
+    def reset_optimizer_state(self) -> None:
+        """Forget the moments of the optimizer that steps the fp32 masters (see Inner.reset_optimizer_state)."""
+        self.optimizer.state.clear()
+
     def after_outer_update(self) -> None:
         """Push the fp32 masters DiLoCo wrote into the working weights forward reads (collective in stage 1/2)."""
         if self.stage == 3:
