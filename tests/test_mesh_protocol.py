@@ -419,14 +419,9 @@ def test_a_member_on_a_slow_link_steps_out_the_others_go_on_and_it_rejoins_when_
     assert sim.nodes["c"].wait_admission() == admitted
 
 
-def test_a_slow_link_is_told_from_its_ticks():
-    """Two of the last eight heartbeat ticks mesh.slow_tick (200 ms: one TCP retransmission) slower than the
-    node's fastest: its link is slow. A tick stuck in a retransmission counts while it lasts. Four ticks on time:
-    healthy again. Steady slowness (a store far away) is the baseline, not a slow link."""
-    sim = Sim()
-    slow = {"s": 0.0}
-
-    class Lossy(MemoryStore):  # every store operation of this node costs slow["s"] on the fake clock
+def lossy_store(sim: Sim, slow: dict[str, float]) -> type:
+    """A MemoryStore class whose every operation costs slow["s"] on the simulation's clock (a lossy link)."""
+    class Lossy(MemoryStore):
         def __getattribute__(self, name):
             attr = super().__getattribute__(name)
             if callable(attr) and not name.startswith("_"):
@@ -435,8 +430,17 @@ def test_a_slow_link_is_told_from_its_ticks():
                     return attr(*a, **kw)
                 return op
             return attr
-    store = Lossy()
-    sim.store = store
+    return Lossy
+
+
+def test_a_slow_link_is_told_from_its_ticks():
+    """Two of the last eight heartbeat ticks mesh.slow_tick (200 ms: one TCP retransmission) slower than the
+    node's fastest: its link is slow. A tick stuck in a retransmission counts while it lasts. Four ticks on time:
+    healthy again. Steady slowness (a store far away) is the baseline, not a slow link."""
+    sim = Sim()
+    slow = {"s": 0.0}
+    Lossy = lossy_store(sim, slow)
+    sim.store = Lossy()
     sim.start("a")
     mesh = sim.nodes["a"]
     sim.advance(2.0)
@@ -474,16 +478,7 @@ def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
     sim = Sim()
     slow = {"s": 0.0}
 
-    class Lossy(MemoryStore):
-        def __getattribute__(self, name):
-            attr = super().__getattribute__(name)
-            if callable(attr) and not name.startswith("_"):
-                def op(*a, **kw):
-                    sim.t += slow["s"]
-                    return attr(*a, **kw)
-                return op
-            return attr
-    sim.store = Lossy()
+    sim.store = lossy_store(sim, slow)()
     sim.start("a")
     mesh = sim.nodes["a"]
     while len(mesh._ticks) < MIN_TICKS:
