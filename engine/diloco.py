@@ -644,14 +644,13 @@ class DilocoOuter:
         """No member of the attempt had a finite pseudo-gradient (every weight was 0): there is nothing to average,
         and the same data would diverge again. Every member sees the same weights and stops alike, holding the last
         committed weights (written back from the snapshot) with fresh optimizer state, so that the checkpoint it
-        saves before exit is the run's last good state."""
-        from engine.outer import Diverged
+        saves before exit (a MeshError after training started: engine/train.py) is the run's last good state."""
         self.bufs.write_back(self.inner.outer_params())
         self.inner.after_outer_update()
         self.inner.reset_optimizer_state()
-        raise Diverged(f"outer step {plan.outer_step}: no member had a finite pseudo-gradient (every node's round "
-                       f"diverged); stopped at the last committed outer step's weights. Resume with a lower "
-                       f"optim.lr or a tighter optim.clip_norm", weights_finite=True)
+        raise MeshError(f"outer step {plan.outer_step}: no member had a finite pseudo-gradient (every node's round "
+                        f"diverged); stopped at the last committed outer step's weights. Resume with a lower "
+                        f"optim.lr or a tighter optim.clip_norm")
 
     def _pseudo_gradient(self) -> torch.Tensor:
         if self._pgrad_ready:  # overlap: taken at the boundary, before the round went to the background

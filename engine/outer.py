@@ -21,13 +21,9 @@ from engine.config import Config, digest
 
 
 class Diverged(RuntimeError):
-    """The training stopped being finite (a NaN or infinite loss, or every node's pseudo-gradient). weights_finite:
-    the weights in memory are good (DiLoCo put the last committed ones back), so a checkpoint before exit keeps the
-    run's work; otherwise nothing is saved over the last good checkpoint."""
-
-    def __init__(self, message: str, *, weights_finite: bool) -> None:
-        super().__init__(message)
-        self.weights_finite = weights_finite
+    """The loss of a run without DiLoCo stopped being finite: the weights in memory are NaN, and nothing is saved
+    over the last good checkpoint. (Under DiLoCo a diverged node is repaired at the next outer step, and a step
+    where every member diverged ends as a MeshError holding the last committed weights: engine/diloco.py.)"""
 
 
 @dataclass

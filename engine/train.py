@@ -308,7 +308,7 @@ def diverged(s: Session, value: float) -> None:
         return
     raise Diverged(f"loss is {value} at step {step}: the run diverged. Nothing was saved over the last good "
                    f"checkpoint; resume from it (--ckpt.resume=latest) with a lower optim.lr or a tighter "
-                   f"optim.clip_norm", weights_finite=False)
+                   f"optim.clip_norm")
 
 
 def check_finite(s: Session, loss: torch.Tensor | None) -> None:
@@ -363,11 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         session = build(cfg, world, telemetry)
         status = run(session)
         code = 0
-    except Diverged as e:  # NaN or inf: one line; keep the weights only where they are the run's good ones
+    except Diverged as e:  # NaN or inf without DiLoCo: one line, and nothing saved over the last good checkpoint
         print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
-        if e.weights_finite:
-            save_before_failing(session)
     except ValueError as e:  # bad input: config, files, data, checkpoint
         code = 2
         print(f"error: {e}", file=sys.stderr, flush=True)
