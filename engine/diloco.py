@@ -645,12 +645,16 @@ class DilocoOuter:
         and the same data would diverge again. Every member sees the same weights and stops alike, holding the last
         committed weights (written back from the snapshot) with fresh optimizer state, so that the checkpoint it
         saves before exit (a MeshError after training started: engine/train.py) is the run's last good state."""
-        self.bufs.write_back(self.inner.outer_params())
-        self.inner.after_outer_update()
-        self.inner.reset_optimizer_state()
+        self._restart_from_snapshot()
         raise MeshError(f"outer step {plan.outer_step}: no member had a finite pseudo-gradient (every node's round "
                         f"diverged); stopped at the last committed outer step's weights. Resume with a lower "
                         f"optim.lr or a tighter optim.clip_norm")
+
+    def _restart_from_snapshot(self) -> None:
+        """A diverged node's weights back to the last agreed ones, with the optimizer's moments back to zero."""
+        self.bufs.write_back(self.inner.outer_params())
+        self.inner.after_outer_update()
+        self.inner.reset_optimizer_state()
 
     def _pseudo_gradient(self) -> torch.Tensor:
         if self._pgrad_ready:  # overlap: taken at the boundary, before the round went to the background
@@ -797,9 +801,7 @@ class DilocoOuter:
                 self._emit("warning", message=f"node {self.node_id}: its last round diverged (not finite): not "
                                               f"counted; it takes the run's weights")
                 self.bufs.pgrad.zero_()
-                self.bufs.write_back(self.inner.outer_params())
-                self.inner.after_outer_update()
-                self.inner.reset_optimizer_state()
+                self._restart_from_snapshot()
                 self._diverged_at_boundary = True
         self._anchored = True  # the next round trains from snapshot - pgrad
         self._pgrad_ready = True

@@ -229,11 +229,13 @@ class ZeroInner:
             return list(self.ds_optimizer.fp32_partitioned_groups_flat)
         return list(self.ds_optimizer.single_partition_of_fp32_groups)
 
-    @torch.no_grad()
     def reset_optimizer_state(self) -> None:
-        """Forget the moments of the optimizer that steps the fp32 masters (see Inner.reset_optimizer_state)."""
+        """Forget the moments of the optimizer that steps the fp32 masters (see Inner.reset_optimizer_state): back
+        to the zeros of step 0 that __init__ creates, which a checkpoint template expects to find."""
         self.optimizer.state.clear()
+        self._init_optimizer_state()
 
+    @torch.no_grad()
     def after_outer_update(self) -> None:
         """Push the fp32 masters DiLoCo wrote into the working weights forward reads (collective in stage 1/2)."""
         if self.stage == 3:

@@ -164,7 +164,8 @@ def test_two_sharded_workers_agree_that_their_node_diverged_when_one_shard_did(p
     script = tmp_path / "poisoned_rank0.py"
     script.write_text(NAN_BEFORE_STEP.format(n=5).replace(
         "    if _n[0] == 5:", "    if _n[0] == 5 and int(__import__('os').environ['LOCAL_RANK']) == 0:"))
-    steps = ["--train.max_steps=12", "--diloco.min_nodes=2", f"--inner.strategy={strategy}", "--train.batch_size=4"]
+    steps = ["--train.max_steps=12", "--diloco.min_nodes=2", f"--inner.strategy={strategy}", "--train.batch_size=4",
+             "--ckpt.interval=6", "--ckpt.keep=5"]  # step 6: just after b's optimizer state was reset
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={e2e.free_port()}",
                 "--master_addr=127.0.0.1", str(script)]
     a = e2e.start_node(procs, port, "a", tmp_path, *steps, workers=2)
@@ -181,3 +182,16 @@ def test_two_sharded_workers_agree_that_their_node_diverged_when_one_shard_did(p
     assert [s for s in range(1, 7) if losses[s] is None] == list(range(first, 7)), losses
     assert all(math.isfinite(losses[s]) for s in range(7, 13)), losses
     e2e.assert_identical(nodes)
+    # the checkpoint taken right after the reset holds a whole optimizer state (zeros), as every other one does:
+    # a resume builds its template with every moment and must find each of them
+    saved = {e["step"]: e["path"] for e in b.of("checkpoint") if e["rank"] == 0}
+    assert sorted(saved) == [6, 12], saved
+    keys = {step: _optimizer_keys(path) for step, path in saved.items()}
+    assert keys[6] and keys[6] == keys[12], (sorted(keys[6])[:5], sorted(keys[12])[:5])
+
+
+def _optimizer_keys(path: str) -> set[str]:
+    """The optimizer-state tensors a DCP checkpoint holds (moments and step counters)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(path).read_metadata()  # the checkpoint folder is the DCP checkpoint (engine/checkpoint.py)
+    return {k for k in meta.state_dict_metadata if k.startswith("optim") and ("exp_avg" in k or "step" in k)}

@@ -260,6 +260,20 @@ def _engine():
     return e2e
 
 
+def _a_b_and_faulty_c(procs, port: int, tmp_path, fault: str, steps: list[str]):
+    """Nodes a and b, and c with `fault` (Python run before the engine) primed first and released once a and b
+    are started, so that all three form the run together."""
+    e2e = _engine()
+    go = tmp_path / "go"
+    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
+            f"--run.dir={tmp_path / 'c'}"]
+    c = e2e.Node(procs, "c", [sys.executable, "-c", fault + e2e.PRIMED, str(go), *args])
+    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
+    e2e.primed(c)
+    go.touch()
+    return a, b, c
+
+
 def test_sigterm_while_waiting_for_min_nodes_exits_0_within_2s_with_a_checkpoint(procs, port, tmp_path):
     e2e = _engine()
     e2e.start_store(procs, port)
@@ -379,14 +393,7 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
     slow_s, k = 6.0, 2
     # long enough for c to come back: a and b alone run about four outer steps a second here
     steps = ["--train.max_steps=240", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
-    go = tmp_path / "go"
-    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
-            f"--run.dir={tmp_path / 'c'}"]
-    c = e2e.Node(procs, "c", [sys.executable, "-c", SLOW_LINK_IN_ALLREDUCE.format(n=k, slow_s=slow_s) + e2e.PRIMED,
-                              str(go), *args])
-    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
-    e2e.primed(c)
-    go.touch()
+    a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, SLOW_LINK_IN_ALLREDUCE.format(n=k, slow_s=slow_s), steps)
     nodes = [a, b, c]
     e2e.wait_for(lambda: "SLOW" in c.err, 180, "c's link slow in the all-reduce of outer step 2", nodes)
     slow = float(c.err.split("SLOW ")[1].split()[0])
@@ -406,7 +413,7 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
 
 
 # The same link turning lossy a little earlier: as the node arrives at the boundary of outer step 2. Its arrival
-# (a store write) is retransmitted for LATE_S seconds, and the collective then cannot make progress until the fault
+# (a store write) is retransmitted for late_s seconds, and the collective then cannot make progress until the fault
 # ends: its peers have been held since its arrival, not since it entered the collective.
 SLOW_LINK_AT_ARRIVAL = """import sys, time
 import engine.compression as comp
@@ -444,14 +451,8 @@ def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_as_soon_as_it_
     slow_s, late_s, k = 5.0, 1.5, 2
     # long enough for c to come back once its link is healthy (a and b alone run about four outer steps a second)
     steps = ["--train.max_steps=240", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
-    go = tmp_path / "go"
-    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
-            f"--run.dir={tmp_path / 'c'}"]
-    c = e2e.Node(procs, "c", [sys.executable, "-c", SLOW_LINK_AT_ARRIVAL.format(n=k, slow_s=slow_s, late_s=late_s)
-                              + e2e.PRIMED, str(go), *args])
-    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
-    e2e.primed(c)
-    go.touch()
+    fault = SLOW_LINK_AT_ARRIVAL.format(n=k, slow_s=slow_s, late_s=late_s)
+    a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, fault, steps)
     nodes = [a, b, c]
     e2e.wait_for(lambda: "GATHER" in c.err, 180, "c in the all-reduce of outer step 2 after a slow arrival", nodes)
     gather = float(c.err.split("GATHER ")[1].split()[0])
@@ -478,13 +479,7 @@ def test_a_peer_frozen_in_the_rendezvous_or_the_all_reduce_stalls_the_survivors_
     e2e.start_store(procs, port)
     steps = ["--train.max_steps=18", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
     fault, k = (FREEZE_IN_RENDEZVOUS, 1) if phase == "rendezvous" else (FREEZE_IN_ALLREDUCE.format(n=2), 2)
-    go = tmp_path / "go"
-    args = [e2e.CONFIG, *e2e.FAST, *steps, f"--mesh.store_port={port}", "--mesh.node_id=c",
-            f"--run.dir={tmp_path / 'c'}"]
-    c = e2e.Node(procs, "c", [sys.executable, "-c", fault + e2e.PRIMED, str(go), *args])
-    a, b = (e2e.start_node(procs, port, n, tmp_path, *steps) for n in "ab")
-    e2e.primed(c)
-    go.touch()
+    a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, fault, steps)
     nodes = [a, b, c]
     e2e.wait_for(lambda: "FROZEN" in c.err, 180, f"c frozen in the {phase} of outer step {k}", nodes)
     frozen = float(c.err.split("FROZEN ")[1].split()[0])

@@ -477,7 +477,6 @@ def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
 
     sim = Sim()
     slow = {"s": 0.0}
-
     sim.store = lossy_store(sim, slow)()
     sim.start("a")
     mesh = sim.nodes["a"]
@@ -783,7 +782,7 @@ def test_a_stop_ends_the_commit_wait_within_a_poll():
     stop_at: list[float] = []
     sim = Sim()
     sim.start("a", "b", min_nodes=2, interrupt=lambda: "stopped" if stop_at and sim.t >= stop_at[0] else None)
-    plan = _run_committed(sim, 0, ["a", "b"])
+    _run_committed(sim, 0, ["a", "b"])
     plan = sim.boundary(1, 0, ["a", "b"])["a"]
     stop_at.append(sim.t + 2.0)  # b never posts: a waits in the commit until the stop comes
     with pytest.raises(Stopped, match="commit of outer step 1 attempt 0"):

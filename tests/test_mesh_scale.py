@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from procs import ROOT
+from procs import ROOT, free_port
 
 sys.path.insert(0, str(ROOT / "bench"))
 import mesh_scale  # noqa: E402
@@ -39,7 +39,6 @@ def test_rebuilt_process_groups_leave_one_rendezvous_key_per_local_rank():
 
     from engine.mesh.group import make_group
     from engine.mesh.protocol import Plan
-    from procs import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
     base = store.num_keys()
