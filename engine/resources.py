@@ -1,4 +1,5 @@
-"""Resource sampler: a daemon thread emitting a `resource` event every telemetry.resource_interval seconds.
+"""Resource sampler: a daemon thread emitting a `resource` event every telemetry.resource_interval seconds, the
+first one FIRST_SAMPLE_S after the start (a node that has just joined shows its figures at once).
 
 NVML (nvidia-ml-py) when this node trains on CUDA and the library loads: one event per GPU of this node with
 util (percent), mem_used/mem_total (bytes), temp_c and power_w. Otherwise psutil: system CPU util (percent),
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 import psutil
 
+FIRST_SAMPLE_S = 0.5  # long enough for psutil's CPU window to mean something
 
 def nvml_ids(cuda_indices: list[int], visible: tuple[str, ...] | None) -> list[str]:
     """NVML ignores CUDA_VISIBLE_DEVICES: cuda:i is the i-th visible GPU, an NVML index or a GPU UUID."""
@@ -91,8 +93,10 @@ class ResourceMonitor:
             self.emit(**fields)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        wait = min(self.interval, FIRST_SAMPLE_S)
+        while not self._stop.wait(wait):
             self.sample_once()
+            wait = self.interval
 
     def stop(self) -> None:
         self._stop.set()

@@ -216,6 +216,8 @@ async def test_live_add_standby_joins(local_profile):
         await until(pilot, lambda: fleet.summary().members == 4, 60, "members 4")
         before = steps(fleet, *trio, "node-d")
         await until(pilot, advanced(fleet, before, 3), 120, "all four to train together")
+        # figures come on their own clock (0.5 s after an engine starts, then every resource_interval)
+        await until(pilot, lambda: fleet.nodes["node-d"].util is not None, 30, "node-d's first resource sample")
         assert_live_values(app, fleet, [*trio, "node-d"])
         assert any(e.subject == "node-d" and e.change == "joined" for e in fleet.timeline)
         await pilot.press("q", "l")  # leave training running: the engines outlive the console

@@ -82,6 +82,23 @@ def test_resource_monitor_emits_valid_cpu_samples_and_stops():
     assert len(events) == count  # nothing after stop()
 
 
+def test_the_first_resource_sample_comes_at_once_whatever_the_interval():
+    """A node that has just joined shows its figures at once: the first sample comes FIRST_SAMPLE_S after the
+    start, not one (minutes-long) interval later."""
+    import time
+
+    from engine.resources import FIRST_SAMPLE_S, ResourceMonitor
+    events = []
+    monitor = ResourceMonitor(lambda **f: events.append(time.monotonic()), 60, gpu_indices=[]).start()
+    started = time.monotonic()
+    try:
+        while not events and time.monotonic() < started + 10:
+            time.sleep(0.02)
+    finally:
+        monitor.stop()
+    assert len(events) == 1 and events[0] - started < FIRST_SAMPLE_S + 1.0
+
+
 def test_gpus_without_nvml_fall_back_to_cpu_and_say_why():
     """Asking for GPU 0 where NVML cannot load (no driver here; on a GPU host, a real sample) never breaks the
     sampler: it reports CPU figures and gives the reason the engine emits as a warning."""
