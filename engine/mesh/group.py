@@ -49,13 +49,16 @@ def connect_etcd(m: Any, probe_timeout: float | None = None, like: Any = None) -
                 raise MeshError(f"mesh.{name}: {getattr(m, name)}: no such file")
         tls = Tls(m.etcd_ca, m.etcd_cert, m.etcd_key)
     # heartbeat keys are leased for one heartbeat timeout: a dead node's key vanishes by itself.
-    # one HTTP request may take half a heartbeat timeout: a silent member (a cut link) is left for the next one
-    # in time for the heartbeat to land.
+    # one HTTP request may take a quarter of a heartbeat timeout. A member that never answers (a cut link, or a
+    # follower holding a proposal it forwarded to a leader that just died: etcd drops it silently) is left for the
+    # next one; after a leader's loss a beat lands at most one election plus one request timeout late, which with
+    # etcd's default election (1-2 s) fits inside mesh.heartbeat_timeout minus an interval (half the timeout did
+    # not: a beat that waited out two such requests got its node declared dead)
     # a reconnect (`like`) probes through the lost client and clones it only once the cluster answers: the gateway
     # fails over by itself, and a clone per failed beat would only pile up connection pools during an outage
     store = like if like is not None else EtcdStore(
         m.etcd_endpoints, prefix=m.etcd_prefix, tls=tls, timeout=m.store_timeout, lease_ttl=m.heartbeat_timeout,
-        request_timeout=min(m.heartbeat_timeout / 2, m.store_timeout))
+        request_timeout=min(m.heartbeat_timeout / 4, m.store_timeout))
     try:
         store.reach(probe_timeout)  # an unreachable cluster fails here, within the probe timeout
     except EtcdError as e:
