@@ -15,6 +15,7 @@ import psutil
 
 FIRST_SAMPLE_S = 0.5  # long enough for psutil's CPU window to mean something
 
+
 def nvml_ids(cuda_indices: list[int], visible: tuple[str, ...] | None) -> list[str]:
     """NVML ignores CUDA_VISIBLE_DEVICES: cuda:i is the i-th visible GPU, an NVML index or a GPU UUID."""
     if visible is None:
