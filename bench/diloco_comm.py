@@ -7,8 +7,8 @@ all-reduce of the same model, measured in the same run over the same gloo proces
 N worker processes (one per "node") form a gloo group with engine.mesh.make_group, as a DiLoCo run does. Each
 trains the same model on its own random tokens:
     ddp        every step: flat fp32 gradient all-reduce (gloo ring, what DDP sends), mean, AdamW step
-    diloco     H local AdamW steps, then engine.compression.weighted_mean of the pseudo-gradient and a Nesterov
-               outer step (engine.diloco.OuterOptimizer), repeated --outer-steps times
+    diloco     H local AdamW steps, then engine.outer.allreduce.weighted_mean of the pseudo-gradient and a Nesterov
+               outer step (engine.outer.diloco.OuterOptimizer), repeated --outer-steps times
 
 Bytes are measured, not modelled: the kernel's count of bytes this process wrote (wchar in /proc/self/io, which
 counts gloo's socket writev calls) around each collective, so gloo's own framing is included. The algorithm's own
@@ -113,9 +113,9 @@ def run_ddp(pg, rank: int, args) -> dict:
 def run_diloco(pg, rank: int, args, h: int, compression_name: str) -> dict:
     import torch
 
-    from engine import compression
-    from engine.diloco import OuterOptimizer
-    from engine.outer_buffers import OuterBuffers
+    from engine.outer import allreduce as compression
+    from engine.outer.diloco import OuterOptimizer
+    from engine.outer.buffers import OuterBuffers
     model, opt = _model(args)
     gen = torch.Generator().manual_seed(2000 + rank)
     outer = OuterOptimizer("nesterov", 0.7, 0.9)

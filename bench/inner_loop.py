@@ -1,4 +1,4 @@
-"""Inner-loop benchmark: engine.train's step (engine.parallel Inner + engine.data stream) against a plain
+"""Inner-loop benchmark: engine.train's step (engine.inner.ddp_fsdp Inner + engine.data stream) against a plain
 hand-written PyTorch loop over the same model, batch and data, in the same run; then DDP and FSDP2 on N processes.
 
     python bench/inner_loop.py                                   # debug model, small sizes, < 2 min on 2 cores
@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from engine.data import FakeSource, TokenStream  # noqa: E402
 from engine.model import build_model  # noqa: E402
-from engine.parallel import build_inner, lr_factor, make_optimizer, resolve_device, setup_distributed  # noqa: E402
+from engine.inner import build_inner, lr_factor, make_optimizer, resolve_device, setup_distributed  # noqa: E402
 from engine.train import train_step  # noqa: E402
 from engine.world import World, read_world  # noqa: E402
 

@@ -20,7 +20,7 @@ Engines:
                     real mesh, real gloo); the final model is the engine's transformers export
     sim             the same training in one process: the engine's own model, data, AdamW, schedule and
                     OuterOptimizer, with workers stepped in turn and compression applied exactly as
-                    engine.compression.weighted_mean applies it. Used for sweeps (no process start-up cost);
+                    engine.outer.allreduce.weighted_mean applies it. Used for sweeps (no process start-up cost);
                     docs/learning.md shows that both engines agree on the default arms.
 
 Eval: every arm's final model on the same --eval-batches held-out micro-batches (the engine's held-out split, shard
@@ -185,9 +185,9 @@ def run_sim(args, arm: Arm) -> Result:
 
     from engine.config import DataConfig, ModelConfig, OptimConfig
     from engine.data import build_data
-    from engine.diloco import OuterOptimizer
+    from engine.outer.diloco import OuterOptimizer
     from engine.model import build_model, causal_lm_loss
-    from engine.parallel import lr_factor, make_optimizer
+    from engine.inner import lr_factor, make_optimizer
     from engine.world import World
 
     k = arm.k if arm.kind == "diloco" else 1
@@ -242,11 +242,11 @@ def run_sim(args, arm: Arm) -> Result:
 
 
 def sim_weighted_mean(xs, compression: str):
-    """engine.compression.weighted_mean's arithmetic without the wire: each rank's chunk j is encoded and sent to
+    """engine.outer.allreduce.weighted_mean's arithmetic without the wire: each rank's chunk j is encoded and sent to
     rank j, which decodes, sums in fp32, divides by the total weight and encodes once more for the all-gather."""
     import torch
 
-    from engine.compression import decode, encode
+    from engine.outer.allreduce import decode, encode
     size, numel = len(xs), xs[0].numel()
     if size == 1 or compression == "none":
         return torch.stack(xs).mean(0)
@@ -261,7 +261,7 @@ def sim_weighted_mean(xs, compression: str):
 
 
 def sim_bytes(numel: int, k: int, compression: str) -> int:
-    from engine.compression import bytes_per_element
+    from engine.outer.allreduce import bytes_per_element
     if k == 1:
         return 0
     per = -(-numel // k) * bytes_per_element(compression) + (8 if compression == "int8" else 0)

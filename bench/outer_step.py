@@ -5,7 +5,7 @@ one run over the same gloo group.
     python bench/outer_step.py --preset 150m --compression none --inner-steps 50 --device cuda
 
 Two processes ("nodes") form a gloo group over loopback with engine.mesh.make_group, as a DiLoCo run does, and
-each drives the real engine.diloco.DilocoOuter (a scripted mesh that always commits stands in for the store).
+each drives the real engine.outer.diloco.DilocoOuter (a scripted mesh that always commits stands in for the store).
 Every round, in this order on both nodes:
 
     inner      H AdamW steps of the model on random tokens (the round's compute)
@@ -127,9 +127,9 @@ def run(rank: int, port: int, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from engine import compression
+    from engine.outer import allreduce as compression
     from engine.config import DilocoConfig, MeshConfig
-    from engine.diloco import DilocoOuter
+    from engine.outer.diloco import DilocoOuter
     from engine.mesh import make_group
     from engine.mesh.protocol import Plan
     from engine.outer import Progress

@@ -45,7 +45,7 @@ from console.transport import commands as C
 
 KILLED = "killed"  # written by kill(): any console that settles the node later knows the operator did it
 STORE = "_store"  # the store's directory under the run dir (not a valid-looking node name)
-PROBE = "_store_probe"  # its health probe's (console/store_probe.py)
+PROBE = "_store_probe"  # its health probe's (engine/store/probe.py)
 HEALTH = "health.json"  # the probe's latest sample, replaced whole each time
 ARCHIVE = "_archive"  # earlier runs' folders, moved here by a fresh start
 SETTLE_S = 0.3  # after a process is gone: let its last lines land before reading them
@@ -408,12 +408,12 @@ class Cluster:
             return
 
     async def _start_probe(self) -> None:
-        """The health probe beside the store (console/store_probe.py); it ends when the store does. One per store:
+        """The health probe beside the store (engine/store/probe.py); it ends when the store does. One per store:
         a console that attaches again finds the one already running."""
         host = self.profile.store_host
         if await self._live_pid(PROBE, host.name) is not None:
             return
-        argv = [host.python_path, "-m", "console.store_probe", self._store_bind_used or self.profile.store_bind,
+        argv = [host.python_path, "-m", "engine.store.probe", self._store_bind_used or self.profile.store_bind,
                 str(self.profile.store.port), "--store-pid", str(self._store_pid),
                 "--interval", str(self.profile.console.poll_interval * 2),
                 "--out", self._path(PROBE, HEALTH)]

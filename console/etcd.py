@@ -230,7 +230,7 @@ async def prepare(profile: Any, etcd: EtcdCluster | None, timeout: float = 60.0)
     """Before the engines start: the run's etcd members run (started here when the console runs them), a quorum
     answers, and the run's key prefix is empty (a TCPStore would be a new process: the same clean slate, resume
     or not). The reason when that cannot be had: a member that exits at start says so at once."""
-    from engine.etcd_gateway import cluster_health
+    from engine.store.etcd_gateway import cluster_health
 
     eps, tls = endpoints(profile), client_tls(profile, pki_root(profile))
     kind = "could not start" if etcd is not None else "is not usable"
@@ -258,7 +258,7 @@ async def prepare(profile: Any, etcd: EtcdCluster | None, timeout: float = 60.0)
 
 
 def _clear(eps: Sequence[str], tls: Any, prefix: str, timeout: float) -> None:
-    from engine.etcd_gateway import Gateway, b64, range_end
+    from engine.store.etcd_gateway import Gateway, b64, range_end
 
     gw = Gateway(eps, tls=tls, timeout=timeout)
     try:
@@ -269,7 +269,7 @@ def _clear(eps: Sequence[str], tls: Any, prefix: str, timeout: float) -> None:
 
 async def health_label(profile: Any) -> str:
     """The header's store cell: "etcd 3/3 up, leader node-a" (a probe of every member, 2 s at most each)."""
-    from engine.etcd_gateway import cluster_health
+    from engine.store.etcd_gateway import cluster_health
 
     health = await asyncio.to_thread(cluster_health, endpoints(profile), client_tls(profile, pki_root(profile)), 2.0)
     return health.label()
@@ -291,7 +291,7 @@ def cluster_of(profile: Any, transport: Callable[[str], Any], pki_root: Path) ->
 
 def client_tls(profile: Any, pki_root: Path) -> Any:
     """The console's own TLS files for health probes (the run's client certificate)."""
-    from engine.etcd_gateway import Tls
+    from engine.store.etcd_gateway import Tls
 
     s = profile.store
     if s.etcd_endpoints:

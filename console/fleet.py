@@ -199,7 +199,7 @@ class MembershipEvent:
 
 @dataclass
 class StoreHealth:
-    """The membership store as the console sees it: its process, and the probe beside it (console/store_probe.py)."""
+    """The membership store as the console sees it: its process, and the probe beside it (engine/store/probe.py)."""
 
     address: str | None = None  # host:port the engines dial
     bind: str | None = None  # what it listens on, when that differs from the address

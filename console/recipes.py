@@ -8,7 +8,7 @@
 
 What each file is:
 
-    deepspeed  the DeepSpeed JSON config engine/zero.py passes to deepspeed.initialize for those settings (same
+    deepspeed  the DeepSpeed JSON config engine/inner/zero.py passes to deepspeed.initialize for those settings (same
                builder), with batch sizes from an engine config (--config, default the engine's defaults)
     fsdp       an FSDP2 description in the accelerate/transformers `fsdp_config` vocabulary, plus the engine
                overrides that select the same layout (`engine_overrides`, "section.key": value)
@@ -74,7 +74,7 @@ def write_output(path: str, text: str, force: bool, executable: bool = False) ->
 def deepspeed_json(stage: int, offload_optimizer: bool, offload_params: bool, precision: str,
                    config_path: str | None, workers: int) -> dict[str, Any]:
     from engine.config import grad_accum_steps, load_config
-    from engine.zero import deepspeed_config
+    from engine.inner.zero import deepspeed_config
     if workers < 1:
         raise ValueError(f"--workers: {workers} is not a positive number of processes per node")
     from engine.model import model_config
@@ -103,7 +103,7 @@ def fsdp_json(sharding: str, mixed_precision: str, cpu_offload: bool) -> dict[st
         "fsdp_sharding_strategy": sharding,
         "fsdp_reshard_after_forward": sharding == "FULL_SHARD",
         "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",  # engine.parallel shards each decoder layer
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",  # engine.inner.ddp_fsdp shards each decoder layer
         "fsdp_offload_params": cpu_offload,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",  # what engine/checkpoint.py writes through DCP
         "fsdp_cpu_ram_efficient_loading": True,

@@ -2,7 +2,7 @@
 
 Nothing is downloaded. The vocabulary size comes from the tokenizer (byte-level by default: 256 bytes + bos +
 eos = 258) unless model.vocab_size says otherwise. This module never imports torch.distributed: parallelism is
-applied afterwards by engine.parallel over the plain model returned here.
+applied afterwards by engine.inner.ddp_fsdp over the plain model returned here.
 
 Presets (shapes; parameter counts with the 258-token byte vocabulary):
 

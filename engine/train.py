@@ -43,7 +43,7 @@ from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.mesh.protocol import MeshError, Stopped
 from engine.model import build_model, count_params, model_config
 from engine.outer import Diverged, Outer, Progress, build_outer
-from engine.parallel import build_inner, setup_distributed
+from engine.inner import build_inner, setup_distributed
 from engine.resources import ResourceMonitor
 from engine.telemetry import Telemetry, format_human
 from engine.world import World, read_world
@@ -296,7 +296,7 @@ def finite_or_none(value: float) -> float | None:
 
 def diverged(s: Session, value: float) -> None:
     """The loss is NaN or infinite. Under DiLoCo this node's round is lost, not the run: its pseudo-gradient will not
-    be counted and it takes the run's weights at the next outer step (engine/diloco.py). Alone, the run stops here,
+    be counted and it takes the run's weights at the next outer step (engine/outer/diloco.py). Alone, the run stops here,
     and these weights are not saved over the last good checkpoint."""
     step = s.progress.step
     if s.cfg.diloco.enabled:

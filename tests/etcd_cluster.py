@@ -17,7 +17,7 @@ from pathlib import Path
 
 from console.etcd import Member, member_argv
 from console.etcd_pki import make_pki
-from engine.etcd_gateway import Tls, cluster_health
+from engine.store.etcd_gateway import Tls, cluster_health
 from procs import free_ports
 
 ETCD = "etcd"

@@ -103,7 +103,7 @@ engine.train.cli()
 # Fault injection from the test side, no hook in the engine: the node SIGKILLs itself inside the all-reduce of
 # outer step N, after the reduce-scatter (its chunks are out) and before the all-gather.
 DIE_IN_ALLREDUCE = """import os, signal
-import engine.compression as comp
+import engine.outer.allreduce as comp
 _gather, _calls = comp._all_gather, [0]
 def _dying(pg, mine):
     _calls[0] += 1

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import compression
+from engine.outer import allreduce as compression
 from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
-from engine.diloco import DilocoOuter, OuterOptimizer, flat_params
+from engine.outer.diloco import DilocoOuter, OuterOptimizer, flat_params
 from engine.mesh.protocol import Plan
 from engine.outer import Progress
 from engine.telemetry import Telemetry

@@ -12,8 +12,8 @@ from datetime import timedelta
 
 import pytest
 
-from engine.etcd_gateway import EtcdError, Gateway, Tls, cluster_health
-from engine.etcd_store import EtcdStore
+from engine.store.etcd_gateway import EtcdError, Gateway, Tls, cluster_health
+from engine.store.etcd import EtcdStore
 from engine.mesh import MemoryStore
 
 
@@ -91,8 +91,8 @@ def test_gloo_rendezvous_and_allreduce_through_a_prefix_store(etcd_cluster):
 
 LEASED = r'''
 import sys, time
-from engine.etcd_gateway import Tls
-from engine.etcd_store import EtcdStore
+from engine.store.etcd_gateway import Tls
+from engine.store.etcd import EtcdStore
 ca, cert, key, prefix, *endpoints = sys.argv[1:]
 store = EtcdStore(endpoints, prefix=prefix, tls=Tls(ca, cert, key), timeout=10.0, lease_ttl=2.0)
 store.lease_key("hb/me")
@@ -226,7 +226,7 @@ def test_multi_get_or_none_reads_present_and_missing_keys_in_one_go_beyond_the_t
     ranges than the cluster takes in one txn (the test members run with console/etcd.py's MAX_TXN_OPS) fall back
     to txns of etcd's default size."""
     from console.etcd import MAX_TXN_OPS
-    from engine.etcd_store import DEFAULT_TXN_OPS
+    from engine.store.etcd import DEFAULT_TXN_OPS
 
     store = _etcd(etcd_cluster, timeout=10.0)
     store.multi_set(["k1", "k3"], ["1", "3"])

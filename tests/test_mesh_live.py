@@ -68,7 +68,7 @@ def node_main(argv: list[str]) -> int:
 
 
 def outer_loop(args, store, mesh, joiner: bool) -> int:
-    """What engine/diloco.py does around the mesh, with a one-number all-reduce for the pseudo-gradient."""
+    """What engine/outer/diloco.py does around the mesh, with a one-number all-reduce for the pseudo-gradient."""
     from engine.mesh import Excluded, forget_groups, make_group
 
     k, attempt = 0, 0
@@ -336,7 +336,7 @@ def test_a_drain_that_comes_during_the_boundary_wait_contributes_that_round_then
 
 
 FREEZE_IN_ALLREDUCE = """import os, signal, sys, time
-import engine.compression as comp
+import engine.outer.allreduce as comp
 _gather, _calls = comp._all_gather, [0]
 def _freezing(pg, mine):
     _calls[0] += 1
@@ -363,7 +363,7 @@ engine.mesh.make_group = _freezing
 # all-gather of outer step 2 for SLOW_S seconds, every store round trip of the node's heartbeat costs a TCP
 # retransmission timeout and the collective cannot make progress.
 SLOW_LINK_IN_ALLREDUCE = """import os, sys, time
-import engine.compression as comp
+import engine.outer.allreduce as comp
 import engine.mesh.heartbeat as hb
 _gather, _tick, _calls, _until = comp._all_gather, hb.Heartbeat.tick, [0], [0.0]
 def _slow_tick(self):
@@ -416,7 +416,7 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
 # (a store write) is retransmitted for late_s seconds, and the collective then cannot make progress until the fault
 # ends: its peers have been held since its arrival, not since it entered the collective.
 SLOW_LINK_AT_ARRIVAL = """import sys, time
-import engine.compression as comp
+import engine.outer.allreduce as comp
 import engine.mesh.heartbeat as hb
 import engine.mesh.node as node
 _gather, _tick, _arrive, _until = comp._all_gather, hb.Heartbeat.tick, node.Mesh.arrive, [0.0]
@@ -530,7 +530,7 @@ print("primed", file=sys.stderr, flush=True)
 go, deadline = sys.argv[1], time.monotonic() + 600
 while not os.path.exists(go) and time.monotonic() < deadline:
     time.sleep(0.02)
-from engine.store import main
+from engine.store.server import main
 sys.exit(main(sys.argv[2:]))
 """
 

@@ -173,7 +173,7 @@ def store(request):
         return
     import uuid
 
-    from engine.etcd_store import EtcdStore
+    from engine.store.etcd import EtcdStore
 
     cluster = request.getfixturevalue("etcd_cluster")
     etcd = EtcdStore(cluster.endpoints, prefix=f"protocol/{uuid.uuid4().hex[:8]}/", tls=cluster.tls, timeout=10.0,

@@ -1,12 +1,12 @@
 """The outer step's buffers: the fingerprint checksum, the flat views over the parameters, in-place updates
-that reuse the same memory every outer step, and an abort that changes nothing (engine/outer_buffers.py)."""
+that reuse the same memory every outer step, and an abort that changes nothing (engine/outer/buffers.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.outer_buffers import SAMPLE, OuterBuffers, fingerprint
+from engine.outer.buffers import SAMPLE, OuterBuffers, fingerprint
 from test_diloco_math import FakeMesh, TinyInner, make_outer, make_plan
 
 
@@ -152,7 +152,7 @@ _no_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA
 @_no_gpu
 def test_gpu_fingerprint_and_codec_bytes_equal_the_cpu_ones():
     """A CPU node and a GPU node must report the same checksum and put the same bytes on the wire."""
-    from engine import compression
+    from engine.outer import allreduce as compression
     x = torch.randn(5, 1001, generator=torch.Generator().manual_seed(2))
     assert fingerprint(x.reshape(-1)) == fingerprint(x.reshape(-1).cuda())
     for name in ("bf16", "fp16", "int8"):

@@ -5,7 +5,7 @@ configs/150m-diloco.toml and configs/1b-diloco.toml are FSDP + eval + checkpoint
 every such run died at its first outer step after an eval (a forward without backward left the FSDP root
 unsharded). The schedule below puts an eval right before an outer step (step 6) and right before a mid-round
 checkpoint (steps 2 and 4), and resumes from the mid-round one (step 4: snapshot != parameters, momentum set).
-No DS_ACCELERATOR in the environment: engine/zero.py picks DeepSpeed's CPU accelerator from inner.device itself.
+No DS_ACCELERATOR in the environment: engine/inner/zero.py picks DeepSpeed's CPU accelerator from inner.device itself.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ PRESETS = ["configs/150m-diloco.toml", "configs/1b-diloco.toml"]
 STEPS = ["--train.max_steps=6", "--diloco.min_nodes=2", "--train.batch_size=4", "--train.eval_interval=2",
          "--train.eval_batches=1", "--ckpt.interval=2", "--ckpt.keep=5"]
 # FSDP as configs/1b-diloco.toml runs it: bf16-mixed and activation checkpointing. ZeRO 2 and 3: stage 1 takes
-# every path of engine/zero.py that stage 2 takes (only stage 3 branches), and tests/test_zero.py runs it against a
+# every path of engine/inner/zero.py that stage 2 takes (only stage 3 branches), and tests/test_zero.py runs it against a
 # single process; its own copy here cost 40 s of the suite's 20-minute budget
 STRATEGIES = {"fsdp": ["--inner.strategy=fsdp", "--train.precision=bf16-mixed",
                        "--train.activation_checkpointing=true"],

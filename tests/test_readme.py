@@ -81,7 +81,7 @@ def check_command(words: list[str]) -> str:
         _check_engine(args[2:], 1, env)
         return "engine"
     if prog == "python" and args[:2] == ["-m", "engine.store"]:
-        flags = dict(zip(args[2::2], args[3::2]))  # engine/store.py takes --host and --port only
+        flags = dict(zip(args[2::2], args[3::2]))  # engine/store/server.py takes --host and --port only
         assert set(flags) <= {"--host", "--port"} and len(args[2:]) == 2 * len(flags), args
         assert 0 < int(flags.get("--port", "29600")) < 65536
         return "store"

@@ -98,7 +98,7 @@ def test_lost_store_mid_run_is_a_clear_error_within_bounded_time(procs, port):
 
 
 def _contract(store) -> list:
-    """Every store operation the mesh uses, in the forms it uses them (engine/mesh/memstore.py lists them)."""
+    """Every store operation the mesh uses, in the forms it uses them (engine/store/memory.py lists them)."""
     out = [store.add("c", 1), store.add("c", 0), store.add("c", -2)]
     store.set("k", "v")
     out += [store.get("k"), store.check(["k"]), store.check(["k", "absent"])]

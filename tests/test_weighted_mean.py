@@ -1,4 +1,4 @@
-"""engine.compression.weighted_mean divides by the sum of the weights, not by the group size: 3 real gloo processes
+"""engine.outer.allreduce.weighted_mean divides by the sum of the weights, not by the group size: 3 real gloo processes
 with weight sets whose sum is not 3 (two members and a joiner: 1, 1, 0; unequal weights: 2, 1, 0.5). The weights
 reported back (ReduceStats.weights, what the outer_step event's `weights` come from) are the senders' own."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine import compression
+from engine.outer import allreduce as compression
 from procs import spawned_ranks
 
 SIZE = 3

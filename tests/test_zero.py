@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1/2/3 as an inner strategy (engine/zero.py).
+"""DeepSpeed ZeRO 1/2/3 as an inner strategy (engine/inner/zero.py).
 
 Pure units run in the test process. The numbers come from 2-process gloo runs on CPU: this file is also the
 driver (`python -m torch.distributed.run --nproc_per_node=2 tests/test_zero.py STAGE ...`), which trains a
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from procs import PYTHON, engine_env  # noqa: E402
 
-from engine.zero import INSTALL_HINT, deepspeed_config, import_deepspeed, zero_stage  # noqa: E402
+from engine.inner.zero import INSTALL_HINT, deepspeed_config, import_deepspeed, zero_stage  # noqa: E402
 
 # fp32 on CPU: ZeRO reduces gradients in a different order than one process sums them; after a few AdamW
 # steps the losses still agree to ~1e-6. bf16 keeps bf16 working weights: 2e-2 relative is the bound.
@@ -257,7 +257,7 @@ def test_engine_fp16_on_cpu_is_refused_in_one_line(procs, tmp_path):
 
 def test_zero_without_torchrun_trains_on_cpu(procs, tmp_path):
     """One process, no launcher: no LOCAL_RANK, RANK or WORLD_SIZE in the environment (DeepSpeed insists on
-    LOCAL_RANK; engine/zero.py hands it the World's)."""
+    LOCAL_RANK; engine/inner/zero.py hands it the World's)."""
     from engine.telemetry import parse_line
     env = {k: v for k, v in engine_env(DS_ACCELERATOR="cpu").items()
            if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
@@ -310,9 +310,9 @@ def _driver(stage: int, overrides: list[str]) -> None:
 
     from engine.config import load_config
     from engine.model import build_model
-    from engine.parallel import Inner, setup_distributed
+    from engine.inner import Inner, setup_distributed
     from engine.world import World, read_world
-    from engine.zero import build_zero_inner
+    from engine.inner.zero import build_zero_inner
 
     world = read_world()
     cfg = load_config(None, ["--data.fake=true", "--data.seq_len=32", "--train.micro_batch_size=2",

@@ -1,6 +1,6 @@
 """The elastic membership mesh over a TCPStore or etcd (docs/mesh.md is the protocol).
 
-    store = open_store(cfg.mesh)        # mesh.store_backend: tcp (TCPStore) or etcd (engine/etcd_store.py)
+    store = open_store(cfg.mesh)        # mesh.store_backend: tcp (TCPStore) or etcd (engine/store/etcd.py)
     mesh = Mesh(store, node_id, cfg.mesh, digest=..., info={...}, min_nodes=cfg.diloco.min_nodes, emit=tel.emit)
     is_joiner = mesh.start()
     plan = mesh.wait_admission() if is_joiner else mesh.boundary(k, 0, contributing=True, draining=False)
@@ -9,11 +9,12 @@
     mesh.leave("completed")
 
 protocol.py holds the pure rules; node.py the API and its waits, heartbeat.py the heartbeat (liveness, lease,
-pruning, store loss), planner.py the planner's reads and writes; group.py the store client and process groups.
+pruning, store loss), planner.py the planner's reads and writes; connect.py the store client, group.py the process groups.
 """
 
-from engine.mesh.group import connect_store, forget_groups, make_group, open_store
-from engine.mesh.memstore import MemoryStore
+from engine.mesh.connect import connect_store, open_store
+from engine.mesh.group import forget_groups, make_group
+from engine.store.memory import MemoryStore
 from engine.mesh.node import Mesh
 from engine.mesh.protocol import (ABORT, COMMIT, NODE_STATES, Arrival, BoundaryView, Excluded, Keys, Liveness,
                                   MeshError, NodeState, Plan, Reformed, Stopped, compute_plan, decide)

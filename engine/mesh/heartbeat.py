@@ -6,7 +6,7 @@ One tick costs three store round trips whatever the size or the history of the r
     compare_set(ids, "", "")                          the registry (read; created empty on a fresh store)
     multi_get([info/<me>, leader, hb/<peer>...])      still me? who leads? every registered peer's counter
 
-On a store with leases (etcd, engine/etcd_store.py) hb/<me> is written under this process's lease: it vanishes
+On a store with leases (etcd, engine/store/etcd.py) hb/<me> is written under this process's lease: it vanishes
 one lease TTL (mesh.heartbeat_timeout) after the process stops renewing it, and the tick's read (one txn,
 `multi_get_or_none`) sees a peer whose key is gone as dead at once. A stalled counter still counts as death after
 the timeout on both backends (a process whose heartbeat thread hangs keeps renewing its lease).
@@ -202,7 +202,7 @@ class Heartbeat:
         ticks (the one under way counts once it is late) took mesh.slow_tick longer than its fastest of the last
         32. A lost packet costs a tick TCP's minimum retransmission timeout (200 ms on Linux), far above the
         round trips of a healthy link, loaded or far away; a slow store slows every node's ticks, but then no
-        collective between the nodes is overdue, and a node steps out only when both are true (engine/diloco.py).
+        collective between the nodes is overdue, and a node steps out only when both are true (engine/outer/diloco.py).
         A baseline needs only MIN_TICKS ticks, so that a link that turns lossy in the first seconds of a node's life
         (a fault right after a start or a re-join) is told too; before that no tick is judged."""
         ticks = list(self._ticks)

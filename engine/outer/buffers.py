@@ -32,7 +32,7 @@ import hashlib
 
 import torch
 
-from engine.compression import Exchange
+from engine.outer.allreduce import Exchange
 
 SAMPLE = 4096  # elements of the strided sample the fingerprint hashes exactly
 

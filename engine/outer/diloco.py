@@ -13,7 +13,7 @@ Every H inner steps, on every local rank of every member node:
              retried with attempt + 1 on the plan the mesh gives next (without the dead), at most
              diloco.max_attempts times
 
-The buffers (engine/outer_buffers.py) live where the parameters live and are allocated once: the math is a few
+The buffers (engine/outer/buffers.py) live where the parameters live and are allocated once: the math is a few
 foreach/flat ops there, the codec encodes on that device and only the encoded bytes cross to the host.
 
 Joiners (plan.joiners) send zeros with weight 0, then, after the commit, receive parameters, outer momentum and
@@ -47,9 +47,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine import compression
+from engine.outer import allreduce as compression
 from engine.mesh.protocol import Excluded, MeshError, Reformed, Stopped
-from engine.outer_buffers import OuterBuffers, fingerprint
+from engine.outer.buffers import OuterBuffers, fingerprint
 
 _GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
 
@@ -170,7 +170,7 @@ def _run_sliced(fn: Callable[[], Any], name: str, slice_s: float, give_up: Calla
 # ---------------------------------------------------------------------------------------------- the outer loop
 
 class DilocoOuter:
-    """The Outer of a DiLoCo run (see engine/outer.py for the protocol and docs/architecture.md)."""
+    """The Outer of a DiLoCo run (see engine/outer/protocol.py for the protocol and docs/architecture.md)."""
 
     def __init__(self, cfg, mesh_cfg, world, inner, telemetry, *, config_digest: str,
                  local_group: dist.ProcessGroup | None = None,
@@ -183,7 +183,7 @@ class DilocoOuter:
         self.digest = f"{config_digest}/w{world.world_size}/p{compression.WIRE_PROTOCOL}"
         self.opt = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
         self.node_id: str = mesh_cfg.node_id or telemetry.node
-        # snapshot, pseudo-gradient and mean, flat fp32 on the parameters' device (engine/outer_buffers.py)
+        # snapshot, pseudo-gradient and mean, flat fp32 on the parameters' device (engine/outer/buffers.py)
         self.bufs = OuterBuffers(inner.outer_params())
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last outer step (bench/outer_step.py)
@@ -300,7 +300,7 @@ class DilocoOuter:
 
     def _checksum(self) -> str:
         """A fingerprint of the snapshot (the parameters as of this outer step) where it lives, joined over the
-        node's local ranks; identical on every member (engine/outer_buffers.py)."""
+        node's local ranks; identical on every member (engine/outer/buffers.py)."""
         mine = fingerprint(self._agreed())
         if self.local_group is None:
             return mine[:12]

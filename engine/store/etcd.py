@@ -7,7 +7,7 @@
     store.num_keys(); store.clone(); store.lease_key(k)   # k now vanishes a lease TTL after this process dies
     store.multi_get_or_none([k1, k2])   # one round trip, None for a missing key; store.unlease_key(k)
 
-Same semantics as TCPStore (and engine/mesh/memstore.py) for what the mesh calls: values come back as bytes;
+Same semantics as TCPStore (and engine/store/memory.py) for what the mesh calls: values come back as bytes;
 `add` creates a missing counter at 0; `compare_set` on a missing key sets it only when `expected` is empty and
 returns the value now stored (or `expected` when nothing was stored); `get` and `multi_get` wait for a missing
 key up to the store's timeout, then raise LookupError (what gloo's rendezvous needs).
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from engine.etcd_gateway import EtcdError, Gateway, Tls, b64, range_end, unb64
+from engine.store.etcd_gateway import EtcdError, Gateway, Tls, b64, range_end, unb64
 
 WAIT_POLL_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # growing pauses of wait()/get() on a missing key
 DEFAULT_TXN_OPS = 128  # etcd's default --max-txn-ops (the console starts its members with more, console/etcd.py)

@@ -2,7 +2,7 @@
 
 The mesh uses only these methods of its store (an etcd or any other backend must provide them with these
 semantics): set, get, add, compare_set, check, delete_key, multi_get, multi_set, wait, clone, num_keys. A store
-with leases (`has_leases()` true: engine/etcd_store.py) also provides lease_key, unlease_key, multi_get_or_none.
+with leases (`has_leases()` true: engine/store/etcd.py) also provides lease_key, unlease_key, multi_get_or_none.
 
 Same semantics as TCPStore: values come back as bytes; `add` creates a missing counter at 0; `compare_set` on a
 missing key sets it only when `expected` is empty and returns the value now stored (or `expected` when nothing

@@ -50,7 +50,7 @@ _WEIGHT = 4  # the sender's weight, one fp32
 
 class NothingToAverage(Exception):
     """Every rank of the mean had weight 0 (no rank contributed). Not a RuntimeError: the caller must not take it for
-    a broken collective and retry it (engine/diloco.py: every member's round diverged)."""
+    a broken collective and retry it (engine/outer/diloco.py: every member's round diverged)."""
 
 
 @dataclass

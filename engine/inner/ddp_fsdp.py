@@ -8,7 +8,7 @@ Transformations, always in this order (torchtitan's `parallelize_llama` order):
     2. torch.compile              train.compile: each decoder layer compiled in place (state-dict keys unchanged)
     3. data parallelism           one process: none; inner.strategy "ddp": DistributedDataParallel;
                                   "fsdp": FSDP2 `fully_shard` on each decoder layer, then on the root;
-                                  "zero1/2/3": engine.zero.build_zero_inner (DeepSpeed) takes over entirely
+                                  "zero1/2/3": engine.inner.zero.build_zero_inner (DeepSpeed) takes over entirely
 
 Classes: `Inner` (one process, no wrapper) <- `DDPInner` (no_sync between micro-steps) and `FSDPInner`
 (requires-gradient-sync toggling, DTensor shards). Each overrides only what differs.
@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
-# shared with engine/zero.py: both import them from below, so neither imports the other at module level
-from engine.inner_common import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer  # noqa: F401
+# shared with engine/inner/zero.py: both import them from below, so neither imports the other at module level
+from engine.inner.optim import lr_factor, make_optimizer
+from engine.inner.transforms import apply_activation_checkpointing, apply_compile
 from engine.model import causal_lm_loss, decoder_layers
 from engine.world import World
 
@@ -249,11 +250,11 @@ def build_inner(model: torch.nn.Module, inner_cfg: InnerConfig, train_cfg: Train
     """The documented order: activation checkpointing -> compile -> DDP / FSDP2 (or DeepSpeed ZeRO)."""
     if inner_cfg.strategy.startswith("zero"):
         try:
-            from engine.zero import build_zero_inner
+            from engine.inner.zero import build_zero_inner
         except ModuleNotFoundError as e:
-            if e.name != "engine.zero":
+            if e.name != "engine.inner.zero":
                 raise
-            raise ValueError(f"inner.strategy {inner_cfg.strategy}: engine/zero.py is not available in this "
+            raise ValueError(f"inner.strategy {inner_cfg.strategy}: engine/inner/zero.py is not available in this "
                              f"checkout") from None
         return build_zero_inner(model, inner_cfg, train_cfg, optim_cfg, world, device)
     if inner_cfg.cpu_offload and (inner_cfg.strategy != "fsdp" or device.type != "cuda"):

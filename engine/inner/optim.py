@@ -1,8 +1,4 @@
-"""What every inner strategy builds the same way: the optimizer, the LR schedule, the model transformations.
-
-Imported by engine/parallel.py (one process, DDP, FSDP2) and engine/zero.py (DeepSpeed ZeRO), which otherwise
-would import each other: parallel.py dispatches to zero.py, and zero.py needs these pieces.
-"""
+"""The inner optimizer and its learning-rate schedule, the same for every inner strategy (DDP, FSDP2, ZeRO)."""
 
 from __future__ import annotations
 
@@ -11,7 +7,6 @@ import math
 import torch
 
 from engine.config import OptimConfig
-from engine.model import decoder_layers
 
 
 def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
@@ -31,18 +26,3 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def apply_activation_checkpointing(model: torch.nn.Module) -> None:
-    # transformers' own per-layer checkpointing keeps state-dict keys unchanged (a checkpoint_wrapper would not);
-    # transformers 5 renamed it (the old name warns on every run), 4.x only has the old one
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def apply_compile(model: torch.nn.Module) -> None:
-    for layer in decoder_layers(model):
-        layer.compile()  # in place: no OptimizedModule wrapper, so names and checkpoints are unaffected

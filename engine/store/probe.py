@@ -1,4 +1,4 @@
-"""`python -m console.store_probe HOST PORT --store-pid PID --out FILE`: the store's health, measured on its host.
+"""`python -m engine.store.probe HOST PORT --store-pid PID --out FILE`: the store's health, measured on its host.
 
 The console starts it (detached, beside the store, with the host's python) once the store is ready. It is one
 client of the membership store: every `--interval` seconds it times one round trip (`num_keys`) and replaces
@@ -31,7 +31,7 @@ def alive(pid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m console.store_probe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m engine.store.probe", description=__doc__.splitlines()[0])
     parser.add_argument("host", help="the address the store listens on (0.0.0.0: probed on 127.0.0.1)")
     parser.add_argument("port", type=int)
     parser.add_argument("--store-pid", type=int, required=True, help="exit when this process is gone")

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 1, 2 and 3 as an `Inner` (the interface of engine/parallel.py, docs/architecture.md).
+"""DeepSpeed ZeRO stages 1, 2 and 3 as an `Inner` (the interface of engine/inner/ddp_fsdp.py, docs/architecture.md).
 
     inner = build_zero_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)   # inner.strategy zero1/2/3
 
@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
 from engine.model import causal_lm_loss
-from engine.inner_common import apply_activation_checkpointing, apply_compile, lr_factor, make_optimizer
+from engine.inner.optim import lr_factor, make_optimizer
+from engine.inner.transforms import apply_activation_checkpointing, apply_compile
 from engine.world import World
 
 INSTALL_HINT = "pip install 'zeroband-console[deepspeed]'"
@@ -155,7 +156,7 @@ def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainCon
         if not get_accelerator().is_fp16_supported():
             raise ValueError(f"train.precision: fp16-mixed is not supported by DeepSpeed on this {device.type} "
                              f"(use bf16-mixed)")
-    assert dist.is_initialized(), "engine.parallel.setup_distributed creates the process group first"
+    assert dist.is_initialized(), "engine.inner.ddp_fsdp.setup_distributed creates the process group first"
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if train.compile:

@@ -14,29 +14,16 @@ DiLoCo with a no-op boundary (`NoOuter`). Life cycle, called on every local rank
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from engine.config import Config, digest
+from engine.outer.progress import Progress
 
 
 class Diverged(RuntimeError):
     """The loss of a run without DiLoCo stopped being finite: the weights in memory are NaN, and nothing is saved
     over the last good checkpoint. (Under DiLoCo a diverged node is repaired at the next outer step, and a step
-    where every member diverged ends as a MeshError holding the last committed weights: engine/diloco.py.)"""
-
-
-@dataclass
-class Progress:
-    step: int = 0  # inner optimizer steps completed
-    outer_step: int = 0  # outer steps committed (0 without DiLoCo)
-    tokens: int = 0  # tokens this node has trained on
-
-    def state_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.step, self.outer_step, self.tokens = int(state["step"]), int(state["outer_step"]), int(state["tokens"])
+    where every member diverged ends as a MeshError holding the last committed weights: engine/outer/diloco.py.)"""
 
 
 @runtime_checkable
@@ -89,15 +76,15 @@ class NoOuter:
 
 
 def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
-    """NoOuter unless diloco.enabled; then engine.diloco.DilocoOuter (imported only when asked for)."""
+    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter (imported only when asked for)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
     try:
-        from engine.diloco import DilocoOuter
+        from engine.outer.diloco import DilocoOuter
     except ModuleNotFoundError as e:
-        if e.name != "engine.diloco":
+        if e.name != "engine.outer.diloco":
             raise  # a missing dependency inside diloco.py is a crash, not bad input
-        raise ValueError("diloco.enabled: engine/diloco.py is not available in this checkout") from None
+        raise ValueError("diloco.enabled: engine/outer/diloco.py is not available in this checkout") from None
     note = short_run_note(cfg)
     if note and telemetry is not None:
         telemetry.emit("warning", message=note)
