@@ -9,7 +9,8 @@
 What each file is:
 
     deepspeed  the DeepSpeed JSON config engine/inner/zero.py passes to deepspeed.initialize for those settings (same
-               builder), with batch sizes from an engine config (--config, default the engine's defaults)
+               builder, engine/deepspeed_config.py), with batch sizes from an engine config (--config, default the
+               engine's defaults) and buckets sized from its model's hidden size (engine/presets.py)
     fsdp       an FSDP2 description in the accelerate/transformers `fsdp_config` vocabulary, plus the engine
                overrides that select the same layout (`engine_overrides`, "section.key": value)
     launcher   a bash script for one profile host (node rank N among the hosts that are not standby): the same
@@ -73,16 +74,15 @@ def write_output(path: str, text: str, force: bool, executable: bool = False) ->
 
 def deepspeed_json(stage: int, offload_optimizer: bool, offload_params: bool, precision: str,
                    config_path: str | None, workers: int) -> dict[str, Any]:
+    # the engine's own builder and shapes, from its torch-free modules (the console never imports torch)
     from engine.config import grad_accum_steps, load_config
-    from engine.inner.zero import deepspeed_config
+    from engine.deepspeed_config import deepspeed_config
+    from engine.presets import hidden_size
     if workers < 1:
         raise ValueError(f"--workers: {workers} is not a positive number of processes per node")
-    from engine.model import model_config
     cfg = load_config(config_path, ["--data.fake=true"])  # the data source plays no part in a DeepSpeed config
     accum = grad_accum_steps(cfg.train, workers, source=config_path or "engine defaults")
-    # the hidden size sizes the buckets and does not depend on the vocabulary; 256 (bytes) holds the special ids
-    # (a vocabulary of 1 made transformers warn that bos/eos 1 and 2 are out of range)
-    hidden = getattr(model_config(cfg.model, 256, cfg.data.seq_len), "hidden_size", None)
+    hidden = hidden_size(cfg.model)  # sizes the communication buckets
     return deepspeed_config(stage, micro_batch_size=cfg.train.micro_batch_size, grad_accum=accum,
                             precision=precision, clip_norm=cfg.optim.clip_norm,
                             offload_optimizer=offload_optimizer, offload_params=offload_params, hidden_size=hidden)

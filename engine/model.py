@@ -4,7 +4,8 @@ Nothing is downloaded. The vocabulary size comes from the tokenizer (byte-level 
 eos = 258) unless model.vocab_size says otherwise. This module never imports torch.distributed: parallelism is
 applied afterwards by engine.inner.ddp_fsdp over the plain model returned here.
 
-Presets (shapes; parameter counts with the 258-token byte vocabulary):
+Presets (shapes in engine/presets.py, which the console reads without torch; parameter counts with the
+258-token byte vocabulary):
 
     debug   hidden 192, 4 layers, 4 heads            ~1.9M   trains in seconds on a CPU
     15m     hidden 384, 8 layers, 6 heads            ~14M
@@ -22,26 +23,13 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 from engine.config import ModelConfig
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "debug": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4),
-    "15m": dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=6,
-                num_key_value_heads=6),
-    "150m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-                 num_key_value_heads=16),
-    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-               num_key_value_heads=4),
-}
+from engine.presets import PRESETS, config_json
 
 
 def model_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> LlamaConfig | Any:
     """The transformers config of the model to train. `vocab_size` is the tokenizer's."""
     if cfg.path is not None:
-        folder = Path(cfg.path)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"model.path: {folder} has no config.json (expected a local transformers folder)")
-        hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(config_json(cfg.path).parent, local_files_only=True)
     else:
         hf_config = LlamaConfig(**PRESETS[cfg.preset], vocab_size=vocab_size,
                                 max_position_embeddings=max(2048, seq_len), rms_norm_eps=1e-5,

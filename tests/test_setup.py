@@ -112,7 +112,7 @@ def test_deepspeed_config_is_what_deepspeed_reads(procs, tmp_path):
     assert done.stderr.strip() == f"wrote {out}"  # and nothing else: no library warnings to a user
     cfg = json.loads(out.read_text())
     # debug.toml: micro batch 8, batch 8, one worker -> no accumulation, clip 1.0: as engine/inner/zero.py builds it
-    from engine.inner.zero import deepspeed_config
+    from engine.deepspeed_config import deepspeed_config
     assert cfg == deepspeed_config(3, micro_batch_size=8, grad_accum=1, precision="bf16-mixed", clip_norm=1.0,
                                    offload_optimizer=True, offload_params=True, hidden_size=192)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 192 * 192  # the debug preset's hidden size
@@ -138,6 +138,30 @@ def test_deepspeed_uses_grad_accum_of_the_engine(tmp_path):
     cfg = json.loads(out.read_text())
     assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (2, 4)
     assert cfg["gradient_clipping"] == 0.5 and "bf16" not in cfg and "fp16" not in cfg
+
+
+def test_deepspeed_buckets_follow_the_models_hidden_size_as_transformers_reads_it(tmp_path):
+    """The console reads the width without transformers (engine/presets.py); transformers must agree with it."""
+    from transformers import LlamaConfig
+
+    from engine.config import ModelConfig
+    from engine.model import model_config
+    from engine.presets import PRESETS, hidden_size
+    for preset in PRESETS:
+        assert hidden_size(ModelConfig(preset=preset)) == model_config(ModelConfig(preset=preset), 258, 64).hidden_size
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=300).save_pretrained(tmp_path / "model")
+    folder = ModelConfig(path=str(tmp_path / "model"))
+    assert hidden_size(folder) == model_config(folder, 258, 64).hidden_size == 64
+    cfg_file = tmp_path / "e.toml"
+    cfg_file.write_text(f"[model]\npath = {json.dumps(str(tmp_path / 'model'))}\n")
+    out = tmp_path / "ds.json"
+    assert main(["deepspeed", "--zero-stage", "3", "--config", str(cfg_file), "--output", str(out)]) == 0
+    zero = json.loads(out.read_text())["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 64 * 64 and zero["stage3_param_persistence_threshold"] == 640
+    (tmp_path / "model" / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        hidden_size(folder)
 
 
 def test_deepspeed_rejects_param_offload_below_stage3(tmp_path, capsys):
