@@ -3,13 +3,17 @@ ZeroBand-compatible environment variables. Every rule is checked here, once; the
 
     cfg = load_config("configs/debug.toml", ["--optim.lr=1e-3"], environ=world_env)
 
-Errors are one line: `ConfigError: configs/debug.toml: optim.lr: Input should be a valid number`.
+Errors are one line naming where the bad value came from: `configs/debug.toml: optim.lr: Input should be a valid
+number`, `environment: GLOBAL_PORT='abc': mesh.store_port: ...`, `command line: optim.lrr: unknown key (did you mean
+optim.lr?)`.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -247,17 +251,26 @@ def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
     for name, value in environ.items():
         if name.startswith("ZERO_BAND_"):
             if name not in ZERO_BAND_ENV:
-                known = ", ".join(sorted(ZERO_BAND_ENV))
-                raise ConfigError(f"environment: unknown variable {name} (known: {known})")
+                raise ConfigError(f"environment: unknown variable {name} ({_known(name, ZERO_BAND_ENV)})")
             key = ZERO_BAND_ENV[name]
             if key:
                 out[key] = value
         elif name in GLOBAL_ENV:
             out[GLOBAL_ENV[name]] = value
         elif name.startswith("GLOBAL_") and name not in GLOBAL_HINTS:
-            known = ", ".join(sorted([*GLOBAL_ENV, *GLOBAL_HINTS]))
-            raise ConfigError(f"environment: unknown variable {name} (known: {known})")
+            raise ConfigError(f"environment: unknown variable {name} ({_known(name, [*GLOBAL_ENV, *GLOBAL_HINTS])})")
     return out
+
+
+def _known(name: str, names) -> str:
+    """`did you mean X? known: A, B` for an unknown variable (the suggestion only when one is close)."""
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return (f"did you mean {close[0]}? " if close else "") + f"known: {', '.join(sorted(names))}"
+
+
+def _variable_of(key: str) -> str:
+    """The environment variable that sets config `key` (each key has one)."""
+    return next(name for name, k in {**ZERO_BAND_ENV, **GLOBAL_ENV}.items() if k == key)
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
@@ -299,14 +312,43 @@ def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None
     node[parts[-1]] = value
 
 
-def _format_error(err: ValidationError, source: str) -> str:
+def _close_key(loc: tuple) -> str | None:
+    """The known key closest to the unknown one at `loc` (`optim.lrr` -> `optim.lr`), or None if none is close."""
+    model: type[BaseModel] = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return ".".join([*map(str, loc[:-1]), close[0]]) if close else None
+
+
+def _format_error(err: ValidationError, source: str, origins: Mapping[str, tuple[str, str]]) -> str:
+    """One line for the first error, named after where the bad value came from: the file, the environment variable
+    or the command line (origins: key -> (where, as written) for the keys the file did not set). The key stays
+    `: key:` in the line: the console points at a profile's override by it (console/profile.py)."""
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"])
     msg = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        msg = "unknown key"
     extra = f" ({len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    return f"{source}: {loc + ': ' if loc else ''}{msg}{extra}"
+    if first["type"] == "extra_forbidden":  # an unknown key, or a key of an unknown section
+        typed = next((key for key in origins if f"{key}.".startswith(f"{loc}.")), loc)
+        close = _close_key(first["loc"])
+        hint = f" (did you mean {close}{typed[len(loc):]}?)" if close else ""
+        return f"{'command line' if typed in origins else source}: {typed}: unknown key{hint}{extra}"
+    if loc in origins:
+        where, written = origins[loc]
+        if where == "environment":
+            return f"environment: {written}: {loc}: {msg}{extra}"
+        return f"command line: {loc}: {msg} ({written}){extra}"
+    # a rule over several keys (loc is their section, or empty for the whole tree): name the keys it mentions that
+    # the environment or the command line set, so that the file is not blamed for them
+    named = [(key, written) for key, (_, written) in origins.items() if key.startswith(f"{loc}." if loc else "")]
+    blamed = [f"{key} from {written}" for key, written in named
+              if re.search(r"\b" + re.escape(key.rsplit(".", 1)[-1]) + r"\b", msg)]
+    also = f" ({'; '.join(blamed)})" if blamed else ""
+    return f"{source}: {loc + ': ' if loc else ''}{msg}{also}{extra}"
 
 
 def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, str] = (),
@@ -321,15 +363,18 @@ def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, str
             raise ConfigError(f"{source}: config file not found") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    origins: dict[str, tuple[str, str]] = {}  # keys not set by the file: who set them, as they wrote it
     for key, value in env_overrides(environ or {}).items():
         _set_dotted(tree, key, _coerce(value), "environment")
+        origins[key] = ("environment", f"{_variable_of(key)}={value!r}")
     pairs = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
     for key, value in pairs.items():
         _set_dotted(tree, key, _coerce(value) if isinstance(value, str) else value, "command line")
+        origins[key] = ("command line", f"--{key}={value}")
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_error(e, source)) from None
+        raise ConfigError(_format_error(e, source, origins)) from None
 
 
 def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco")) -> str:

@@ -18,7 +18,8 @@ def test_a_mistyped_global_variable_is_one_error_naming_it():
     """Defect: GLOBAL_ADRR was silently ignored, and the node dialled the default store."""
     assert env_overrides({"GLOBAL_ADDR": "10.0.0.1", "GLOBAL_RANK": "1", "GLOBAL_WORLD_SIZE": "3"}) == {
         "mesh.store_addr": "10.0.0.1"}
-    with pytest.raises(ConfigError, match=r"^environment: unknown variable GLOBAL_ADRR \(known: GLOBAL_ADDR"):
+    with pytest.raises(ConfigError, match=r"^environment: unknown variable GLOBAL_ADRR \(did you mean GLOBAL_ADDR\? "
+                                          r"known: GLOBAL_ADDR"):
         env_overrides({"GLOBAL_ADRR": "10.0.0.1"})
 
 
