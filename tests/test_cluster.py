@@ -105,7 +105,11 @@ def workdir(tmp_path):
     (tmp_path / "engine").mkdir()
     (tmp_path / "engine" / "__init__.py").write_text("")
     (tmp_path / "engine" / "train.py").write_text(FAKE_TRAIN)
-    (tmp_path / "engine" / "store.py").write_text(FAKE_STORE)
+    # engine.store is a package, as in the project: `python -m engine.store.probe` (the store's health probe) then
+    # fails to import instead of running the fake store's code a second time
+    (tmp_path / "engine" / "store").mkdir()
+    (tmp_path / "engine" / "store" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "store" / "__main__.py").write_text(FAKE_STORE)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "fake.toml").write_text("[data]\nfake = true\n")
     return tmp_path
@@ -274,8 +278,8 @@ async def test_bad_engine_config_starts_nothing(workdir, cleanup):
 
 async def test_store_that_cannot_start_fails_every_node(workdir, cleanup):
     profile = make_profile(workdir)
-    (workdir / "engine" / "store.py").write_text("import sys\nprint('cannot listen: port in use', file=sys.stderr)\n"
-                                                 "sys.exit(2)\n")
+    (workdir / "engine" / "store" / "__main__.py").write_text(
+        "import sys\nprint('cannot listen: port in use', file=sys.stderr)\nsys.exit(2)\n")
     fleet = Fleet()
     cluster = Cluster(profile, fleet)
     await cluster.start()
@@ -438,7 +442,7 @@ time.sleep(600)
 async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(workdir, cleanup):
     """Issue 13: the console restarts a store it started. A restart that dies before it is ready is retried; the
     nodes are never failed for a store that the run already had."""
-    (workdir / "engine" / "store.py").write_text(FLAKY_STORE)
+    (workdir / "engine" / "store" / "__main__.py").write_text(FLAKY_STORE)
     profile = make_profile(workdir)
     fleet = Fleet()
     cluster = Cluster(profile, fleet)
