@@ -69,6 +69,79 @@ def test_a_bad_command_line_value_names_the_command_line():
         load_config(ROOT / "configs" / "debug.toml", ["--train.max_steps=many"])
 
 
+# ---------------------------------------------------------------------------------------------- item 5
+
+@pytest.mark.parametrize("content", ["", "\n\n", '{"text": ""}\n{"text": "   "}\n'])
+def test_prepare_of_a_corpus_without_text_is_an_error_naming_it(tmp_path, capsys, content):
+    """Defect: `prepare empty.jsonl --out DIR` exited 0 with "0 train + 0 eval tokens"."""
+    from engine.data.prepare import main as prepare_main
+    source = tmp_path / "empty.jsonl"
+    source.write_text(content)
+    code = prepare_main(["prepare", str(source), "--out", str(tmp_path / "out"), "--workers=0", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and error_lines(err) == [f"error: prepare: {source} holds no text to train on (no "
+                                              f"document with text)"], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_where_every_document_is_held_out_says_so(tmp_path, capsys):
+    from engine.data.prepare import main as prepare_main
+    source = tmp_path / "one.txt"
+    source.write_text("a single short document")
+    code = prepare_main(["prepare", str(source), "--out", str(tmp_path / "out"), "--workers=0", "--quiet",
+                         "--eval-percent=99.99"])
+    err = capsys.readouterr().err
+    assert code == 2 and error_lines(err) == [f"error: prepare: {source} holds no text to train on (all 1 document(s) "
+                                              f"went to the held-out split: lower --eval-percent)"], err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- item 8
+
+@pytest.mark.parametrize("files", [[], ["config.json"], ["tokenizer_config.json"]])
+def test_a_tokenizer_folder_without_a_tokenizer_is_one_line_naming_what_is_missing(tmp_path, files):
+    """Defect: a multi-line sentencepiece/tiktoken message from transformers."""
+    from engine.data import load_tokenizer
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_text("{}")
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(folder))
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"data.tokenizer: {folder} holds no tokenizer (no tokenizer.json"), message
+
+
+def test_a_tokenizer_that_fails_to_load_is_one_line(tmp_path):
+    from engine.data import load_tokenizer
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("not json")
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(folder))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"data.tokenizer: cannot load a tokenizer from {folder}"), message
+
+
+@pytest.mark.parametrize("state, message", [
+    ("missing", "does not exist"),
+    ("empty", "is not a prepared folder (no manifest.json; write one with `python -m engine.data prepare"),
+    ("other", "is not a prepared folder (no manifest.json; write one with `python -m engine.data prepare"),
+])
+def test_verify_of_a_folder_that_is_not_prepared_says_so(tmp_path, capsys, state, message):
+    """Defect: verify of an empty or missing folder spoke of an "interrupted prepare"."""
+    from engine.data.prepare import main as prepare_main
+    folder = tmp_path / "data"
+    if state != "missing":
+        folder.mkdir()
+    if state == "other":
+        (folder / "notes.txt").write_text("x")
+    code = prepare_main(["verify", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: verify: {folder} {message}"), err
+
+
 # ---------------------------------------------------------------------------------------------- item 18
 
 @pytest.mark.parametrize("override, suggestion", [

@@ -240,10 +240,11 @@ def prepare(args: argparse.Namespace, say: Callable[[str], None] = print) -> dic
     for source in args.sources:
         files += find_files(source, "prepare")
     files = list(dict.fromkeys(files))  # a file named by two sources is read once
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
     dtype = token_dtype(tokenizer.vocab_size)
     out = Path(args.out)
     ident = identity(files, tokenizer, args)
+    created = not out.exists()
     journal = open_out(out, ident, say)
     if journal is None:
         return read_manifest(out)
@@ -262,6 +263,12 @@ def prepare(args: argparse.Namespace, say: Callable[[str], None] = print) -> dic
             commit_group(out, writers, journal)
     commit_group(out, writers, journal)
     bar.close()
+    if journal["splits"]["train"]["tokens"] == 0:  # nothing to train on: no folder that looks like a dataset
+        discard(out, created)
+        held = journal["splits"]["eval"]["documents"]
+        why = f"all {held} document(s) went to the held-out split: lower --eval-percent" if held else \
+            "no document with text"
+        raise ValueError(f"prepare: {', '.join(map(str, args.sources))} holds no text to train on ({why})")
     seconds = time.monotonic() - t0
     manifest = {"format": FORMAT, "name": args.name or out.resolve().name, "created": time.time(),
                 "identity": ident["digest"], "tokenizer": tokenizer.identity, "dtype": dtype.name,
@@ -274,6 +281,14 @@ def prepare(args: argparse.Namespace, say: Callable[[str], None] = print) -> dic
         f"eval tokens ({dtype.name}) in {len(manifest['splits']['train']['shards'])} train shard(s), "
         f"{seconds:.1f} s")
     return manifest
+
+
+def discard(out: Path, created: bool) -> None:
+    """Remove what this prepare wrote (its shards and journal), and the folder too if it made it."""
+    remove_own_files(out, set())
+    (out / JOURNAL).unlink(missing_ok=True)
+    if created and not any(out.iterdir()):
+        out.rmdir()
 
 
 def commit_group(out: Path, writers: dict[str, SplitWriter], journal: dict[str, Any]) -> None:
@@ -328,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout stays free for pipes
     try:
         if args.command == "verify":
-            manifest = verify(Path(args.folder))
+            manifest = verify(Path(args.folder), "verify")
             say(f"verify: {args.folder}: {sum(len(manifest['splits'][s]['shards']) for s in SPLITS)} shard(s) "
                 f"match {MANIFEST}")
         else:

@@ -51,10 +51,16 @@ def is_prepared(path: str | None) -> bool:
         ((Path(path) / MANIFEST).is_file() or (Path(path) / JOURNAL).is_file())
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: Path, what: str = "data.path") -> dict[str, Any]:
+    """The manifest of a prepared folder, checked for shape. `what` names the setting or command in error lines."""
     manifest_file = folder / MANIFEST
     if not manifest_file.is_file():
-        raise ValueError(f"data.path: {folder} is an interrupted prepare ({JOURNAL} but no {MANIFEST}); run "
+        if not folder.exists():
+            raise ValueError(f"{what}: {folder} does not exist")
+        if not (folder / JOURNAL).is_file():
+            raise ValueError(f"{what}: {folder} is not a prepared folder (no {MANIFEST}; write one with `python -m "
+                             f"engine.data prepare SOURCE... --out {folder}`)")
+        raise ValueError(f"{what}: {folder} is an interrupted prepare ({JOURNAL} but no {MANIFEST}); run "
                          f"`python -m engine.data prepare ... --out {folder}` again to finish it")
     try:
         manifest = json.loads(manifest_file.read_text())
@@ -66,7 +72,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         np.dtype(manifest["dtype"])
         int(manifest["tokenizer"]["vocab_size"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"data.path: {manifest_file} is corrupt ({type(e).__name__}: {e})") from None
+        raise ValueError(f"{what}: {manifest_file} is corrupt ({type(e).__name__}: {e})") from None
     return manifest
 
 
@@ -124,12 +130,12 @@ class ShardedTokens:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def check_size(path: Path, expected: int) -> None:
+def check_size(path: Path, expected: int, what: str = "data.path") -> None:
     if not path.is_file():
-        raise ValueError(f"data.path: {path} is missing (listed in {path.parent / MANIFEST})")
+        raise ValueError(f"{what}: {path} is missing (listed in {path.parent / MANIFEST})")
     size = path.stat().st_size
     if size != expected:
-        raise ValueError(f"data.path: {path} is truncated or corrupt: {size} bytes, the manifest says {expected}")
+        raise ValueError(f"{what}: {path} is truncated or corrupt: {size} bytes, the manifest says {expected}")
 
 
 def fingerprint(manifest: dict[str, Any], split: str) -> str:
@@ -146,15 +152,15 @@ def file_checksum(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(folder: Path) -> dict[str, Any]:
+def verify(folder: Path, what: str = "data.path") -> dict[str, Any]:
     """Every shard's size and checksum against the manifest; the first mismatch is a ValueError naming it."""
-    manifest = read_manifest(folder)
+    manifest = read_manifest(folder, what)
     dtype = np.dtype(manifest["dtype"])
     for split in SPLITS:
         for shard in manifest["splits"][split]["shards"]:
             path = folder / shard["file"]
-            check_size(path, int(shard["tokens"]) * dtype.itemsize)
-            check_size(folder / shard["index"], int(shard["documents"]) * 8)
+            check_size(path, int(shard["tokens"]) * dtype.itemsize, what)
+            check_size(folder / shard["index"], int(shard["documents"]) * 8, what)
             if file_checksum(path) != shard["blake2b"]:
-                raise ValueError(f"data.path: {path} is corrupt: its checksum differs from {folder / MANIFEST}")
+                raise ValueError(f"{what}: {path} is corrupt: its checksum differs from {folder / MANIFEST}")
     return manifest

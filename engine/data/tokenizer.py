@@ -36,17 +36,28 @@ class ByteTokenizer:
         return [self.encode(t) for t in texts]
 
 
-class HFTokenizer:
-    """A local transformers tokenizer folder (nothing downloaded)."""
+# files that hold a transformers tokenizer's vocabulary: a fast tokenizer.json, or a slow tokenizer's own files
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+               "vocab.txt")
 
-    def __init__(self, path: str):
+
+class HFTokenizer:
+    """A local transformers tokenizer folder (nothing downloaded). `what` names the setting in error lines."""
+
+    def __init__(self, path: str, what: str = "data.tokenizer"):
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ValueError(f"{what}: {path} is not a folder (expected a local transformers tokenizer)")
+        # checked here: without a vocabulary transformers answers with a paragraph about sentencepiece and tiktoken
+        if not any((folder / name).is_file() for name in VOCAB_FILES) and not any(folder.glob("*.tiktoken")):
+            raise ValueError(f"{what}: {path} holds no tokenizer (no tokenizer.json, nor a vocabulary file: "
+                             f"{', '.join(VOCAB_FILES[1:])}); point it at a folder written by save_pretrained()")
         from transformers import AutoTokenizer
-        if not Path(path).is_dir():
-            raise ValueError(f"data.tokenizer: {path} is not a folder (expected a local transformers tokenizer)")
         try:
             self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(f"data.tokenizer: cannot load a tokenizer from {path}: {e}") from None
+            reason = " ".join(str(e).split())  # transformers' messages run over several lines
+            raise ValueError(f"{what}: cannot load a tokenizer from {path}: {reason[:300]}") from None
         self.path = path
         self.vocab_size = len(self.tok)
         self.bos_id = self.tok.bos_token_id
@@ -74,8 +85,8 @@ class HFTokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-def load_tokenizer(path: str | None) -> Tokenizer:
-    return ByteTokenizer() if path is None else HFTokenizer(path)
+def load_tokenizer(path: str | None, what: str = "data.tokenizer") -> Tokenizer:
+    return ByteTokenizer() if path is None else HFTokenizer(path, what)
 
 
 def describe(identity: dict[str, Any]) -> str:
