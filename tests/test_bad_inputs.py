@@ -142,6 +142,23 @@ def test_verify_of_a_folder_that_is_not_prepared_says_so(tmp_path, capsys, state
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith(f"error: verify: {folder} {message}"), err
 
 
+def test_store_on_an_address_this_machine_does_not_have_says_so(capsys):
+    """Defect: binding 192.0.2.1 (TEST-NET, never a local address) suggested choosing another port."""
+    from engine.store.server import main as store_main
+    assert store_main(["--host", "192.0.2.1", "--port", "29999"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["engine.store: cannot listen on 192.0.2.1:29999: 192.0.2.1 is not an address of this "
+                                "machine (--host: the address of one of its interfaces that the engines dial)"], err
+
+
+def test_store_on_an_unknown_host_name_says_so(capsys):
+    from engine.store.server import main as store_main
+    assert store_main(["--host", "no-such-host.invalid", "--port", "29999"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "no-such-host.invalid is not a known host name" in err, err
+    assert "another --port" not in err
+
+
 # ---------------------------------------------------------------------------------------------- item 18
 
 @pytest.mark.parametrize("override, suggestion", [

@@ -12,6 +12,7 @@ it comes back empty and the nodes, which kept training meanwhile, register again
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import socket
@@ -23,14 +24,23 @@ from engine.telemetry import encode, make_event
 
 
 def _listen(host: str, port: int) -> socket.socket | str:
-    """A listening socket on host:port only (TCPStore alone would listen on every interface), or the reason not."""
+    """A listening socket on host:port only (TCPStore alone would listen on every interface), or why not: one line
+    that says what to change."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         s.bind(("" if host in ("0.0.0.0", "") else host, port))
         s.listen(512)
+    except socket.gaierror as e:  # before OSError: a name that does not resolve is not a port problem
+        s.close()
+        return f"{host} is not a known host name ({e.strerror})"
     except OSError as e:
         s.close()
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this machine (--host: the address of one of its interfaces that " \
+                   f"the engines dial)"
+        if e.errno == errno.EADDRINUSE:
+            return f"{e.strerror} (another store running? choose another --port)"
         return e.strerror or str(e)
     return s
 
@@ -48,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     listener = _listen(args.host, args.port)
     if isinstance(listener, str):
-        print(f"engine.store: cannot listen on {args.host}:{args.port}: {listener} (another store running? "
-              f"choose another --port)", file=sys.stderr)
+        print(f"engine.store: cannot listen on {args.host}:{args.port}: {listener}", file=sys.stderr)
         return 2
     if args.host in ("0.0.0.0", ""):
         print(f"engine.store: warning: listening on every interface: anyone who reaches port {args.port} can steer "
