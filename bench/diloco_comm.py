@@ -114,7 +114,7 @@ def run_diloco(pg, rank: int, args, h: int, compression_name: str) -> dict:
     import torch
 
     from engine.outer import allreduce as compression
-    from engine.outer.diloco import OuterOptimizer
+    from engine.outer.optimizer import OuterOptimizer
     from engine.outer.buffers import OuterBuffers
     model, opt = _model(args)
     gen = torch.Generator().manual_seed(2000 + rank)

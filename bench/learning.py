@@ -185,7 +185,7 @@ def run_sim(args, arm: Arm) -> Result:
 
     from engine.config import DataConfig, ModelConfig, OptimConfig
     from engine.data import build_data
-    from engine.outer.diloco import OuterOptimizer
+    from engine.outer.optimizer import OuterOptimizer
     from engine.model import build_model, causal_lm_loss
     from engine.inner import lr_factor, make_optimizer
     from engine.world import World

@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 from console.etcd_pki import Pki, make_pki
 from console.transport import TransportError
 from console.transport import commands as C
+from engine.errors import first_line
 
 ETCD_DIR = "_etcd"  # the members' folders under the run dir
 PKI_DIR = "pki"
@@ -253,7 +254,7 @@ async def prepare(profile: Any, etcd: EtcdCluster | None, timeout: float = 60.0)
             await asyncio.sleep(0.5)
         await asyncio.to_thread(_clear, eps, tls, run_prefix(profile), timeout)
     except (TransportError, RuntimeError, OSError) as e:  # EtcdError is a RuntimeError
-        return f"etcd {kind}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        return f"etcd {kind}: {first_line(e)}"
     return None
 
 

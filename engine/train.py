@@ -299,7 +299,7 @@ def diverged(s: Session, value: float) -> None:
     be counted and it takes the run's weights at the next outer step (engine/outer/diloco.py). Alone, the run stops here,
     and these weights are not saved over the last good checkpoint."""
     step = s.progress.step
-    if s.cfg.diloco.enabled:
+    if s.outer.repairs_divergence:
         if s.diverged_round != s.progress.outer_step:  # once per round
             s.diverged_round = s.progress.outer_step
             s.telemetry.emit("warning", message=f"loss is {value} at step {step}: this node's round diverged; it is "
@@ -340,11 +340,9 @@ def split_args(argv: list[str]) -> tuple[str, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one training process; returns the exit code (0 completed/drained/stopped, 2 bad input, 1 crash).
-
-    Called without argv (the process's own command line, as the `zeroband-train` script does) it ends the
-    process itself through cli()'s exit path; with argv (tests, embedding) it returns."""
+    argv defaults to the process's command line; the process itself ends through cli()'s exit path."""
     if argv is None:
-        cli()
+        argv = sys.argv[1:]
     try:
         world = read_world()
     except ValueError as e:  # a bad RANK or WORLD_SIZE: one line, as for any bad input (no traceback)

@@ -16,7 +16,9 @@ import torch.distributed as dist
 from engine.outer import allreduce as compression
 from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
-from engine.outer.diloco import DilocoOuter, OuterOptimizer, flat_params
+from engine.outer.diloco import DilocoOuter
+from engine.outer.optimizer import OuterOptimizer, flat_params
+from engine.outer.overlap import OverlappedDiloco
 from engine.mesh.protocol import Plan
 from engine.outer import Progress
 from engine.telemetry import Telemetry
@@ -149,8 +151,9 @@ def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, **dilo
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
-    return DilocoOuter(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
-                       config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
+    loop = OverlappedDiloco if diloco.get("overlap") else DilocoOuter
+    return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
+                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
 
 
 class _Null:

@@ -82,3 +82,49 @@ def test_the_checker_sees_circles_and_lazy_imports():
     assert cycles(graph) == [["a", "b", "c"]]
     assert "engine.inner" in import_graph()["engine.train"]
     assert "engine.inner.zero" in import_graph()["engine.inner.ddp_fsdp"]  # imported inside build_inner: still an arrow
+
+
+# The engine's parts (docs/architecture.md) and the arrows that must never exist between them. A part is a folder
+# (or a module); an arrow into a part counts for every module in it.
+FORBIDDEN = {
+    # the inner loop never asks whether DiLoCo is on; the outer loop wraps it
+    "engine.inner": ["engine.outer", "engine.mesh", "engine.store", "engine.data", "engine.train", "engine.checkpoint"],
+    # the outer loop sees the inner strategy through its methods only (outer_params, after_outer_update, ...)
+    "engine.outer": ["engine.inner", "engine.data", "engine.train", "engine.checkpoint", "engine.model"],
+    # membership knows nothing of training
+    "engine.mesh": ["engine.outer", "engine.inner", "engine.data", "engine.train", "engine.checkpoint",
+                    "engine.model"],
+    # the stores are below the mesh: they know no keys, plans or states
+    "engine.store": ["engine.mesh", "engine.outer", "engine.inner", "engine.data", "engine.train",
+                     "engine.checkpoint", "engine.model"],
+    "engine.data": ["engine.outer", "engine.mesh", "engine.inner", "engine.store", "engine.train"],
+    # the console starts engines and reads their events: it never imports their training code
+    "console": ["engine.train", "engine.inner", "engine.outer", "engine.mesh", "engine.model", "engine.checkpoint",
+                "engine.data.stream", "engine.store.server", "engine.store.probe", "engine.store.etcd"],
+}
+
+
+def _in(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
+def forbidden_arrows(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for part, banned in FORBIDDEN.items() for m, ts in graph.items() if _in(m, part)
+                  for t in ts for b in banned if _in(t, b))
+
+
+def test_no_forbidden_arrow_between_the_engines_parts():
+    assert forbidden_arrows(import_graph()) == []
+
+
+def test_the_parts_are_folders_a_newcomer_finds():
+    """Each part named above is a folder of the engine, and the engine's root holds no part's files."""
+    for part in ("inner", "outer", "store", "mesh", "data"):
+        assert (ROOT / "engine" / part / "__init__.py").is_file(), part
+    flat = {p.stem for p in (ROOT / "engine").glob("*.py")}
+    assert not flat & {"diloco", "compression", "outer_buffers", "parallel", "zero", "store", "etcd_store"}
+
+
+def test_the_forbidden_arrow_checker_sees_one():
+    graph = {"engine.inner.zero": {"engine.outer.diloco"}, "engine.outer.diloco": {"engine.mesh"}}
+    assert forbidden_arrows(graph) == ["engine.inner.zero -> engine.outer.diloco"]

@@ -13,12 +13,12 @@ pruning, store loss), planner.py the planner's reads and writes; connect.py the 
 """
 
 from engine.mesh.connect import connect_store, open_store
-from engine.mesh.group import forget_groups, make_group
+from engine.mesh.group import attempt_decided, forget_groups, make_group
 from engine.store.memory import MemoryStore
 from engine.mesh.node import Mesh
 from engine.mesh.protocol import (ABORT, COMMIT, NODE_STATES, Arrival, BoundaryView, Excluded, Keys, Liveness,
                                   MeshError, NodeState, Plan, Reformed, Stopped, compute_plan, decide)
 
-__all__ = ["ABORT", "COMMIT", "NODE_STATES", "Arrival", "BoundaryView", "Excluded", "Keys", "Liveness", "Mesh",
+__all__ = ["ABORT", "COMMIT", "NODE_STATES", "Arrival", "attempt_decided", "BoundaryView", "Excluded", "Keys", "Liveness", "Mesh",
            "MemoryStore", "MeshError", "NodeState", "Plan", "Reformed", "Stopped", "compute_plan", "connect_store",
            "decide", "forget_groups", "make_group", "open_store"]

@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from engine.errors import first_line
 from engine.mesh.protocol import MeshError
 
 
@@ -77,5 +78,4 @@ def connect_store(addr: str, port: int, timeout: float, probe_timeout: float | N
     try:
         return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout), wait_for_workers=False)
     except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise MeshError(f"membership store {addr}:{port}: {first}") from None
+        raise MeshError(f"membership store {addr}:{port}: {first_line(e)}") from None

@@ -17,6 +17,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+from engine.errors import first_line
 from engine.mesh.protocol import Keys, MeshError, Plan
 
 _groups: dict[tuple[str, int], tuple[int, Any]] = {}  # (node_id, local_rank) -> (generation, group)
@@ -59,9 +60,8 @@ def make_group(store: Any, plan: Plan, node_id: str, local_rank: int, timeout: f
     try:
         backend = dist.ProcessGroupGloo(prefix_store, rank, plan.size, opts)
     except RuntimeError as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise MeshError(f"node {node_id}: process group of generation {plan.generation} ({plan.size} members) "
-                        f"not formed within {timeout:g}s: {first}") from None
+                        f"not formed within {timeout:g}s: {first_line(e)}") from None
     group = dist.ProcessGroup(prefix_store, rank, plan.size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
@@ -75,3 +75,10 @@ def make_group(store: Any, plan: Plan, node_id: str, local_rank: int, timeout: f
 def forget_groups() -> None:
     """Drop the cached groups (after a failed collective the caller moves to a new generation anyway)."""
     _groups.clear()
+
+
+def attempt_decided(store: Any, plan: Plan) -> bool:
+    """Whether the plan's attempt has been decided (commit or abort): one read of its decision key, for any local
+    rank (only local rank 0 owns a Mesh). A collective still running after the decision is of no use."""
+    key = Keys().decision(plan.epoch, plan.outer_step, plan.attempt)
+    return bool(store.check([key]) and store.get(key))

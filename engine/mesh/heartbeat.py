@@ -31,6 +31,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from engine.errors import first_line
 from engine.mesh.protocol import Keys, MeshError, NodeState
 
 STORE_ERRORS = (RuntimeError, OSError, LookupError)  # TCPStore: RuntimeError (DistStoreError); MemoryStore: OSError
@@ -38,10 +39,6 @@ STORE_ERRORS = (RuntimeError, OSError, LookupError)  # TCPStore: RuntimeError (D
 
 def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def first_line(e: BaseException) -> str:
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 MIN_TICKS = 4  # heartbeat ticks a node must have timed before link_slow() judges its link (its baseline)

@@ -26,7 +26,8 @@ from collections import deque
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from engine.mesh.heartbeat import STORE_ERRORS, Heartbeat, Outbox, Registry, first_line, text
+from engine.errors import first_line
+from engine.mesh.heartbeat import STORE_ERRORS, Heartbeat, Outbox, Registry, text
 from engine.mesh.planner import KEEP_STEPS, Planner
 from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, NodeState,
                                   Plan, Reformed, Stopped, decide)

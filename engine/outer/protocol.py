@@ -28,6 +28,11 @@ class Diverged(RuntimeError):
 
 @runtime_checkable
 class Outer(Protocol):
+    @property
+    def repairs_divergence(self) -> bool:
+        """Whether a non-finite loss is this node's round's to lose (it is repaired at the next outer step), not
+        the run's (engine/train.py stops the run)."""
+
     def start(self, progress: Progress) -> None: ...
 
     def after_inner_step(self, progress: Progress) -> bool: ...
@@ -45,6 +50,8 @@ class Outer(Protocol):
 
 class NoOuter:
     """No outer step. A drain request stops training at the next inner step (the caller reports "drained")."""
+
+    repairs_divergence = False  # alone, a diverged run has nothing to take good weights from
 
     def __init__(self, telemetry=None) -> None:
         self.telemetry = telemetry
@@ -76,20 +83,18 @@ class NoOuter:
 
 
 def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
-    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter (imported only when asked for)."""
+    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, or with diloco.overlap its subclass
+    engine.outer.overlap.OverlappedDiloco (imported only when asked for: they need torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
-    try:
-        from engine.outer.diloco import DilocoOuter
-    except ModuleNotFoundError as e:
-        if e.name != "engine.outer.diloco":
-            raise  # a missing dependency inside diloco.py is a crash, not bad input
-        raise ValueError("diloco.enabled: engine/outer/diloco.py is not available in this checkout") from None
+    if cfg.diloco.overlap:
+        from engine.outer.overlap import OverlappedDiloco as Loop
+    else:
+        from engine.outer.diloco import DilocoOuter as Loop
     note = short_run_note(cfg)
     if note and telemetry is not None:
         telemetry.emit("warning", message=note)
-    return DilocoOuter(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=digest(cfg),
-                       local_group=local_group)
+    return Loop(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=digest(cfg), local_group=local_group)
 
 
 # Outer momentum needs many outer steps to pay off: in every run docs/learning.md measured (6 to 80 outer steps) it

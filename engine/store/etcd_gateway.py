@@ -30,6 +30,8 @@ from typing import Any, Sequence
 
 import httpx
 
+from engine.errors import first_line
+
 RETRY_PAUSE_S = (0.02, 0.05, 0.1, 0.2, 0.3)
 # gRPC codes the gateway returns in {"code": N} for a cluster that cannot answer right now (retry elsewhere/later)
 _RETRYABLE_CODES = {4, 8, 10, 13, 14}  # DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNAVAILABLE
@@ -111,7 +113,7 @@ class Gateway:
             try:
                 reply = self._http.post(url, json=body)
             except httpx.HTTPError as e:
-                last = f"{self.endpoints[index]}: {_first_line(e)}"
+                last = f"{self.endpoints[index]}: {first_line(e)}"
                 if "CERTIFICATE" in last.upper():  # refused or untrusted: no other member will think otherwise
                     raise EtcdError(f"etcd {path}: TLS refused ({last}); does this client have the run's "
                                     f"certificate (mesh.etcd_cert/etcd_key) and CA (mesh.etcd_ca)?") from None
@@ -138,7 +140,7 @@ class Gateway:
         try:
             reply = self._http.post(f"{endpoint}/v3/{path}", json=body)
         except httpx.HTTPError as e:
-            raise EtcdError(f"{endpoint}: {_first_line(e)}") from None
+            raise EtcdError(f"{endpoint}: {first_line(e)}") from None
         data = _json(reply)
         if reply.status_code != 200 or "code" in data:
             raise EtcdError(f"{endpoint}: {data.get('message') or reply.text[:200]}")
@@ -206,8 +208,3 @@ def _json(reply: httpx.Response) -> dict[str, Any]:
         err = data["error"]
         return {"code": err.get("grpc_code", err.get("code", -1)), "message": err.get("message", str(err))}
     return data
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

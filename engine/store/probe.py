@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import timedelta
 
+from engine.errors import first_line
 from engine.telemetry import encode, make_event
 
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             store = None
             if not failing:
                 failing = True
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                reason = first_line(e)
                 print(encode(make_event("warning", "store", -1, message=f"store probe: {reason}")), flush=True)
         time.sleep(args.interval)
     return 0

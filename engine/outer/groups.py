@@ -1,0 +1,198 @@
+"""The outer loop's link to the mesh: the Mesh (local rank 0 only), every local rank's store client, the process
+group of each generation, and collectives that no frozen, partitioned or dead peer can hold up.
+
+    links = MeshLinks(cfg.diloco, cfg.mesh, local, node_id, emit, interrupted, digest=..., info=...)
+    links.connect()                                  # on every local rank; an error on one is raised on all
+    pg = links.group(plan)                           # None for a plan of one member
+    out = links.bounded(plan, "all-reduce", fn)      # fn() given up (PeerLost) on a death, a decision or a stop
+    links.failed(plan, err)                          # after a failed collective: its group is never reused
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from engine.mesh.protocol import MeshError, Stopped
+from engine.outer.local import LocalRanks
+
+GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
+
+
+class PeerLost(RuntimeError):
+    """A collective or group rendezvous was given up: a member stopped beating, or the attempt was decided."""
+
+
+def run_sliced(fn: Callable[[], Any], name: str, slice_s: float, give_up: Callable[[], str | None]) -> Any:
+    """fn() in a helper thread, waited for in slices of slice_s; give_up() is asked after each slice and a reason
+    ends the wait (PeerLost). gloo cannot cancel a collective: an abandoned one ends in its helper thread at its
+    own timeout (diloco.allreduce_timeout), its result unused, its group never used again."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread below
+            box["err"] = e
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    while True:
+        thread.join(slice_s)
+        if not thread.is_alive():
+            break
+        reason = give_up()
+        if reason:
+            raise PeerLost(reason)
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+class MeshLinks:
+    def __init__(self, cfg, mesh_cfg, local: LocalRanks, node_id: str, emit: Callable[..., Any],
+                 interrupted: Callable[[], str | None], *, digest: str, info: dict[str, Any],
+                 mesh_factory: Callable[[], Any] | None = None,
+                 group_factory: Callable[..., dist.ProcessGroup] | None = None):
+        # mesh_factory / group_factory replace engine.mesh in unit tests
+        self.cfg, self.mesh_cfg, self.local, self.node_id = cfg, mesh_cfg, local, node_id
+        self.emit, self.interrupted, self.digest, self.info = emit, interrupted, digest, info
+        self._mesh_factory, self._group_factory = mesh_factory, group_factory
+        self.mesh: Any = None  # local rank 0 only
+        self.store: Any = None
+        self._groups: dict[int, dist.ProcessGroup] = {}
+        self._store_stale = False  # a group build failed: reconnect this rank's store client before the next
+        # (outer step, attempt, monotonic time) of this node's last arrival at a boundary: its peers can have been
+        # held in that attempt's collectives since then, not only since this node entered them (bounded)
+        self.arrived: tuple[int, int, float] | None = None
+        self.recent_wire: collections.deque[float] = collections.deque(maxlen=5)  # seconds of recent all-reduces
+
+    # ---- connection -------------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """The store client on every local rank (each builds its own global group) and the Mesh on local rank 0;
+        an error on any local rank is raised on every one."""
+        err: str | None = None
+        try:
+            self._connect()
+        except Exception as e:  # agreed on below, then raised on every rank
+            err = f"{type(e).__name__}: {e}"
+            if self.local.group is None:
+                raise
+        bad = self.local.every(err)
+        if bad:
+            raise MeshError(f"mesh: {bad[0]}")
+
+    def _connect(self) -> None:
+        if self._mesh_factory is not None:
+            self.mesh = self._mesh_factory() if self.local.leader else None
+            return
+        from engine.mesh import Mesh, open_store
+        m = self.mesh_cfg
+        self.store = open_store(m)
+        if self.local.leader:
+            self.mesh = Mesh(self.store, self.node_id, m, digest=self.digest, info=self.info,
+                             min_nodes=self.cfg.min_nodes, emit=self.emit, interrupt=self.interrupted,
+                             reconnect=lambda: open_store(m, probe_timeout=m.heartbeat_interval, like=self.store))
+
+    def close(self) -> None:
+        self.forget()
+        if self.mesh is not None:
+            self.mesh.close()
+            self.mesh = None
+
+    # ---- groups -----------------------------------------------------------------------------------------------
+
+    def group(self, plan: Any) -> dist.ProcessGroup | None:
+        if plan.size == 1:
+            return None
+        pg = self._groups.get(plan.generation)
+        if pg is None:
+            # an older generation's group is never used again; dropping it frees its sockets
+            self._groups.clear()
+            if self._group_factory is not None:
+                pg = self._group_factory(plan, self.node_id, self.local.rank)
+            else:
+                from engine.mesh import make_group, open_store
+                if self._store_stale:  # the store went away under this rank's client: a fresh one
+                    self.store = self.mesh.store if self.mesh is not None else open_store(self.mesh_cfg)
+                    self._store_stale = False
+                # a client of its own: a rendezvous given up stays blocked in its wait on that client, and a
+                # shared client would block every store call of this rank (the mesh's included) behind it
+                store = (self.mesh.store if self.mesh is not None else self.store).clone()
+                pg = self.bounded(plan, "group rendezvous", lambda: make_group(
+                    store, plan, self.node_id, self.local.rank, self.cfg.allreduce_timeout))
+            self._groups[plan.generation] = pg
+        return pg
+
+    def failed(self, plan: Any, err: BaseException) -> None:
+        """A collective on the plan's group failed: the group is never reused; a failure that was not a give-up
+        may have been the store going away under this rank's client."""
+        self._groups.pop(plan.generation, None)
+        self._store_stale = self._group_factory is None and not isinstance(err, PeerLost)
+        self._forget_cached()
+
+    def after_reform(self) -> None:
+        """The store restarted empty: every group of the old store is gone, and so is every rank's client."""
+        self._groups.clear()
+        self._store_stale = self._group_factory is None
+        self._forget_cached()
+
+    def forget(self) -> None:
+        self._groups.clear()
+        self._forget_cached()
+
+    def _forget_cached(self) -> None:
+        if self._group_factory is None:
+            from engine.mesh import forget_groups
+            forget_groups()
+
+    # ---- bounded collectives ----------------------------------------------------------------------------------
+
+    def bounded(self, plan: Any, what: str, fn: Callable[[], Any], *, until_decided: bool = True) -> Any:
+        """A collective or rendezvous that a frozen, partitioned or dead peer cannot hold up for longer than the
+        heartbeat timeout (plus a poll): given up when local rank 0's heartbeat sees a member dead, or when
+        the attempt was decided without this rank (read from the store by every rank; until_decided=False for
+        the hand-off, which runs after the decision), or on a stop."""
+        if self.store is None:
+            return fn()  # unit tests with an injected mesh: no store to watch
+        from engine.mesh import attempt_decided
+        began, overdue = time.monotonic(), self.straggler_timeout()
+        if self.arrived is not None and self.arrived[:2] == (plan.outer_step, plan.attempt):
+            # the plan needed this node's arrival, so its peers were held from (at the earliest) then: a node whose
+            # slow link delayed its arrival or its reading of the plan has used up that much of the budget already
+            began = min(began, self.arrived[2])
+
+        def give_up() -> str | None:
+            if self.local.size == 1:  # several local ranks leave together, through the mesh calls
+                reason = self.interrupted()
+                if reason:
+                    raise Stopped(reason, what)
+            if self.mesh is not None:
+                dead = self.mesh.dead_members(plan)
+                if dead:
+                    return f"{what}: {', '.join(dead)} stopped beating (mesh.heartbeat_timeout)"
+            if not until_decided:
+                return None
+            if self.mesh is not None and time.monotonic() - began > overdue and self.mesh.link_slow():
+                # this node is the straggler: its own store round trips are being retransmitted while the
+                # collective is overdue. It steps out (and aborts the attempt) rather than hold its peers for as
+                # long as the fault lasts; its other local ranks see the abort at their next poll
+                why = f"{what} overdue ({overdue:.1f}s, diloco.straggler_timeout) on a slow link (mesh.slow_tick)"
+                self.mesh.step_out(plan, why)
+                return why
+            try:
+                decided = attempt_decided(self.mesh.store if self.mesh is not None else self.store, plan)
+            except GROUP_ERRORS:
+                decided = False  # the store is away: the collective may still finish; the mesh handles the store
+            return f"{what}: outer step {plan.outer_step} attempt {plan.attempt} was decided" if decided else None
+        return run_sliced(fn, f"diloco-{what.replace(' ', '-')}", self.mesh_cfg.polling_interval, give_up)
+
+    def straggler_timeout(self) -> float:
+        """How long a collective may run before a member on a slow link steps out (diloco.straggler_timeout)."""
+        if self.cfg.straggler_timeout:
+            return self.cfg.straggler_timeout
+        return max(self.mesh_cfg.heartbeat_timeout / 2, 4 * max(self.recent_wire, default=0.0))

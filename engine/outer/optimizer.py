@@ -1,0 +1,84 @@
+"""The outer optimizer on flat fp32 tensors: Nesterov (DiLoCo's default), SGD or plain averaging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """An outer step computed but not yet committed."""
+    params: torch.Tensor  # new flat fp32 parameters
+    momentum: torch.Tensor | None  # new momentum buffer (None: this optimizer keeps none)
+
+
+class OuterOptimizer:
+    """The outer update on flat fp32 tensors. step_() updates a snapshot and the momentum in place (after a commit);
+    propose() computes the same update into copies and changes nothing (tests, tools); commit() adopts a proposal.
+
+    nesterov (torch.optim.SGD(nesterov=True) semantics, DiLoCo's default):
+        buf = momentum * buf + g;  p = snapshot - lr * (g + momentum * buf)
+    sgd: buf = momentum * buf + g;  p = snapshot - lr * buf   (plain SGD when momentum is 0)
+    average: p = snapshot - g, the plain mean of the members' parameters (no lr, no momentum)
+    """
+
+    KINDS = ("nesterov", "sgd", "average")
+
+    def __init__(self, kind: str, lr: float, momentum: float):
+        if kind not in self.KINDS:
+            raise ValueError(f"diloco.outer_optimizer: unknown {kind!r} (known: {', '.join(self.KINDS)})")
+        self.kind, self.lr, self.beta = kind, lr, momentum
+        # created on the first step (buf = g, like torch's SGD), then updated in place for the life of the run
+        self.momentum: torch.Tensor | None = None
+
+    @property
+    def keeps_momentum(self) -> bool:
+        return self.kind != "average" and self.beta > 0
+
+    @torch.no_grad()
+    def step_(self, snapshot: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """The updated parameters into `out` (default: the snapshot itself, in place) and the momentum updated in
+        place. g is clobbered (scratch) and may be `out`; the snapshot is read only when out is given."""
+        out = snapshot if out is None else out
+        if self.kind == "average":
+            torch.sub(snapshot, g, out=out)
+            return
+        if not self.keeps_momentum:
+            torch.add(snapshot, g, alpha=-self.lr, out=out)
+            return
+        if self.momentum is None:
+            self.momentum = g.clone()  # once per run: buf = g
+        else:
+            self.momentum.mul_(self.beta).add_(g)
+        step = g.add_(self.momentum, alpha=self.beta) if self.kind == "nesterov" else self.momentum
+        torch.add(snapshot, step, alpha=-self.lr, out=out)
+
+    def propose(self, snapshot: torch.Tensor, pgrad: torch.Tensor) -> Proposal:
+        """The update step_ would make, into copies: nothing of this optimizer changes."""
+        params, kept = snapshot.clone(), self.momentum
+        self.momentum = None if kept is None else kept.clone()
+        try:
+            self.step_(params, pgrad.clone())
+            return Proposal(params, self.momentum if self.keeps_momentum else None)
+        finally:
+            self.momentum = kept
+
+    def commit(self, proposal: Proposal) -> None:
+        self.momentum = proposal.momentum
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "momentum": self.momentum}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("kind") != self.kind:
+            raise ValueError(f"outer state: saved for outer_optimizer {sd.get('kind')!r}, config says {self.kind!r}")
+        self.momentum = sd["momentum"]
+
+
+def flat_params(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors as one fp32 CPU vector (a copy; tests and tools; the outer step uses OuterBuffers)."""
+    with torch.no_grad():
+        return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors])
