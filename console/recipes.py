@@ -14,7 +14,7 @@ What each file is:
     fsdp       an FSDP2 description in the accelerate/transformers `fsdp_config` vocabulary, plus the engine
                overrides that select the same layout (`engine_overrides`, "section.key": value)
     launcher   a bash script for one profile host (node rank N among the hosts that are not standby): the same
-               environment and command line the console uses (console/cluster.py), and the store on the host
+               environment and command line the console uses (console/launch.py), and the store on the host
                that runs it
     slurm      an sbatch script: the store on the first node of `scontrol show hostnames`, then `srun` runs one
                torchrun per node. --layout diloco (default): every node is a DiLoCo node with its own torchrun
@@ -143,7 +143,7 @@ def _node_index(profile, node_rank: int):
 
 
 def launcher_script(profile, node_rank: int, source: str) -> str:
-    from console.cluster import engine_argv, engine_env, store_argv
+    from console.launch import engine_argv, engine_env, store_argv
     from console.transport.commands import qpath
     host, world = _node_index(profile, node_rank)
     env = engine_env(profile, host, node_rank, world)

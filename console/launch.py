@@ -1,0 +1,53 @@
+"""What the console runs on a host: the engine's, the store's and the store probe's command lines, and the
+engine's environment. Pure functions of the profile (console/cluster.py starts them; `python -m console.recipes
+launcher` writes the same lines into a script).
+
+    engine_argv(profile, host)                  python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
+    engine_env(profile, host, rank, world)      GLOBAL_* for the mesh, the host's [env], unbuffered output
+    store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT
+    probe_argv(profile, bind, store_pid, out)   python -m engine.store.probe ... (engine/store/probe.py)
+"""
+
+from __future__ import annotations
+
+from console import etcd as E
+from console.profile import HostSpec, Profile, engine_overrides, toml_value
+from console.transport import commands as C
+
+
+def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
+    """`python -m engine.train CONFIG --k=v ...` (torch.distributed.run when the host runs several workers)."""
+    node_dir = C.join(profile.run.dir, host.name)
+    # ckpt.resume=auto: a node restarted (or added back) continues from its own last checkpoint, and a DiLoCo
+    # joiner then takes the run's state anyway; a fresh start() moves the previous run's folders aside first
+    overrides = {"ckpt.resume": "auto", **engine_overrides(profile, host), "run.name": profile.run.name,
+                 "run.dir": node_dir, **E.engine_store_overrides(profile, host.name),
+                 "mesh.drain_file": C.join(node_dir, C.DRAIN)}
+    args = [profile.engine.config, *(f"--{k}={toml_value(v)}" for k, v in overrides.items())]
+    if host.workers == 1:
+        return [host.python_path, "-m", "engine.train", *args]
+    if host.rdzv_port is not None:
+        rdzv = ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{host.rdzv_port}",
+                f"--rdzv-id={host.name}"]
+    else:
+        rdzv = ["--standalone"]  # its own rendezvous on a free port: nodes sharing a machine never collide
+    return [host.python_path, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={host.workers}",
+            "-m", "engine.train", *args]
+
+
+def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> dict[str, str]:
+    return {**host.env, "GLOBAL_ADDR": profile.store_address, "GLOBAL_PORT": str(profile.store.port),
+            "GLOBAL_UNIQUE_ID": host.name, "GLOBAL_RANK": str(rank), "GLOBAL_WORLD_SIZE": str(world_size),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def store_argv(profile: Profile, bind: str | None = None) -> list[str]:
+    return [profile.store_host.python_path, "-m", "engine.store", "--host", bind or profile.store_bind,
+            "--port", str(profile.store.port)]
+
+
+def probe_argv(profile: Profile, bind: str | None, store_pid: int | None, out: str) -> list[str]:
+    """The store's health probe: samples the store every other poll interval into `out`, ends with the store."""
+    return [profile.store_host.python_path, "-m", "engine.store.probe", bind or profile.store_bind,
+            str(profile.store.port), "--store-pid", str(store_pid),
+            "--interval", str(profile.console.poll_interval * 2), "--out", out]

@@ -1,0 +1,223 @@
+"""The membership store's lifecycle on its host: start, watch, restart, probe, health, stop.
+
+    store = StoreHost(hosts, on_failed=watchers.fail_all)
+    reason = await store.start()         # None, or why it could not start (then no node starts)
+    await store.attach(steer=True, engines_running=...)   # a console that comes back to a running cluster
+    left = await store.stop()            # TERM the store (and stop the etcd members this console runs)
+
+The store runs detached under RUN_DIR/_store/ on the profile's store host; its health probe (engine/store/probe.py)
+runs beside it under RUN_DIR/_store_probe/ and writes one sample, health.json, which the watcher reads into the
+fleet with the store's own events. With store.backend etcd the members are the business of console/etcd.py; here
+only their health is polled for the header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Callable
+
+from console import etcd as E
+from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STORE, Hosts
+from console.launch import probe_argv, store_argv
+from console.profile import Profile
+from console.transport import TransportError
+from console.transport import commands as C
+
+
+class StoreHost:
+    def __init__(self, hosts: Hosts, on_failed: Callable[[str], None]):
+        self.hosts = hosts
+        self.fleet = hosts.fleet
+        self._on_failed = on_failed  # the store died before it was ready: the nodes started with it must fail
+        self.pid: int | None = None
+        self.task: asyncio.Task | None = None
+        self.error: str | None = None  # why it died before it was ever ready: a node started after that fails too
+        self.bind_used: str | None = None  # what the running store was started to listen on
+        self.health_task: asyncio.Task | None = None
+        # the etcd members this console runs (store.backend etcd with etcd_hosts), else None
+        self.etcd = E.cluster_of(hosts.profile, hosts.transport, E.pki_root(hosts.profile))
+
+    @property
+    def profile(self) -> Profile:
+        return self.hosts.profile
+
+    async def attach(self, *, steer: bool, engines_running: bool) -> None:
+        """A console that comes back: find the store from its pid file. steer: watch it, and restart it if it is
+        dead while engines run (they wait for it); else only say whether it runs."""
+        self.pid = await self.hosts.live_pid(STORE, self.profile.store_host.name)
+        if self.pid is not None:
+            self.fleet.set_store("up", None, pid=self.pid)
+        elif engines_running:
+            self.fleet.set_store("down", "not running while engines are")
+        self.watch_health()
+        if not steer:
+            return
+        self.bind_used = await self.bind()
+        if self.pid is None and self.fleet.store.state == "down":
+            await self.restart("found dead at attach")  # the store this run started: bring it back
+            self.task = asyncio.ensure_future(self.watch(ready=False, had_store=True))
+        elif self.pid is not None:
+            self.task = asyncio.ensure_future(self.watch(ready=True))
+
+    async def end_stale(self) -> None:
+        """A store left running by an earlier run whose engines are all gone: end it, so its port is free."""
+        host = self.profile.store_host.name
+        pid = await self.hosts.live_pid(STORE, host)
+        if pid is None:
+            return
+        await self.hosts.signal_quietly(host, pid, "TERM")
+        for _ in range(50):
+            if await self.hosts.live_pid(STORE, host) is None:
+                return
+            await asyncio.sleep(0.1)
+        await self.hosts.signal_quietly(host, pid, "KILL")
+
+    async def bind(self) -> str:
+        """The address the store listens on: [store] bind, else the one the engines dial when the store's host can
+        bind it; an address from this machine's ssh_config may not be one of the host's own (NAT, a jump host),
+        and then the store listens on every interface (the dashboard says so)."""
+        profile, host = self.profile, self.profile.store_host
+        address = profile.store_bind
+        if profile.store.bind or profile.store.address or host.address or host.transport == "local":
+            return address
+        probe = (f"{C.q(host.python_path)} -c 'import socket,sys; socket.socket().bind((sys.argv[1], 0))' "
+                 f"{C.q(address)}")
+        rc, _, _ = await self.hosts.transport(host.name).run(probe)
+        return address if rc == 0 else "0.0.0.0"
+
+    async def start(self) -> str | None:
+        """Start the store detached and watch it; the reason if it could not start."""
+        if self.profile.store.backend == "etcd":
+            reason = await E.prepare(self.profile, self.etcd)
+            self.watch_health()
+            return reason
+        host = self.profile.store_host
+        t = self.hosts.transport(host.name)
+        try:
+            reason = await t.preflight()
+            if reason is None:
+                bind = await self.bind()
+                address = f"{self.profile.store_address}:{self.profile.store.port}"
+                self.fleet.set_store("starting", None, address=address,
+                                     bind=None if bind == self.profile.store_address else bind)
+                self.pid = await t.start_detached(store_argv(self.profile, bind), self.hosts.node_dir(STORE),
+                                                  env=host.env)
+                self.bind_used = bind
+        except TransportError as e:
+            reason = str(e)
+        if reason is not None:
+            self.fleet.set_store("down", f"could not start on {host.name}: {reason}")
+            return f"store on {host.name} could not start: {reason}"
+        self.task = asyncio.ensure_future(self.watch(ready=False))
+        return None
+
+    async def watch(self, ready: bool, had_store: bool = False) -> None:
+        """Follow the store: its ready line, its probe's samples, its death. Dead before it was ever ready: no mesh
+        can form, fail the nodes (failed()). Dead after: the console restarts it (the engines wait for it)."""
+        t = self.hosts.transport(self.profile.store_host.name)
+        offset = 0  # of the store's events file; restarts append to it
+        ever_ready = ready or had_store  # once the run had a store, a death is restarted, never a reason to fail
+        if ready:  # attached to a running store: only what it writes from now on, and a probe of our own
+            _, offset = await t.read_from(self.hosts.path(STORE, C.EVENTS), 0)  # small: ready, stopped, warnings
+            await self._start_probe()
+        while True:
+            try:
+                lines, offset = await t.read_from(self.hosts.path(STORE, C.EVENTS), offset)
+                for line in lines:
+                    was_up = self.fleet.store.state == "up"
+                    self.fleet.ingest_store(line)
+                    if not was_up and self.fleet.store.state == "up":
+                        ready = ever_ready = True
+                        await self._start_probe()
+                sample = await t.read_text(self.hosts.path(PROBE, HEALTH))
+                if sample:
+                    self.fleet.ingest_store(sample)
+                if self.hosts.stopping or self.hosts.closed or self.pid is None:
+                    return  # stop() ends it, and says so; close() leaves it running
+                if not await t.alive(self.pid, C.TAG):
+                    await asyncio.sleep(SETTLE_S)
+                    log = (await t.last_lines(self.hosts.path(STORE, C.LOG), 3)).strip().splitlines()
+                    reason = f"store exited: {log[-1] if log else 'no output'}"
+                    if not ever_ready:
+                        self.fleet.set_store("down", reason)
+                        self.failed(reason)
+                        return
+                    if self.hosts.stopping:
+                        self.fleet.set_store("stopped", None)
+                        return
+                    await self.restart(reason)
+                    ready = False
+            except TransportError as e:  # the node watchers report the link; say it here too, and keep looking
+                if self.fleet.store.state == "up":
+                    self.fleet.set_store("unreachable", str(e))
+            await asyncio.sleep(self.profile.console.poll_interval)
+
+    async def restart(self, reason: str) -> None:
+        """The store died after it was ready: start it again where it was (its events file appended), with backoff
+        between failed tries, until it runs. Its keys are gone; the engines re-form the run with their state."""
+        host = self.profile.store_host
+        self.fleet.set_store("down", f"{reason}; restarting it")
+        probe = await self.hosts.live_pid(PROBE, host.name)
+        if probe is not None:  # it watched the dead store and ends by itself; do not let it block the new one's
+            await self.hosts.signal_quietly(host.name, probe, "TERM")
+        try:
+            await self.hosts.transport(host.name).remove(self.hosts.path(PROBE, HEALTH))  # the dead store's sample
+        except TransportError:
+            pass  # the restart below says whether the host answers
+        for failures in itertools.count():
+            if self.hosts.stopping or self.hosts.closed:
+                return
+            try:
+                self.pid = await self.hosts.transport(host.name).start_detached(
+                    store_argv(self.profile, self.bind_used), self.hosts.node_dir(STORE), env=host.env,
+                    append=True)
+            except TransportError as e:
+                self.fleet.set_store("down", f"{reason}; restart {failures + 1} failed: {e} (check {host.name}; "
+                                             f"the console keeps trying)")
+                await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
+                continue
+            self.fleet.set_store("restarting", f"after: {reason}", restarts=self.fleet.store.restarts + 1,
+                                 pid=self.pid)
+            return
+
+    async def _start_probe(self) -> None:
+        """The health probe beside the store (engine/store/probe.py); it ends when the store does. One per store:
+        a console that attaches again finds the one already running."""
+        host = self.profile.store_host
+        if await self.hosts.live_pid(PROBE, host.name) is not None:
+            return
+        argv = probe_argv(self.profile, self.bind_used, self.pid, self.hosts.path(PROBE, HEALTH))
+        try:
+            await self.hosts.transport(host.name).start_detached(argv, self.hosts.node_dir(PROBE), env=host.env,
+                                                                 append=True)
+        except TransportError as e:
+            self.fleet.store.reason = f"no health probe: {e}"
+
+    def watch_health(self) -> None:
+        """etcd: poll the members (up, leader) for the header, every console poll interval."""
+        if self.profile.store.backend != "etcd" or self.health_task is not None:
+            return
+
+        async def poll() -> None:
+            while True:
+                self.fleet.store_status = await E.health_label(self.profile)
+                await asyncio.sleep(max(1.0, self.profile.console.poll_interval))
+        self.health_task = asyncio.ensure_future(poll())
+
+    def failed(self, reason: str) -> None:
+        """The store died before it was ready: no mesh can form, so every node started with it fails (and ends)."""
+        self.error = reason
+        self._on_failed(reason)
+
+    async def stop(self) -> list[str]:
+        """End the store (stop() has ended the engines first) and the etcd members; what etcd left to say."""
+        store = self.pid or await self.hosts.live_pid(STORE, self.profile.store_host.name)
+        if store is not None:
+            await self.hosts.signal_quietly(self.profile.store_host.name, store, "TERM")
+            self.pid = None
+            self.fleet.set_store("stopped", None)
+        return await self.etcd.stop() if self.etcd is not None else []
+
+    def tasks(self) -> list[asyncio.Task]:
+        return [t for t in (self.task, self.health_task) if t is not None]
