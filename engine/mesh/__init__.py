@@ -8,8 +8,10 @@
     ok = mesh.commit(plan, succeeded)      # False: abort, redo (k, attempt + 1)
     mesh.leave("completed")
 
-protocol.py holds the pure rules; node.py the API and its waits, heartbeat.py the heartbeat (liveness, lease,
-pruning, store loss), planner.py the planner's reads and writes; connect.py the store client, group.py the process groups.
+protocol.py holds the pure rules; node.py the API and its waits (Mesh), composed of registration.py (the id and
+start-up), heartbeat.py (liveness, lease, pruning, store loss), planner.py (the planner's reads and writes) and
+polling.py (what every wait checks), which share membership.py; connect.py the store client, group.py the process
+groups.
 """
 
 from engine.mesh.connect import connect_store, open_store

@@ -17,66 +17,42 @@ Outbox whose own thread writes them: a blocked stdout never stops the heartbeat.
 
 A store error does not end the node: the heartbeat keeps trying to reconnect (`Mesh(reconnect=...)`) for up to
 mesh.store_lost_timeout. A store that comes back with our keys (a network blip) changes nothing. A store that
-comes back empty (restarted) gets this node registered again; the main thread sees `_reset` and re-forms the run
-with its state (Reformed). A node the others pruned while it was frozen registers again too, and is excluded at
-its next boundary like any straggler.
+comes back empty (restarted) gets this node registered again (Registration.register_again); the main thread sees
+`Membership.reset` and re-forms the run with its state (Reformed). A node the others pruned while it was frozen
+registers again too, and is excluded at its next boundary like any straggler.
+
+The heartbeat owns its thread, its own store client (a clone), its outbox, its tick timings (link_slow) and the
+leader's pruning state; it writes the liveness table, the lease and the store's life into the node's Membership.
+Without a thread (tests, the scale bench) whoever drives the node calls tick() or beat() instead.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import queue
 import threading
-import uuid
-from dataclasses import dataclass, field
+import weakref
+from collections import deque
 from typing import Any, Callable
 
 from engine.errors import first_line
+from engine.mesh.membership import STORE_ERRORS, Membership, Registry, text
 from engine.mesh.protocol import Keys, MeshError, NodeState
+from engine.mesh.registration import Registration
 
-STORE_ERRORS = (RuntimeError, OSError, LookupError)  # TCPStore: RuntimeError (DistStoreError); MemoryStore: OSError
-
-
-def text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
+__all__ = ["MIN_TICKS", "STORE_ERRORS", "Heartbeat", "Outbox", "Registry", "text"]
 
 MIN_TICKS = 4  # heartbeat ticks a node must have timed before link_slow() judges its link (its baseline)
 
+_running: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()  # heartbeats whose thread runs
+_exit_hook = False
 
-@dataclass
-class Registry:
-    """The value of `ids`: registered ids, and ids pruned from it whose keys are deleted at the next prune
-    (id -> the (generation, rank) of its last process group, for its rendezvous keys)."""
 
-    ids: list[str] = field(default_factory=list)
-    gone: dict[str, list[int] | None] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, store: Any, keys: Keys) -> tuple[str, "Registry"]:
-        raw = text(store.compare_set(keys.ids(), "", ""))  # one round trip; an absent key reads (and becomes) ""
-        return raw, cls.parse(raw)
-
-    @classmethod
-    def parse(cls, raw: str) -> "Registry":
-        if not raw:
-            return cls()
-        d = json.loads(raw)
-        return cls(list(d["ids"]), dict(d["gone"]))
-
-    def to_json(self) -> str:
-        return json.dumps({"ids": self.ids, "gone": self.gone}, separators=(",", ":"))
-
-    @classmethod
-    def update(cls, store: Any, keys: Keys, change: Callable[["Registry"], None], attempts: int = 50) -> "Registry":
-        """Read-modify-compare_set, retried while another node changes it at the same time (bounded)."""
-        for _ in range(attempts):
-            raw, reg = cls.read(store, keys)
-            change(reg)
-            new = reg.to_json()
-            if new == raw or text(store.compare_set(keys.ids(), raw, new)) == new:
-                return reg
-        raise MeshError(f"the registry key {keys.ids()} kept changing under {attempts} attempts to update it")
+def _stop_at_exit() -> None:
+    # a daemon thread still inside a C++ store call when the interpreter finalizes aborts the whole process
+    # ("terminate called without an active exception"); atexit runs before daemon threads are torn down
+    for heartbeat in list(_running):
+        heartbeat.stop()
 
 
 class Outbox:
@@ -120,48 +96,110 @@ class Outbox:
         thread.join(timeout)
 
 
+
+
 class Heartbeat:
-    """The heartbeat half of Mesh (engine/mesh/node.py), which provides the attributes used here."""
+    """One node's heartbeat: its thread (or tick() called by hand), the liveness table, the lease, pruning, and the
+    store's loss and return."""
+
+    def __init__(self, m: Membership, registration: Registration, node_id: str, keys: Keys, cfg: Any, *,
+                 workers: int, leased: bool, clock: Callable[[], float], emit: Callable[..., Any],
+                 reconnect: Callable[[], Any] | None, thread: bool) -> None:
+        self.m = m
+        self.registration = registration
+        self.node_id = node_id
+        self.keys = keys
+        self.cfg = cfg
+        self.workers = workers  # local ranks per node: one rendezvous key each to delete at a prune
+        self.leased = leased  # a store with leases (etcd) deletes a dead node's heartbeat key by itself
+        self.clock = clock
+        self.emit = emit
+        self.reconnect = reconnect  # a fresh store client, while the store is lost
+        self.use_thread = thread
+        self.store: Any = None  # the heartbeat's own client (a clone of the caller's when a thread beats)
+        self.error: str | None = None  # why this node must give up (set once, read by every wait)
+        self.lost_since: float | None = None  # the store stopped answering at; None while it answers
+        self.ticks: deque[float] = deque(maxlen=32)  # durations of the last heartbeat ticks (link_slow)
+        self.tick_began: float | None = None  # when the tick under way began
+        self._seq = 0
+        self._reg_cache: tuple[str | None, Any, list[str], list[str]] = (None, None, [], [])  # see _read_registry
+        self._reported: set[str] = set()  # peers whose death this node already emitted
+        self._gone_seen: set[str] = set()  # pruned ids seen at this node's last prune (deleted at its next)
+        self._gone_groups: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        self._outbox = Outbox(emit)
+        self._stop = threading.Event()
+
+    # ---- start and stop ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The node is registered: beat from now on (a thread of its own, or one tick now when driven by hand)."""
+        self.store = self.m.store.clone() if self.use_thread else self.m.store
+        if not self.use_thread:
+            self.tick()
+            return
+        global _exit_hook
+        if not _exit_hook:
+            atexit.register(_stop_at_exit)
+            _exit_hook = True
+        _running.add(self)
+        self._outbox.start(f"mesh-telemetry-{self.node_id}")
+        self._thread = threading.Thread(target=self._loop, name=f"mesh-heartbeat-{self.node_id}", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        """Its thread still beats."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        _running.discard(self)
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=self.cfg.heartbeat_interval + self.cfg.store_timeout)
+        self._outbox.close(timeout=self.cfg.heartbeat_interval)
 
     # ---- the tick -------------------------------------------------------------------------------------------
 
     def tick(self) -> None:
         """One heartbeat: beat, read the registry and every peer's counter, check the lease, prune, report."""
-        s = self._hb_store if self._hb_store is not None else self.store
-        k = self.keys
-        self._seq = s.add(k.hb(self.node_id), 1)
+        m = self.m
+        s = self.store if self.store is not None else m.store
+        self._seq = s.add(self.keys.hb(self.node_id), 1)
         reg, others, keys = self._read_registry(s)
         if self.node_id not in reg.ids:
-            self._register_again(s)
+            reset = self.registration.register_again(s)
+            self._emit("warning", message=f"node {self.node_id}: " + (
+                "the membership store restarted empty: registered again, the run re-forms" if reset else
+                "was removed from the registry while silent: registered again"))
             reg, others, keys = self._read_registry(s)
         values = self._read_tick(s, keys)
-        self._check_still_me(text(values[0]))
+        self.registration.check_still_me(text(values[0]))
         now = self.clock()
-        with self._lock:
-            fresh = self._liveness.look(now)
-            for node in set(self._liveness.known()) - set(others):
-                self._liveness.forget(node)
+        with m.lock:
+            fresh = m.liveness.look(now)
+            for node in set(m.liveness.known()) - set(others):
+                m.liveness.forget(node)
             for node, raw in zip(others, values[2:]):
                 if raw is None:  # its leased heartbeat key vanished (etcd): dead now, no timeout to wait
-                    self._liveness.expire(node, now)
+                    m.liveness.expire(node, now)
                     continue
                 counter = int(text(raw))
-                self._liveness.observe(node, counter, now, gone=counter < 0)
-            dead = {n: self._liveness.is_dead(n, now) for n in others}
-            self._ids = list(reg.ids)
-            self._last_look = now
+                m.liveness.observe(node, counter, now, gone=counter < 0)
+            dead = {n: m.liveness.is_dead(n, now) for n in others}
+            m.last_look = now
         if not fresh:
-            self._is_leader = False  # whatever it held, the others may have moved on: re-check below
-            self._hb_emit("warning", message=f"node {self.node_id}: no heartbeat for more than "
-                                             f"{self.cfg.heartbeat_timeout:g}s (frozen or cut off); liveness "
-                                             f"re-learned from now")
+            m.is_leader = False  # whatever it held, the others may have moved on: re-check below
+            self._emit("warning", message=f"node {self.node_id}: no heartbeat for more than "
+                                          f"{self.cfg.heartbeat_timeout:g}s (frozen or cut off); liveness "
+                                          f"re-learned from now")
         for node in others:
             if dead[node] or node in self._reported:
-                self._report_peer(node, dead[node], self._liveness.is_gone(node))
+                self._report_peer(node, dead[node], m.liveness.is_gone(node))
         self._check_lease(s, text(values[1]), set(reg.ids), fresh)
-        if self._is_leader:
+        if m.is_leader:
             self._prune(s, reg)
-        self._hb_emit("heartbeat", seq=self._seq, peers=self.peer_ages())
+        self._emit("heartbeat", seq=self._seq, peers=self.peer_ages())
 
     def _read_registry(self, s: Any) -> tuple[Registry, list[str], list[str]]:
         """The registry, the other ids, and the keys of one tick's multi_get: parsed again only when it changed
@@ -178,7 +216,7 @@ class Heartbeat:
         """The tick's multi_get, one round trip. On a store with leases a dead peer's heartbeat key is gone
         (None here) rather than waited for; the other keys of the read are never leased, so a missing one is a
         store that lost them (the store-loss path, as TCPStore's timed-out multi_get)."""
-        if not self._leased:
+        if not self.leased:
             return s.multi_get(keys)
         values = s.multi_get_or_none(keys)
         missing = [key for key, value in zip(keys[:2], values[:2]) if value is None]
@@ -187,12 +225,67 @@ class Heartbeat:
         return values
 
     def _timed_tick(self) -> None:
-        began = self._tick_began = self.clock()
+        began = self.tick_began = self.clock()
         try:
             self.tick()
         finally:
-            self._tick_began = None
-        self._ticks.append(self.clock() - began)
+            self.tick_began = None
+        self.ticks.append(self.clock() - began)
+
+    def beat(self) -> bool:
+        """One tick with store-loss handling. False when this node must give up (the reason is in `error`)."""
+        try:
+            if self.lost_since is not None:
+                self._reconnect_now()
+            self._timed_tick()
+        except MeshError as e:
+            self.error = str(e)
+            return False
+        except STORE_ERRORS as e:
+            now = self.clock()
+            if self.lost_since is None:
+                self.lost_since = now
+                self._emit("warning", message=f"node {self.node_id}: lost the membership store "
+                                              f"({first_line(e)}); training goes on, waiting up to "
+                                              f"mesh.store_lost_timeout={self.cfg.store_lost_timeout:g}s "
+                                              f"for it to come back")
+            if self.reconnect is None or now - self.lost_since > self.cfg.store_lost_timeout:
+                self.error = (f"lost the membership store ({first_line(e)})" if self.reconnect is None else
+                              f"the membership store did not come back within mesh.store_lost_timeout "
+                              f"({self.cfg.store_lost_timeout:g}s): {first_line(e)}")
+                return False
+            return True
+        if self.lost_since is not None:
+            self.lost_since = None
+            self._emit("warning", message=f"node {self.node_id}: the membership store is back")
+        return True
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.beat():
+                return
+            self._stop.wait(self.cfg.heartbeat_interval)
+
+    def _reconnect_now(self) -> None:
+        try:
+            store = self.reconnect()
+        except MeshError as e:  # unreachable for now: one more failed try, not the end
+            raise ConnectionError(str(e)) from None
+        hb = store.clone() if self.use_thread else store
+        self.m.store, self.store = store, hb
+
+    # ---- what the table and the ticks say -------------------------------------------------------------------
+
+    def peer_ages(self) -> dict[str, float]:
+        now = self.clock()
+        live = self.m.liveness
+        with self.m.lock:
+            return {n: round(live.age(n, now) or 0.0, 3) for n in live.known()
+                    if n != self.node_id and not live.is_gone(n)}
+
+    def is_dead(self, node: str) -> bool:
+        with self.m.lock:
+            return self.m.liveness.is_dead(node, self.clock())
 
     def link_slow(self) -> bool:
         """This node's own store round trips are being retransmitted: at least two of its last eight heartbeat
@@ -202,99 +295,23 @@ class Heartbeat:
         collective between the nodes is overdue, and a node steps out only when both are true (engine/outer/diloco.py).
         A baseline needs only MIN_TICKS ticks, so that a link that turns lossy in the first seconds of a node's life
         (a fault right after a start or a re-join) is told too; before that no tick is judged."""
-        ticks = list(self._ticks)
+        ticks = list(self.ticks)
         if len(ticks) < MIN_TICKS:
             return False  # no baseline yet
         late = min(ticks) + self.cfg.slow_tick
         slow = sum(t > late for t in ticks[-8:])
-        began = self._tick_began
+        began = self.tick_began
         if began is not None and self.clock() - began > late:
             slow += 1
         return slow >= 2
 
     def link_healthy(self) -> bool:
         """The last four ticks were all on time (see link_slow): a node that stepped out may ask to join again."""
-        ticks = list(self._ticks)
-        began = self._tick_began
+        ticks = list(self.ticks)
+        began = self.tick_began
         late = (min(ticks) if ticks else 0.0) + self.cfg.slow_tick
         return len(ticks) >= 4 and all(t <= late for t in ticks[-4:]) \
             and (began is None or self.clock() - began <= late)
-
-    def _beat(self) -> bool:
-        """One tick with store-loss handling. False when this node must give up (the error is in _hb_error)."""
-        try:
-            if self._lost_since is not None:
-                self._reconnect_now()
-            self._timed_tick()
-        except MeshError as e:
-            self._hb_error = str(e)
-            return False
-        except STORE_ERRORS as e:
-            now = self.clock()
-            if self._lost_since is None:
-                self._lost_since = now
-                self._hb_emit("warning", message=f"node {self.node_id}: lost the membership store "
-                                                 f"({first_line(e)}); training goes on, waiting up to "
-                                                 f"mesh.store_lost_timeout={self.cfg.store_lost_timeout:g}s "
-                                                 f"for it to come back")
-            if self._reconnect is None or now - self._lost_since > self.cfg.store_lost_timeout:
-                self._hb_error = (f"lost the membership store ({first_line(e)})" if self._reconnect is None else
-                                  f"the membership store did not come back within mesh.store_lost_timeout "
-                                  f"({self.cfg.store_lost_timeout:g}s): {first_line(e)}")
-                return False
-            return True
-        if self._lost_since is not None:
-            self._lost_since = None
-            self._hb_emit("warning", message=f"node {self.node_id}: the membership store is back")
-        return True
-
-    def _beat_loop(self) -> None:
-        while not self._stop.is_set():
-            if not self._beat():
-                return
-            self._stop.wait(self.cfg.heartbeat_interval)
-
-    def _reconnect_now(self) -> None:
-        try:
-            store = self._reconnect()
-        except MeshError as e:  # unreachable for now: one more failed try, not the end
-            raise ConnectionError(str(e)) from None
-        hb = store.clone() if self._use_thread else store
-        self.store, self._hb_store = store, hb
-
-    # ---- identity and registration --------------------------------------------------------------------------
-
-    def _check_still_me(self, raw: str) -> None:
-        """A node that was silent long enough to be declared dead (stopped, swapped out) may find that a newer
-        process took its id over: it must not beat under that id again."""
-        holder = json.loads(raw) if raw else {}
-        if holder.get("token") != self.info.get("token"):
-            raise MeshError(f"node {self.node_id} was declared dead and a newer process (pid {holder.get('pid')}) "
-                            f"took its id over: this process must exit")
-
-    def _register_again(self, s: Any) -> None:
-        """This id is not in the registry: the store restarted empty, or the others pruned this node while it
-        was frozen. Register again; after a restart the main thread re-forms the run (Reformed)."""
-        k = self.keys
-        # The store's life tells a restart from a prune: the first node back in an empty store writes a new one.
-        # (The digest cannot: a peer that registered again first has written it already.)
-        life = text(s.compare_set(k.life(), "", uuid.uuid4().hex))
-        reset, self._store_life = life != self._store_life, life
-        current = text(s.compare_set(k.info(self.node_id), "", self._info_json()))
-        self._check_still_me(current)
-        self._check_digest(s)
-        s.compare_set(k.leader(), "", "")
-        s.compare_set(k.latest(), "", "")
-        if reset:
-            self._reset = True
-            self._write_state(NodeState("starting", self.info["token"]), s)
-        else:  # pruned while silent: the leader deleted its keys, and a registered id must have them (a reader
-            # of an absent TCPStore key blocks until it appears: the planner would wait store_timeout for it)
-            self._write_state(self._node_state, s)
-        Registry.update(s, k, lambda reg: reg.ids.append(self.node_id) if self.node_id not in reg.ids else None)
-        self._hb_emit("warning", message=f"node {self.node_id}: " + (
-            "the membership store restarted empty: registered again, the run re-forms" if reset else
-            "was removed from the registry while silent: registered again"))
 
     # ---- liveness reports, lease, pruning -------------------------------------------------------------------
 
@@ -303,40 +320,39 @@ class Heartbeat:
         if not dead:
             self._reported.discard(node)
             return
-        plan = self._plan
-        if node in self._reported or plan is None or node not in self._recent:
+        plan = self.m.plan
+        if node in self._reported or plan is None or node not in self.m.recent:
             return
         self._reported.add(node)
         if not gone:  # a clean exit is reported by its plan (drained) or by the node itself
-            self._hb_emit("membership", change="dead", subject=node,
-                          members=[m for m in plan.members if m != node], generation=plan.generation)
+            self._emit("membership", change="dead", subject=node,
+                       members=[n for n in plan.members if n != node], generation=plan.generation)
 
     def _check_lease(self, s: Any, holder: str, registered: set[str], fresh: bool) -> None:
-        key = self.keys.leader()
-        eligible = fresh and self._ready and self.state in ("starting", "training", "draining")
+        m, key = self.m, self.keys.leader()
+        eligible = fresh and m.ready and m.state in ("starting", "training", "draining")
         if not eligible:
             if holder == self.node_id:  # a joiner cannot lead: it may not even hold the state yet
                 holder = text(s.compare_set(key, self.node_id, ""))
         elif holder != self.node_id:
-            with self._lock:
-                free = holder == "" or holder not in registered or self._liveness.is_dead(holder, self.clock())
+            with m.lock:
+                free = holder == "" or holder not in registered or m.liveness.is_dead(holder, self.clock())
             if free:
                 holder = text(s.compare_set(key, holder, self.node_id))
-        self._is_leader = holder == self.node_id
-        if holder and holder != self._leader_seen:
-            self._leader_seen = holder
-            plan = self._plan
-            self._hb_emit("membership", change="leader", subject=holder,
-                          members=list(plan.members) if plan else [],
-                          generation=plan.generation if plan else 0)
+        m.is_leader = holder == self.node_id
+        if holder and holder != m.leader_seen:
+            m.leader_seen = holder
+            plan = m.plan
+            self._emit("membership", change="leader", subject=holder, members=list(plan.members) if plan else [],
+                       generation=plan.generation if plan else 0)
 
     def _prune(self, s: Any, reg: Registry) -> None:
         """The leader drops ids that have been dead for two more timeouts (or left) from the registry, and one
         prune later deletes their keys: a reader that saw them registered has asked for them by then."""
         now = self.clock()
-        with self._lock:
+        with self.m.lock:
             victims = [n for n in reg.ids if n != self.node_id
-                       and self._liveness.silent_for(n, now) > 2 * self.cfg.heartbeat_timeout]
+                       and self.m.liveness.silent_for(n, now) > 2 * self.cfg.heartbeat_timeout]
         due = [n for n in reg.gone if n in self._gone_seen]
         if victims or due:
             groups = {}
@@ -365,12 +381,10 @@ class Heartbeat:
         for key in (k.info(node), k.hb(node), k.state(node)):
             s.delete_key(key)
         if group:
-            for local_rank in range(int(self.info.get("workers", 1))):
+            for local_rank in range(self.workers):
                 s.delete_key(k.group_key(group[0], local_rank, group[1]))
 
-    # ---- helpers --------------------------------------------------------------------------------------------
-
-    def _hb_emit(self, type_: str, **fields: Any) -> None:
+    def _emit(self, type_: str, **fields: Any) -> None:
         """Events raised in the heartbeat go through the outbox when a thread beats (never blocks on stdout)."""
         if threading.current_thread() is self._thread:
             self._outbox.put(type_, **fields)

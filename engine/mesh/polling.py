@@ -1,0 +1,107 @@
+"""How the caller's thread waits: what every poll checks, one idle interval, and the pause while the store is lost.
+
+Every wait of a node (Mesh's boundary, admission and commit, and the start-up's in registration.py) is a bounded
+polling loop with a deadline from MeshConfig, and every poll first runs `check`, in this order: the heartbeat gave
+up (MeshError), the store restarted empty (Reformed: the node's view of the run is forgotten), a stop or drain was
+requested (`interrupt()` returns "stopped" or "drained": Stopped). A store error in a wait run by `resilient` is
+not fatal: the wait pauses until the heartbeat has the store back (bounded by mesh.store_lost_timeout through the
+heartbeat, and interruptible) and starts over. Outside such a wait, `guard` turns a store error into one MeshError
+line naming the node and what it was doing.
+
+Without a heartbeat thread (tests, the scale bench) `idle` and the pause beat the heart themselves, so a single
+thread can drive several nodes deterministically.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from engine.errors import first_line
+from engine.mesh.heartbeat import Heartbeat
+from engine.mesh.membership import STORE_ERRORS, Membership
+from engine.mesh.protocol import Excluded, Keys, MeshError, Reformed, Stopped
+
+
+class _StoreDown(Exception):
+    """A store call of the caller's thread failed: wait for the heartbeat to get the store back, then retry."""
+
+
+class Polling:
+    """The rules every wait of one node polls by."""
+
+    def __init__(self, m: Membership, heartbeat: Heartbeat, node_id: str, keys: Keys, cfg: Any, *,
+                 sleep: Callable[[float], None], interrupt: Callable[[], str | None] | None,
+                 can_resume: bool) -> None:
+        self.m = m
+        self.heartbeat = heartbeat
+        self.node_id = node_id
+        self.keys = keys
+        self.cfg = cfg
+        self.sleep = sleep
+        self.interrupt = interrupt  # "stopped" / "drained" ends the wait (Stopped)
+        self.can_resume = can_resume  # the heartbeat can reconnect: a wait may outlive a lost store
+
+    def check(self, what: str) -> None:
+        """What every wait checks at every poll: the heartbeat's fate, a restarted store, a stop or drain."""
+        self.check_heartbeat()
+        if self.m.reset:
+            self.m.forget_run()
+            raise Reformed(f"node {self.node_id}: {what}: the membership store restarted empty; the run re-forms")
+        reason = self.interrupt() if self.interrupt is not None else None
+        if reason:
+            raise Stopped(reason, what)
+
+    def idle(self, what: str) -> None:
+        """One poll interval. Without a heartbeat thread the wait loops beat themselves (tests)."""
+        self.check(what)
+        if not self.heartbeat.use_thread and self.m.state != "left":
+            self.heartbeat.beat()
+            self.check_heartbeat()
+        self.sleep(self.cfg.polling_interval)
+
+    def check_heartbeat(self) -> None:
+        if self.heartbeat.error is not None:
+            raise MeshError(f"node {self.node_id}: heartbeat stopped: {self.heartbeat.error}")
+
+    def resilient(self, what: str, call: Callable[[], Any]) -> Any:
+        """Run a wait; a store error pauses it until the store is back, then it starts over (bounded by
+        mesh.store_lost_timeout through the heartbeat, and interruptible)."""
+        while True:
+            try:
+                with self.guard(what, resumable=True):
+                    return call()
+            except _StoreDown:
+                self._await_store(what)
+
+    def _await_store(self, what: str) -> None:
+        while True:
+            self.check(what)
+            if not self.heartbeat.use_thread:
+                self.heartbeat.beat()
+            elif not self.heartbeat.alive():
+                self.check_heartbeat()
+                raise MeshError(f"node {self.node_id}: {what}: lost the membership store (heartbeat stopped)")
+            if self.heartbeat.lost_since is None and self._store_answers():
+                return
+            self.sleep(self.cfg.polling_interval)
+
+    def _store_answers(self) -> bool:
+        try:
+            self.m.store.check([self.keys.ids()])
+            return True
+        except STORE_ERRORS:
+            return False
+
+    @contextmanager
+    def guard(self, what: str, resumable: bool = False) -> Iterator[None]:
+        """Store failures: in a resumable wait, a pause until the heartbeat has the store back (_StoreDown);
+        else one MeshError line naming this node and what it was doing."""
+        try:
+            yield
+        except (MeshError, Excluded, Stopped, Reformed, ValueError):
+            raise
+        except STORE_ERRORS as e:
+            if resumable and self.can_resume and self.m.ready and self.heartbeat.error is None:
+                raise _StoreDown(first_line(e)) from None
+            raise MeshError(f"node {self.node_id}: {what}: lost the membership store ({first_line(e)})") from None
