@@ -136,6 +136,9 @@ class OuterRound:
     idle_s: float | None = None
     derived: bool = False
     reporters: int = 0
+    # each contributor's share of the mean: the tokens it trained this round over the round's total (engines
+    # weigh by tokens: with time rounds a fast host's share is larger; a joiner or a diverged node has none)
+    shares: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -152,6 +155,8 @@ class Node:
     loss: float | None = None
     tokens_per_s: float | None = None
     outer_step: int | None = None
+    round_tokens: float | None = None  # the tokens its last round counted for in the mean (0: not counted)
+    round_share: float | None = None  # ... and their share of that outer step's total
     pid: int | None = None
     max_steps: int | None = None
     malformed: int = 0  # lines on its event stream that were not valid events
@@ -443,6 +448,11 @@ class Fleet:
 
     def _on_outer_step(self, node: Node, event: dict[str, Any]) -> None:
         node.outer_step = event["outer_step"]
+        shares = _shares(event)
+        if shares is not None:
+            weights = dict(zip(event["contributors"], event["weights"]))
+            node.round_tokens = float(weights.get(node.name, 0.0))
+            node.round_share = shares.get(node.name, 0.0)
         self._set_members(event["generation"], event["members"])
         if event["rank"] <= 0:
             self._outer_round(node, event)
@@ -460,6 +470,7 @@ class Fleet:
         rnd.reporters += 1
         rnd.members = max(rnd.members, len(event["members"]))
         rnd.bytes_sent += event["bytes_sent"]
+        rnd.shares = _shares(event) or rnd.shares
         rnd.allreduce_s = max(rnd.allreduce_s, allreduce)
         compute = _num(event.get("compute_s"))
         if compute is None and node._outer_ts is not None:  # today's engines: the node's own clock
@@ -572,3 +583,14 @@ def _eta(node: Node | None, max_steps: int | None) -> float | None:
     if s1 <= s0 or t1 <= t0:
         return None
     return max(0.0, (max_steps - s1) * (t1 - t0) / (s1 - s0))
+
+
+def _shares(event: dict[str, Any]) -> dict[str, float] | None:
+    """{contributor: its share of the mean} from an outer_step event's weights (the tokens of each round), or None
+    for an engine that does not report them."""
+    names, weights = event.get("contributors"), event.get("weights")
+    if not isinstance(names, list) or not isinstance(weights, list) or len(names) != len(weights):
+        return None
+    total = sum(float(w) for w in weights)
+    return {str(n): float(w) / total for n, w in zip(names, weights)} if total > 0 else {}
+

@@ -107,6 +107,30 @@ class DilocoConfig(_Section):
     # the outer step of round t runs in a background thread while round t+1 trains; its update lands one round
     # late (docs/architecture.md, "Overlap"). Nodes of one process only.
     overlap: bool = False
+    # what the working weights take at an overlapped boundary while the mean is in flight: "eager" (arXiv
+    # 2502.12996): the node's own fresh pseudo-gradient stands in for its share of the mean (1/contributors,
+    # through the outer optimizer); "delayed": the whole of its own progress (docs/learning.md, "Overlap")
+    overlap_update: Literal["eager", "delayed"] = "eager"
+    # "steps": a round is inner_steps steps on every node. "time": a round ends at a deadline the plan sets
+    # (round_seconds after it was planned), whatever each node's speed: a fast host never waits for a slow one,
+    # and each node's pseudo-gradient counts by the tokens it trained (docs/learning.md, "Mixed hardware"). Then
+    # train.max_steps / inner_steps is the number of rounds and the LR schedule follows the round clock
+    round: Literal["steps", "time"] = "steps"
+    round_seconds: float = Field(default=0.0, ge=0)
+    # time rounds: the planner waits for a member this long past the deadline, then plans without it (it
+    # contributes at a later outer step, or re-joins); 0: a quarter of round_seconds
+    straggler_grace: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _time_rounds_need_seconds(self) -> "DilocoConfig":
+        if self.round == "time" and not self.round_seconds > 0:
+            raise ValueError("diloco.round = \"time\" needs diloco.round_seconds > 0 (the length of a round)")
+        return self
+
+    @property
+    def grace(self) -> float:
+        """Seconds past a time round's deadline the planner waits for a member (diloco.straggler_grace)."""
+        return self.straggler_grace or self.round_seconds / 4
 
 
 class MeshConfig(_Section):

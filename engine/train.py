@@ -240,7 +240,10 @@ def run(s: Session) -> str:
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
     loss = None
-    while progress.step < cfg.train.max_steps:
+    while not s.outer.finished(progress, cfg.train.max_steps):
+        schedule_step = s.outer.step_for_schedule(progress)
+        if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
+            s.inner.schedule_at(schedule_step)
         loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
         progress.step += 1
         progress.tokens += tokens_per_step

@@ -34,6 +34,7 @@ FAST = ["--train.micro_batch_size=2", "--train.batch_size=2", "--data.seq_len=32
         f"--mesh.heartbeat_interval={HB}", f"--mesh.heartbeat_timeout={HB_TIMEOUT}", "--mesh.store_timeout=20",
         "--mesh.start_timeout=60", "--mesh.join_timeout=60", "--mesh.polling_interval=0.05"]
 CONFIG = "configs/debug-diloco.toml"
+ROUND_TOKENS = float(H * 2 * 32)  # a node's weight in the mean: the tokens of its round (engine/outer/rounds.py)
 
 
 class Node:
@@ -212,7 +213,7 @@ def test_three_nodes_identical_checksums_after_every_outer_step(three_nodes):
     assert_identical([a, b, c, d, three_nodes["again"]])
     first = a.outer()[1]
     assert first["members"] == ["a", "b", "c"] and first["bytes_sent"] > 0 and first["pgrad_norm"] > 0
-    assert first["contributors"] == ["a", "b", "c"] and first["weights"] == [1.0, 1.0, 1.0]
+    assert first["contributors"] == ["a", "b", "c"] and first["weights"] == [ROUND_TOKENS] * 3
     assert a.of("run_end")[-1]["status"] == "completed"
 
 
@@ -337,7 +338,7 @@ def test_drain_contributes_last_round_then_exits_zero(leader_drain):
     for n in (drainer, stayer):
         e = n.outer()[last]
         assert sorted(e["contributors"]) == sorted([drainer.name, stayer.name]), e
-        assert e["weights"] == [1.0, 1.0], e
+        assert e["weights"] == [ROUND_TOKENS] * 2, e
     assert stayer.outer()[last + 1]["contributors"] == [stayer.name]
     assert stayer.outer()[last + 1]["members"] == [stayer.name]
     assert leader_drain["codes"][stayer.name] == 0

@@ -353,3 +353,34 @@ def test_a_process_that_ended_as_it_said_is_not_left_dead_by_a_later_mesh_report
     assert c.state is NodeState.DEAD and c.engine_state is NodeState.LEFT
     assert fleet.process_ended("c") and (c.state, c.reason, c.mesh_dead_ts) == (NodeState.LEFT, "completed", None)
     assert not fleet.process_ended("c") and not fleet.process_ended("a")  # nothing of the mesh's to undo
+
+
+def test_each_nodes_share_of_a_round_comes_from_the_token_weights():
+    """Engines weigh each contributor by the tokens of its round: with time rounds a host twice as fast has twice
+    the share. The detail view and the outer chart's caption show it; a joiner (not counted) shows as such."""
+    from console.screens.detail import detail_tables
+    from console.widgets.cells import outer_line
+    fleet = Fleet(run="mixed")
+    for name in ("a", "b", "c"):
+        fleet.add_node(name, "h")
+    for name in ("a", "b", "c"):
+        fleet.ingest(name, line("outer_step", name, outer_step=7, step=40, generation=3, members=["a", "b", "c"],
+                                pgrad_norm=0.1, bytes_sent=10, allreduce_s=0.1, wire_s=0.08, codec_s=0.02,
+                                compute_s=1.0, outer_s=0.12, checksum="c", contributors=["a", "b"],
+                                weights=[6000.0, 2000.0]))
+    a, b, c = (fleet.nodes[n] for n in "abc")
+    assert (a.round_tokens, a.round_share) == (6000.0, 0.75) and (b.round_tokens, b.round_share) == (2000.0, 0.25)
+    assert (c.round_tokens, c.round_share) == (0.0, 0.0)
+    rnd = fleet.outer_rounds[7]
+    assert rnd.shares == {"a": 0.75, "b": 0.25}
+    assert outer_line(rnd).endswith("| shares a 75% b 25%")
+    assert "6,000 tokens, 75% of the mean" in _grid_text(detail_tables(a))
+    assert "not counted" in _grid_text(detail_tables(c))
+
+
+def _grid_text(renderables) -> str:
+    from rich.console import Console
+    console = Console(width=200, record=True)
+    for r in renderables:
+        console.print(r)
+    return console.export_text()

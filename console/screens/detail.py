@@ -37,7 +37,7 @@ def detail_tables(node: Any, now: float | None = None) -> list[Any]:
             ("config digest", run.get("config_digest")), ("strategy", run.get("strategy")),
             ("workers", run.get("world_size")), ("dataset", run.get("dataset")),
             ("overrides", " ".join(f"{k}={v}" for k, v in node.overrides.items()) or None),
-            ("data position", _position(node))]
+            ("data position", _position(node)), ("last round", _round(node))]
     for label, value in rows:
         info.add_row(Text(label, style="dim"), Text("-" if value is None else str(value)))
     out.append(info)
@@ -71,6 +71,15 @@ def detail_tables(node: Any, now: float | None = None) -> list[Any]:
     events.append("\n".join(list(node.log)[-EVENTS:]) or "-", style="")
     out.append(events)
     return out
+
+
+def _round(node: Any) -> str | None:
+    """The tokens its last round counted for in the mean, and their share of the outer step."""
+    if getattr(node, "round_tokens", None) is None:
+        return None
+    if not node.round_tokens:
+        return f"outer step {node.outer_step}: not counted (joining, or its round diverged)"
+    return f"outer step {node.outer_step}: {node.round_tokens:,.0f} tokens, {100 * node.round_share:.0f}% of the mean"
 
 
 def _position(node: Any) -> str | None:

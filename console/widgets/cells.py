@@ -137,8 +137,15 @@ def outer_line(rnd: Any) -> str:
     if rnd.compute_s:
         spent = (rnd.wire_s or 0.0) + (rnd.codec_s or 0.0) if rnd.wire_s is not None else rnd.allreduce_s
         ratio = f" ({100 * spent / (rnd.compute_s + spent):.0f}% comm)"
+    shares = getattr(rnd, "shares", None)
+    split = f" | shares {share_text(shares)}" if shares and len(shares) > 1 else ""
     return (f"outer {rnd.outer_step}: compute {compute} {comm} idle {s(rnd.idle_s)}{ratio} | "
-            f"{rnd.members} members | {human_bytes(rnd.bytes_sent)} sent")
+            f"{rnd.members} members | {human_bytes(rnd.bytes_sent)} sent{split}")
+
+
+def share_text(shares: dict[str, float]) -> str:
+    """Each contributor's share of an outer step's mean (its round's tokens), biggest first: "a 67% b 33%"."""
+    return " ".join(f"{n} {100 * v:.0f}%" for n, v in sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _util_style(util: float) -> str:

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
 # shared with engine/inner/zero.py: both import them from below, so neither imports the other at module level
-from engine.inner.optim import lr_factor, make_optimizer
+from engine.inner.optim import lr_factor, make_optimizer, schedule_at
 from engine.inner.transforms import apply_activation_checkpointing, apply_compile
 from engine.model import causal_lm_loss, decoder_layers
 from engine.world import World
@@ -161,6 +161,10 @@ class Inner:
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def schedule_at(self, step: int) -> None:
+        """The LR schedule at `step` for the next optimizer step (DiLoCo time rounds)."""
+        schedule_at(self.scheduler, step)
 
     def state_dict(self) -> dict:
         """model and optim hold (possibly sharded) tensors for DCP; scheduler and scaler are small and plain."""

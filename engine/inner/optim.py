@@ -26,3 +26,10 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def schedule_at(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put the schedule at `step` (DiLoCo time rounds: the round clock's step, not this node's own count)."""
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(step)
+    scheduler.last_epoch = step

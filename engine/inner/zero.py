@@ -37,7 +37,7 @@ import torch.distributed as dist
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
 from engine.deepspeed_config import deepspeed_config
 from engine.model import causal_lm_loss
-from engine.inner.optim import lr_factor, make_optimizer
+from engine.inner.optim import lr_factor, make_optimizer, schedule_at
 from engine.inner.transforms import apply_activation_checkpointing, apply_compile
 from engine.world import World
 
@@ -172,6 +172,10 @@ class ZeroInner:
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+    def schedule_at(self, step: int) -> None:
+        """The LR schedule at `step` for the next optimizer step (DiLoCo time rounds)."""
+        schedule_at(self.scheduler, step)
 
     # -- DiLoCo --------------------------------------------------------------------------------------------
 

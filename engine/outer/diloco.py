@@ -53,6 +53,7 @@ from engine.outer.handoff import StateHandoff
 from engine.outer.local import LocalRanks
 from engine.outer.optimizer import OuterOptimizer
 from engine.outer.progress import Progress
+from engine.outer.rounds import RoundClock
 
 
 class DilocoOuter:
@@ -80,6 +81,7 @@ class DilocoOuter:
             info={"host": world.hostname, "pid": world.pid, "workers": world.world_size},
             mesh_factory=None if mesh_factory is None else lambda: mesh_factory(self), group_factory=group_factory)
         self.handoff = StateHandoff(self.bufs, self.opt, self.links, telemetry.emit)
+        self.rounds = RoundClock(cfg)  # when a round ends (steps or time) and its tokens (the node's weight)
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last outer step (bench/outer_step.py)
         self._round_started: float | None = None  # when this round's inner steps began (compute_s)
@@ -96,6 +98,7 @@ class DilocoOuter:
         # nodes resumed from checkpoints of different ages then start from one set of weights.
         self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
+        self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
 
     @property
     def mesh(self) -> Any:
@@ -147,29 +150,47 @@ class DilocoOuter:
         if not self._restored:
             self.bufs.capture(self.inner.outer_params())
         self._round_started = self._boundary_at = time.perf_counter()
+        self.rounds.resume(progress)
         if joiner:
             self._emit("state", state="joining")
             plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
-            self._round(progress, plan=plan, draining=False)
-        elif progress.step and progress.step % self.cfg.inner_steps == 0 \
-                and progress.step // self.cfg.inner_steps > progress.outer_step:
+            self._round(progress, plan=plan, draining=False, tokens=0)
+        elif self.rounds.pending_at_resume(progress):
             # resumed from a checkpoint saved at a boundary before it committed (a stop or a failure in the
             # boundary wait): contribute that round now rather than fold it into the next one
-            self._round(progress, plan=None, draining=False)
+            self._round(progress, plan=None, draining=False, tokens=self.rounds.close(progress))
+        else:
+            self.rounds.begin(progress, keep_tokens=True)
+
+    @property
+    def timed_rounds(self) -> bool:
+        return self.rounds.timed
+
+    def finished(self, progress: Progress, max_steps: int) -> bool:
+        """Step rounds: this node's max_steps. Time rounds: max_steps / inner_steps rounds, the same on every node."""
+        return self.rounds.finished(progress, max_steps)
+
+    def step_for_schedule(self, progress: Progress) -> int | None:
+        """The LR schedule's step where it is not the node's own (time rounds: the round clock's), else None."""
+        return self.rounds.step_for_schedule(progress)
 
     def request_drain(self) -> None:
         """Safe from a signal handler: only sets a flag, read at the next inner step."""
         self._drain.set()
 
     def after_inner_step(self, progress: Progress) -> bool:
-        if progress.step % self.cfg.inner_steps:
+        due = self.rounds.due(progress)
+        if self.rounds.timed:  # the local ranks of a node stop on the same step, whatever their clocks say
+            due = self.local.any(due)
+        if not due:
             return False
         self._boundary_at = time.perf_counter()
         self.last_phases = {}
         draining = self.local.any(self._drain.is_set())
-        if self._boundary(progress, draining):
+        tokens = self.rounds.close(progress)
+        if self._boundary(progress, draining, tokens):
             return False
-        self._round(progress, plan=None, draining=draining)
+        self._round(progress, plan=None, draining=draining, tokens=tokens)
         if not draining and not self._drain_requested_meanwhile():
             return False
         if self.local.leader:
@@ -178,7 +199,7 @@ class DilocoOuter:
         self._emit("drained", outer_step=progress.outer_step, step=progress.step)
         return True
 
-    def _boundary(self, progress: Progress, draining: bool) -> bool:
+    def _boundary(self, progress: Progress, draining: bool, tokens: int) -> bool:
         """Before a boundary's round; True when it was handed elsewhere (overlap.py) and training goes on."""
         return False
 
@@ -201,7 +222,8 @@ class DilocoOuter:
         self._left = True
 
     def state_dict(self) -> dict[str, Any]:
-        return {"snapshot": self.bufs.snapshot.cpu(), "outer_optimizer": self.opt.state_dict()}
+        return {"snapshot": self.bufs.snapshot.cpu(), "outer_optimizer": self.opt.state_dict(),
+                **self.rounds.state_dict()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         snapshot = sd["snapshot"]
@@ -211,13 +233,14 @@ class DilocoOuter:
         self.bufs.snapshot.copy_(snapshot)
         self._restored = True
         self.opt.load_state_dict(sd["outer_optimizer"])
+        self.rounds.load_state_dict(sd)
         if self.opt.momentum is not None:
             self.opt.momentum = self.opt.momentum.to(self.bufs.device, torch.float32)
 
     # ------------------------------------------------------------------ one outer step, with retries
 
-    def _round(self, progress: Progress, *, plan: Any, draining: bool) -> None:
-        """One outer step. plan is given for a joiner (its admission); members ask the mesh for it. A member the
+    def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int) -> None:
+        """One outer step of a round of `tokens` (the node's weight). plan is given for a joiner (its admission); members ask the mesh for it. A member the
         mesh left out (it arrived late, Excluded) re-joins: its pseudo-gradient is stale, it takes the state.
         A plan that lists a member as a joiner (a formation at a newer outer step than its checkpoint) makes it
         one too. After a store restart (Reformed) the round starts over in the re-formed run."""
@@ -238,7 +261,7 @@ class DilocoOuter:
                 if self.node_id in plan.joiners and not joining:
                     joining, index = True, plan.outer_step
                     self._contributing = False  # it takes the state: nothing of it is counted
-                if self._attempt(plan, pgrad, progress):
+                if self._attempt(plan, pgrad, progress, tokens):
                     if rejoined:
                         self._emit("state", state="training")
                     return
@@ -263,12 +286,14 @@ class DilocoOuter:
             self._contributing = False  # a drain now leaves at once: there is no round left to contribute
             return self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission()), True
 
-    def _attempt(self, plan: Any, pgrad: torch.Tensor | None, progress: Progress) -> bool:
+    def _attempt(self, plan: Any, pgrad: torch.Tensor | None, progress: Progress, tokens: int) -> bool:
         joiner = self.node_id in plan.joiners
         assert joiner or pgrad is not None, "a member without a pseudo-gradient"
         # the mesh's contributors: members that are not joiners and arrived with a pseudo-gradient
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
-        weight = 1.0 if self.node_id in contributors and not joiner and not self._discard else 0.0
+        # a contributor weighs the tokens of its round (rounds.py); a joiner and a diverged node weigh nothing
+        counts = self.node_id in contributors and not joiner and not self._discard
+        weight = float(max(1, tokens)) if counts else 0.0
         # zeros go out of the mean buffer: pgrad stays intact for a retry that counts it
         send = pgrad if weight else self.bufs.mean.zero_()
         stats, reason = None, ""
@@ -310,11 +335,12 @@ class DilocoOuter:
             self.links.recent_wire.append(stats.wire_s + stats.codec_s)
         # whose pseudo-gradient entered the mean, with the weights the reduce really used (off the wire)
         counted = [(m, w) for m, w in zip(plan.members, stats.weights if stats else []) if w > 0]
+        self.last_contributors = max(1, len(counted))
         self._emit("outer_step", outer_step=progress.outer_step, step=progress.step, generation=plan.generation,
                    members=list(plan.members), pgrad_norm=sq ** 0.5, bytes_sent=nbytes,
                    **self._timings(stats, checksum=self._checksum()),
                    contributors=[m for m, _ in counted], weights=[w for _, w in counted])
-        self._next_round_starts()
+        self._next_round_starts(progress, plan)
         return True
 
     # ------------------------------------------------------------------ the math, where the parameters live
@@ -411,5 +437,7 @@ class DilocoOuter:
         """This node's round diverged and it took the run's weights: its optimizer's moments are NaN."""
         self.inner.reset_optimizer_state()
 
-    def _next_round_starts(self) -> None:
+    def _next_round_starts(self, progress: Progress, plan: Any) -> None:
+        """After a commit: the next round trains from now, until the deadline the plan set (time rounds)."""
         self._round_started = time.perf_counter()
+        self.rounds.begin(progress, plan)

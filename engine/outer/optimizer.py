@@ -56,6 +56,23 @@ class OuterOptimizer:
         step = g.add_(self.momentum, alpha=self.beta) if self.kind == "nesterov" else self.momentum
         torch.add(snapshot, step, alpha=-self.lr, out=out)
 
+    @torch.no_grad()
+    def preview(self, g: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The step this optimizer would subtract from a snapshot for outer gradient g, into `out` (g may be out),
+        with its state untouched: snapshot - preview(g) is what step_ would make of it (eager overlap's proxy)."""
+        if self.kind == "average":
+            return out.copy_(g) if out is not g else out
+        if not self.keeps_momentum:
+            return torch.mul(g, self.lr, out=out)
+        if self.momentum is None:  # the first step: buf = g
+            return torch.mul(g, self.lr * (1 + self.beta) if self.kind == "nesterov" else self.lr, out=out)
+        if self.kind == "nesterov":  # g + beta * (beta * buf + g) = (1 + beta) g + beta^2 buf
+            torch.mul(g, 1 + self.beta, out=out)
+            out.add_(self.momentum, alpha=self.beta * self.beta)
+        else:  # beta * buf + g
+            torch.add(g, self.momentum, alpha=self.beta, out=out)
+        return out.mul_(self.lr)
+
     def propose(self, snapshot: torch.Tensor, pgrad: torch.Tensor) -> Proposal:
         """The update step_ would make, into copies: nothing of this optimizer changes."""
         params, kept = snapshot.clone(), self.momentum

@@ -1,13 +1,23 @@
 """The overlapped outer step (diloco.overlap): each round's outer step runs in the background while the next
 round trains.
 
-At boundary t the round's pseudo-gradient d_t = anchor - params is taken, the weights are rebased on the newest
-agreed weights (params = snapshot - d_t: the agreed weights plus this round's own progress, which is also the next
-round's anchor), and the whole outer step of round t (mesh boundary, exchange, commit, retries, hand-offs) runs in
-a background thread while round t+1 trains. Its result (the outer optimizer's new weights, or a hand-off's) lands
-in bufs.mean; snapshot and parameters move only on the main thread, at the next boundary or at flush(). So each
-node's progress is averaged one round late, and no progress is lost or counted twice: after every landing,
-params = agreed weights + the node's not yet exchanged progress. A draining node's last round is synchronous.
+At boundary t the round's pseudo-gradient d_t = anchor - params is taken (the anchor: the weights round t trained
+from), the snapshot takes the weights the previous round's outer step agreed on (it landed meanwhile), and the
+working weights become snapshot - u_t, where u_t is what the node's own fresh progress stands for while the mean
+of round t is in flight (diloco.overlap_update):
+
+    eager    u_t = the outer optimizer's step for d_t / M (M: the contributors of the last mean): the node's own
+             pseudo-gradient stands in for its share of the mean (arXiv 2502.12996, "eager updates"), so the working
+             weights are the synchronous ones with the others' part of the mean one round late
+    delayed  u_t = d_t: the whole of its own progress (what this engine did first; +3 to +5% held-out loss)
+
+The working weights are also round t+1's anchor. The whole outer step of round t (mesh boundary, exchange, commit,
+retries, hand-offs) runs in a background thread while round t+1 trains; its result (the outer optimizer's new
+weights, or a hand-off's) lands in bufs.mean; snapshot and parameters move only on the main thread, at the next
+boundary or at flush(). The snapshot, whose fingerprint the members compare, is the same on every member; only the
+working weights differ, as they do inside any round. Nothing is lost or counted twice: d_t goes into the mean
+once, and the working weights are rebuilt from the agreed weights at every landing. A draining node's last round
+is synchronous; flush() keeps the whole of the progress so far in the parameters (a checkpoint, the export).
 """
 
 from __future__ import annotations
@@ -39,35 +49,39 @@ class OverlappedDiloco(DilocoOuter):
         self._flight_progress: tuple[Progress, Progress, int, int] | None = None
         self._flight_compute = 0.0
         self._anchored = False
+        self._eager = cfg.overlap_update == "eager"
+        self._step: torch.Tensor | None = None  # u of the last boundary: the anchor is snapshot - u when _anchored
+        self._eager_buf: torch.Tensor | None = None  # u, eager (delayed: u is bufs.pgrad itself)
         self._pgrad_ready = False  # bufs.pgrad already holds this round's pseudo-gradient
         self._diverged_at_boundary = False  # the boundary found this round diverged (and repaired it)
         self._stream: Any = None  # CUDA: the background outer step's stream
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
 
-    def _boundary(self, progress: Progress, draining: bool) -> bool:
+    def _boundary(self, progress: Progress, draining: bool, tokens: int) -> bool:
         with self._phase("pseudo_gradient"):
-            self._rebase(self._settle())
+            self._rebase(self._settle(), eager=self._eager)
             if not bool(torch.isfinite(self.bufs.pgrad).all()):
                 # the round just ended diverged: its progress would carry NaN into the next one. Restart from the
                 # agreed weights with fresh optimizer state (here, on the training thread), and send nothing of it
                 self._emit("warning", message=f"node {self.node_id}: its last round diverged (not finite): not "
                                               f"counted; it takes the run's weights")
                 self.bufs.pgrad.zero_()
+                self._step = self.bufs.pgrad  # the next round trains from the snapshot itself
                 self._restart_from_snapshot()
                 self._diverged_at_boundary = True
         self._anchored = True  # the next round trains from snapshot - pgrad
         self._pgrad_ready = True
         if draining:  # a draining node's last round is synchronous: it contributes it, then leaves
             return False
-        self._launch(progress)
+        self._launch(progress, tokens)
         return True
 
     def flush(self) -> None:
         """Land the round in flight into the parameters now (before a checkpoint or the export). This round's
         progress so far stays in the parameters and is exchanged at its boundary."""
         if self._settle():
-            self._rebase(True)
+            self._rebase(True, eager=False)
             self._anchored = False  # the round's anchor, rebased, is the new snapshot itself
 
     def close(self, status: str) -> None:
@@ -91,7 +105,7 @@ class OverlappedDiloco(DilocoOuter):
         return self.cfg.max_attempts * (self.cfg.allreduce_timeout + m.store_timeout + m.join_timeout
                                         + 2 * m.heartbeat_timeout) + m.start_timeout
 
-    def _launch(self, progress: Progress) -> None:
+    def _launch(self, progress: Progress, tokens: int) -> None:
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
         self._flight_compute = (self._boundary_at or 0.0) - (self._round_started or 0.0)
@@ -102,7 +116,7 @@ class OverlappedDiloco(DilocoOuter):
             try:
                 # on a GPU the outer step's kernels go to their own stream, beside the training's
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    self._round(frozen, plan=None, draining=False)
+                    self._round(frozen, plan=None, draining=False, tokens=tokens)
                     if stream is not None:
                         stream.synchronize()  # its results are complete before the main thread lands them
             except BaseException as e:  # raised on the main thread when it lands this round (_settle)
@@ -111,6 +125,7 @@ class OverlappedDiloco(DilocoOuter):
         self._flight = threading.Thread(target=body, name="diloco-overlap", daemon=True)
         self._flight.start()
         self._round_started = time.perf_counter()
+        self.rounds.begin(progress)  # the next round starts now, before its plan exists: the deadline is chained
 
     def _side_stream(self) -> Any:
         """The CUDA stream of the background outer step (None on CPU), ordered after the boundary's work."""
@@ -142,19 +157,28 @@ class OverlappedDiloco(DilocoOuter):
         return True
 
     @torch.no_grad()
-    def _rebase(self, landed: bool) -> None:
-        """pgrad = anchor - params; snapshot = the landed weights; params = snapshot - pgrad."""
+    def _rebase(self, landed: bool, *, eager: bool) -> None:
+        """pgrad = anchor - params; snapshot = the landed weights; params = snapshot - u (see the top)."""
         params, bufs = self.inner.outer_params(), self.bufs
         if self._anchored:
-            torch.sub(bufs.snapshot, bufs.pgrad, out=bufs.pgrad)
+            assert self._step is not None
+            torch.sub(bufs.snapshot, self._step, out=bufs.pgrad)  # the anchor (u may be bufs.pgrad itself)
         else:
             bufs.pgrad.copy_(bufs.snapshot)
         torch._foreach_sub_(bufs.views(bufs.pgrad), params)
         if landed:
             bufs.snapshot.copy_(bufs.mean)
-        torch.sub(bufs.snapshot, bufs.pgrad, out=bufs.mean)
+        self._step = self._stand_in(bufs.pgrad) if eager else bufs.pgrad
+        torch.sub(bufs.snapshot, self._step, out=bufs.mean)
         bufs.write(params, bufs.mean)
         self.inner.after_outer_update()
+
+    def _stand_in(self, pgrad: torch.Tensor) -> torch.Tensor:
+        """Eager: the outer optimizer's step for this node's share of the mean (its state untouched)."""
+        if self._eager_buf is None:  # 4 bytes per parameter more, only with eager overlap
+            self._eager_buf = torch.empty_like(pgrad)
+        torch.mul(pgrad, 1.0 / self.last_contributors, out=self._eager_buf)
+        return self.opt.preview(self._eager_buf, out=self._eager_buf)
 
     # ---- where the base loop's results land while a round is in flight -----------------------------------------
 
@@ -198,6 +222,6 @@ class OverlappedDiloco(DilocoOuter):
         if not self._in_flight():  # in flight: done at the boundary (_boundary)
             super()._after_discarded_round()
 
-    def _next_round_starts(self) -> None:
-        if not self._in_flight():
-            super()._next_round_starts()
+    def _next_round_starts(self, progress: Progress, plan: Any) -> None:
+        if not self._in_flight():  # in flight, the next round began at the boundary (_launch)
+            super()._next_round_starts(progress, plan)

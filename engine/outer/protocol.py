@@ -37,6 +37,12 @@ class Outer(Protocol):
 
     def after_inner_step(self, progress: Progress) -> bool: ...
 
+    def finished(self, progress: Progress, max_steps: int) -> bool:
+        """Whether training is over (steps: this node's max_steps; DiLoCo time rounds: the run's rounds)."""
+
+    def step_for_schedule(self, progress: Progress) -> int | None:
+        """The LR schedule's step where it is not the node's own step count (time rounds), else None."""
+
     def request_drain(self) -> None: ...
 
     def flush(self) -> None: ...
@@ -60,6 +66,12 @@ class NoOuter:
 
     def start(self, progress: Progress) -> None:
         pass
+
+    def finished(self, progress: Progress, max_steps: int) -> bool:
+        return progress.step >= max_steps
+
+    def step_for_schedule(self, progress: Progress) -> int | None:
+        return None
 
     def after_inner_step(self, progress: Progress) -> bool:
         if self._drain and self.telemetry is not None:

@@ -1,0 +1,81 @@
+"""Eager overlap (diloco.overlap_update = "eager", arXiv 2502.12996): while the mean of round t is in flight, the
+node's own fresh pseudo-gradient stands in for its share of it; the agreed snapshot stays identical everywhere."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.outer import Progress
+from engine.outer.buffers import fingerprint
+from engine.outer.optimizer import OuterOptimizer
+from procs import spawned_ranks
+from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
+
+
+@pytest.mark.parametrize("kind,momentum", [("nesterov", 0.9), ("nesterov", 0.0), ("sgd", 0.9), ("average", 0.0)])
+def test_preview_is_the_step_the_optimizer_would_take_and_changes_nothing(kind, momentum):
+    gen = torch.Generator().manual_seed(3)
+    for first in (True, False):
+        opt = OuterOptimizer(kind, 0.7, momentum)
+        if not first:
+            opt.momentum = torch.randn(50, generator=gen) if opt.keeps_momentum else None
+        kept = None if opt.momentum is None else opt.momentum.clone()
+        snapshot, g = torch.randn(50, generator=gen), torch.randn(50, generator=gen)
+        step = opt.preview(g, out=torch.empty(50))
+        assert (opt.momentum is None) == (kept is None) and (kept is None or torch.equal(opt.momentum, kept))
+        expected = snapshot.clone()
+        opt.step_(expected, g.clone())
+        torch.testing.assert_close(snapshot - step, expected, rtol=0, atol=1e-6)
+
+
+def _flat(inner) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
+
+
+def _eager_worker(rank: int, port: int, queue) -> None:
+    """Two nodes, H = 1, plain averaging: the working weights after each boundary are snapshot - d / 2."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+        node = "ab"[rank]
+        inner = TinyInner(0)
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
+        outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=1, min_nodes=2,
+                           outer_optimizer="average", overlap=True,
+                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "eager/"))
+        progress = Progress()
+        outer.start(progress)
+        s0 = outer.bufs.snapshot.clone()
+        out: dict = {"s0": s0}
+        for step in (1, 2):
+            before = _flat(inner)
+            inner.train_step(100 * rank + step)
+            d = before - _flat(inner)  # this round's own progress (the round trained from `before`)
+            progress.step = step
+            outer.after_inner_step(progress)  # lands the previous round (if any), launches this one
+            out[f"d{step}"], out[f"work{step}"] = d, _flat(inner)
+            out[f"snap{step}"] = outer.bufs.snapshot.clone()
+        outer.flush()
+        out["final_snapshot"] = fingerprint(outer.bufs.snapshot)
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_eager_working_weights_take_the_nodes_share_and_the_snapshot_stays_agreed():
+    got = spawned_ranks(_eager_worker, 2, timeout=60)
+    a, b = got[0], got[1]
+    for r in (a, b):
+        # boundary 1: nothing landed yet; the node's own progress stands in for its half of the mean
+        torch.testing.assert_close(r["snap1"], r["s0"], rtol=0, atol=0)
+        torch.testing.assert_close(r["work1"], r["s0"] - r["d1"] / 2, rtol=0, atol=1e-6)
+        # boundary 2: round 1's mean landed: the agreed weights are the synchronous ones, on both nodes
+        torch.testing.assert_close(r["snap2"], r["s0"] - (a["d1"] + b["d1"]) / 2, rtol=0, atol=1e-5)
+        torch.testing.assert_close(r["work2"], r["snap2"] - r["d2"] / 2, rtol=0, atol=1e-5)
+    assert torch.equal(a["snap2"], b["snap2"]) and a["final_snapshot"] == b["final_snapshot"]

@@ -1,0 +1,154 @@
+"""Rounds by steps or by time, and the mean weighted by each node's tokens (engine/outer/rounds.py)."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import traceback
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from engine.config import DilocoConfig
+from engine.outer import Progress
+from engine.outer.rounds import RoundClock
+from procs import spawned_ranks
+from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def timed(seconds: float = 10.0, h: int = 4, clock: Clock | None = None) -> RoundClock:
+    return RoundClock(DilocoConfig(enabled=True, inner_steps=h, round="time", round_seconds=seconds),
+                      clock=clock or Clock())
+
+
+def test_step_rounds_end_every_h_steps_and_weigh_their_tokens():
+    rounds = RoundClock(DilocoConfig(enabled=True, inner_steps=3))
+    p = Progress()
+    rounds.resume(p)
+    ends = []
+    for step in range(1, 10):
+        p.step, p.tokens = step, step * 64
+        if rounds.due(p):
+            ends.append((step, rounds.close(p)))
+            rounds.begin(p)
+    assert ends == [(3, 192), (6, 192), (9, 192)]
+    assert not rounds.finished(Progress(step=8), 9) and rounds.finished(Progress(step=9), 9)
+    assert rounds.step_for_schedule(p) is None  # the schedule follows the node's own steps
+
+
+def test_time_rounds_end_at_the_plans_deadline_whatever_the_speed():
+    clock = Clock()
+    fast, slow = timed(clock=clock), timed(clock=clock)
+    plan = SimpleNamespace(deadline=clock.t + 10.0)
+    pf, ps = Progress(), Progress()
+    for r, p in ((fast, pf), (slow, ps)):
+        r.resume(p)
+        r.begin(p, plan)
+    steps = {"fast": 0, "slow": 0}
+    while clock.t < 1020:
+        clock.t += 0.5
+        for name, r, p, every in (("fast", fast, pf, 1), ("slow", slow, ps, 2)):
+            if int(clock.t * 2) % every:
+                continue  # the slow node finishes a step every other tick
+            p.step += 1
+            p.tokens += 100
+            if r.due(p):
+                steps[name] = (p.step, r.close(p), clock.t)
+                r.begin(p)  # no plan: the next deadline is chained
+        if steps["fast"] and steps["slow"]:
+            break
+    (fs, ftok, ft), (ss, stok, st) = steps["fast"], steps["slow"]
+    assert ft == st == 1010.0  # both end their round at the deadline, on the same tick
+    assert ftok == 2 * stok == 2000  # ... having trained what their speed allowed: the fast one twice the tokens
+    assert fast.deadline == slow.deadline == 1020.0  # chained: one round later
+
+
+def test_a_late_begin_gets_a_fresh_round_not_a_deadline_already_gone():
+    clock = Clock()
+    r = timed(clock=clock)
+    r.begin(Progress())
+    clock.t += 35  # a long outer step (or a stall) past two deadlines
+    r.begin(Progress())
+    assert r.deadline == clock.t + 10
+
+
+def test_time_rounds_measure_the_run_in_rounds_and_the_schedule_by_the_round_clock():
+    clock = Clock()
+    r = timed(seconds=10, h=4, clock=clock)
+    r.begin(Progress(), SimpleNamespace(deadline=clock.t + 10))
+    clock.t += 5  # halfway through round 3 (outer_step 2 committed)
+    assert r.step_for_schedule(Progress(step=77, outer_step=2)) == 10  # 4 * (2 + 0.5), whatever its own steps
+    assert not r.finished(Progress(step=500, outer_step=4), max_steps=20)  # 20 / 4 = 5 rounds
+    assert r.finished(Progress(step=3, outer_step=5), max_steps=20)
+
+
+def test_a_checkpoint_keeps_the_rounds_tokens_and_an_old_one_is_guessed_from_its_steps():
+    r = RoundClock(DilocoConfig(enabled=True, inner_steps=5))
+    p = Progress(step=10, outer_step=2, tokens=1000)
+    r.resume(p)
+    r.begin(p)
+    p.step, p.tokens = 13, 1300
+    saved = r.state_dict()
+    again = RoundClock(DilocoConfig(enabled=True, inner_steps=5))
+    again.load_state_dict(saved)
+    again.resume(p)
+    assert again.close(p) == 300
+    old = RoundClock(DilocoConfig(enabled=True, inner_steps=5))  # a checkpoint without the key
+    old.resume(p)
+    assert old.close(p) == 300  # 3 steps since the last committed boundary, 100 tokens each
+    # saved at a boundary before it committed: that round's tokens are still known at the resume
+    p.step, p.tokens = 15, 1500
+    assert r.pending_at_resume(p) and r.close(p) == 500
+
+
+def test_time_rounds_need_their_length():
+    import pytest
+    with pytest.raises(ValueError, match="round_seconds"):
+        DilocoConfig(enabled=True, round="time")
+
+
+# ------------------------------------------------------------------------ the weighted mean, on two real ranks
+
+def _weighted_worker(rank: int, port: int, queue) -> None:
+    """Nodes a and b start from the same weights; a trains 3 steps of 100 tokens, b 1 step: with sgd lr 1 and no
+    momentum the outer step makes both (3 * a + 1 * b) / 4, the token-weighted mean of their models."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+        node = "ab"[rank]
+        inner = TinyInner(0)
+        plan = make_plan(1, 1, 0, ["a", "b"], source="a")
+        events: list[dict] = []
+        outer = make_outer(inner, FakeMesh([plan], [True]), node=node, events=events, inner_steps=1,
+                           outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0,
+                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "tok/"))
+        progress = Progress(step=0, outer_step=0, tokens=0)
+        outer.start(progress)
+        for i in range(3 if node == "a" else 1):
+            inner.train_step(10 * rank + i)
+        local = torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
+        progress.step, progress.tokens = 1, 300 if node == "a" else 100
+        outer.after_inner_step(progress)
+        after = torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
+        step = [e for e in events if e["type"] == "outer_step"][0]
+        queue.put((rank, pickle.dumps({"local": local, "after": after, "weights": step["weights"]})))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_the_mean_weighs_each_node_by_the_tokens_of_its_round():
+    got = spawned_ranks(_weighted_worker, 2, timeout=60)
+    expected = (3 * got[0]["local"] + 1 * got[1]["local"]) / 4
+    for rank in (0, 1):
+        assert got[rank]["weights"] == [300.0, 100.0]
+        torch.testing.assert_close(got[rank]["after"], expected, rtol=0, atol=1e-6)
+    assert torch.equal(got[0]["after"], got[1]["after"])  # identical on every member
