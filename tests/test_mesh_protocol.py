@@ -158,6 +158,8 @@ def test_formation_waits_for_min_nodes_and_fails_clearly_below_it():
 def test_plan_json_round_trip():
     plan = Plan(7, 3, 1, ("a", "b"), ("b",), "a", (), ("a",), epoch=2)
     assert Plan.from_json(plan.to_json()) == plan
+    timed = Plan(7, 3, 1, ("a", "b"), ("b",), "a", (), ("a",), epoch=2, deadline=1234.5)
+    assert Plan.from_json(timed.to_json()) == timed
     with pytest.raises(Excluded):
         plan.rank_of("z")
 
@@ -205,13 +207,13 @@ class Sim:
             self.sleep(CFG.heartbeat_interval)
 
     def node(self, name: str, *, digest: str = "d1", min_nodes: int = 1, key: str | None = None,
-             interrupt=None, store=None) -> Mesh:
+             interrupt=None, store=None, **rounds) -> Mesh:
         def emit(type_: str, **fields) -> None:
             self.events.append(make_event(type_, name, 0, **fields))  # validates the telemetry schema
         mesh = Mesh(self.store if store is None else store, name, CFG, digest=digest, info={"host": "h", "pid": 1},
                     min_nodes=min_nodes,
                     emit=emit, clock=self.clock, sleep=self.sleep, heartbeat_thread=False, interrupt=interrupt,
-                    reconnect=lambda: self.store)
+                    reconnect=lambda: self.store, wall=self.clock, **rounds)
         self.nodes[key or name] = mesh
         return mesh
 
@@ -362,6 +364,94 @@ def test_a_member_that_left_after_a_commit_and_was_pruned_is_not_awaited(store):
     assert nxt.members == ("a", "c") and sim.t - t0 < CFG.heartbeat_timeout, sim.t - t0
 
 
+# A death above is timed on the fake clock, with under a second between the bound and the timeout a planner that
+# ignored the dead would wait out instead. These take the clock out: the leader already sees the member dead, and
+# its very first poll must plan without it (or decide), as the rule says, with no time passing.
+
+def _dead_to_the_leader(sim: Sim, name: str) -> None:
+    sim.kill(name)
+    sim.advance(CFG.heartbeat_timeout + 2 * CFG.heartbeat_interval)
+    assert sim.nodes[sim.leader()].is_dead(name)
+
+
+def _first_poll(sim: Sim, k: int, a: int, names: str) -> dict[str, Plan | None]:
+    """Every named node arrives, then each polls once (leader first); the clock does not move."""
+    t0 = sim.t
+    for n in names:
+        sim.nodes[n].arrive(k, a)
+    plans = {n: sim.nodes[n].poll_plan(k, a) for n in sorted(names, key=lambda n: not sim.nodes[n].is_leader)}
+    assert sim.t == t0
+    return plans
+
+
+def test_a_member_seen_dead_is_planned_out_at_the_first_poll():
+    sim = Sim()
+    sim.start("a", "b", "c")
+    first = _run_committed(sim, 0, ["a", "b", "c"])
+    _dead_to_the_leader(sim, "c")
+    plans = _first_poll(sim, 1, 0, "ab")
+    assert plans["a"] is not None, "the planner waits for a member it sees dead"
+    assert plans["a"] == plans["b"] and plans["a"].members == ("a", "b") and plans["a"].contributors == ("a", "b")
+    assert plans["a"].generation == first.generation + 1
+
+
+def test_a_member_seen_dead_before_posting_aborts_the_attempt_at_the_first_poll_and_the_retry_drops_it():
+    sim = Sim()
+    sim.start("a", "b", "c", "d")
+    _run_committed(sim, 0, ["a", "b", "c", "d"])
+    plan = sim.boundary(1, 0, ["a", "b", "c", "d"])["a"]
+    sim.nodes["d"].post(plan, True)  # d's outcome is in: its death after that does not void the attempt
+    sim.kill("d")
+    _dead_to_the_leader(sim, "c")  # c dies inside the all-reduce, before posting
+    _post_all_ok(sim, plan, "ab")
+    assert sim.nodes["a"].poll_decision(plan) == ABORT, "a member dead without posting did not abort the attempt"
+    assert sim.nodes["b"].poll_decision(plan) == ABORT
+    retry = _first_poll(sim, 1, 1, "ab")
+    assert retry["a"] is not None and retry["a"].members == ("a", "b") and retry["b"] == retry["a"]
+    # the same deaths, every outcome posted first: the attempt counts
+    sim = Sim()
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    plan = sim.boundary(1, 0, ["a", "b", "c"])["a"]
+    _post_all_ok(sim, plan, "abc")
+    _dead_to_the_leader(sim, "c")
+    assert sim.nodes["a"].poll_decision(plan) == COMMIT
+
+
+def test_a_joiner_seen_dead_is_not_admitted():
+    sim = Sim()
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    assert sim.start("j") == [True]
+    sim.nodes["j"]._set_state("joining")  # what wait_admission() posts first; then it dies
+    _dead_to_the_leader(sim, "j")
+    plans = _first_poll(sim, 1, 0, "ab")
+    assert plans["a"] is not None and plans["a"].members == ("a", "b") and plans["a"].joiners == (), plans["a"]
+
+
+def test_a_member_pruned_from_the_registry_is_planned_out_at_the_first_poll():
+    """The pruned member is not in the registry any more, so no liveness is read for it: the last plan's
+    membership is what says it is gone (see test_a_member_that_left_after_a_commit_and_was_pruned_is_not_awaited)."""
+    sim = Sim()
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    sim.nodes["b"].leave("drained")
+    sim.kill("b")
+    sim.advance(1.0)
+    _, reg = Registry.read(sim.store, Keys())
+    assert "b" not in reg.ids
+    plans = _first_poll(sim, 1, 0, "ac")
+    assert plans["a"] is not None and plans["a"].members == ("a", "c"), "the planner waits for a pruned member"
+
+
+def test_a_formation_does_not_wait_for_a_starting_node_seen_dead():
+    sim = Sim()
+    sim.start("a", "b", "c", min_nodes=2)
+    _dead_to_the_leader(sim, "c")  # registered and starting, then gone before its first boundary
+    plans = _first_poll(sim, 0, 0, "ab")
+    assert plans["a"] is not None and plans["a"].members == ("a", "b") and plans["b"] == plans["a"]
+
+
 def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
     sim = Sim(store)
     sim.start("a", "b", "c")
@@ -388,6 +478,31 @@ def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
     assert sim.nodes["c"].state == "training"
     again = sim.boundary(3, 0, ["a", "b", "c"])["a"]
     assert again.joiners == () and again.generation == admitted.generation  # same group: no rebuild
+
+
+def test_time_rounds_plans_carry_the_deadline_and_a_straggler_holds_no_one_past_the_grace():
+    """diloco.round = "time": every plan sets the next round's deadline (its planner's clock + round_seconds); at
+    the next boundary a member that has not arrived by deadline + grace is planned out (it re-joins), long before
+    the store timeout that bounds a step round's wait."""
+    sim = Sim()
+    sim.start("a", "b", "c", round_seconds=10.0, grace=0.5)
+    first = _run_committed(sim, 0, ["a", "b", "c"])
+    assert first.deadline == pytest.approx(sim.t + 10.0, abs=1.0)
+    while sim.t < first.deadline:
+        sim.sleep(CFG.polling_interval)
+    for n in ("a", "b"):  # c's link crawls: it does not arrive
+        sim.nodes[n].arrive(1, 0)
+    plan = None
+    while plan is None:
+        plan = sim.nodes["a"].poll_plan(1, 0)
+        sim.sleep(CFG.polling_interval)
+    assert plan.members == ("a", "b") and plan.contributors == ("a", "b")
+    waited = sim.t - first.deadline
+    assert 0.5 <= waited < 0.5 + 0.5 < CFG.store_timeout, waited  # the grace, not the store timeout
+    assert plan.deadline == pytest.approx(sim.t + 10.0, abs=1.0)  # the next round's, for every member alike
+    sim.nodes["c"].arrive(1, 0)
+    with pytest.raises(Excluded, match="re-join"):
+        sim.nodes["c"].poll_plan(1, 0)
 
 
 def test_a_member_on_a_slow_link_steps_out_the_others_go_on_and_it_rejoins_when_healthy(store):

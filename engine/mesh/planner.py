@@ -14,6 +14,8 @@ that loop over it are Mesh's (node.py).
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Callable
 
 from engine.mesh.membership import Membership, Registry, text
@@ -36,7 +38,10 @@ class Planner:
     """One node's planner: it reads a boundary, writes its plan when asked to, and decides attempts."""
 
     def __init__(self, m: Membership, node_id: str, keys: Keys, *, min_nodes: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], round_seconds: float = 0.0,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.round_seconds = round_seconds  # time rounds: every plan sets the next round's deadline
+        self.wall = wall
         self.m = m
         self.node_id = node_id
         self.keys = keys
@@ -66,6 +71,8 @@ class Planner:
         plan = compute_plan(view)
         if plan is None:
             return
+        if self.round_seconds:
+            plan = replace(plan, deadline=round(self.wall() + self.round_seconds, 3))
         mine = plan.to_json()
         if text(self.m.store.compare_set(self.keys.latest(), raw, mine)) != mine:
             return  # another node planned first: the caller reads its plan

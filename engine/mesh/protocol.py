@@ -77,6 +77,8 @@ class Plan:
     leaving: draining members that contribute this time and leave after the commit.
     contributors: members whose pseudo-gradient counts (not joiners, arrived with contributing=True);
     the mean divides by len(contributors). epoch: the run's life (see Keys); generation names the group.
+    deadline: with time rounds (diloco.round = "time"), when the round after this outer step ends, in the
+    planner's wall-clock seconds: every member, and a joiner this plan admits, ends that round then.
     """
 
     generation: int
@@ -88,6 +90,7 @@ class Plan:
     leaving: tuple[str, ...] = ()
     contributors: tuple[str, ...] = ()
     epoch: int = 0
+    deadline: float | None = None
 
     @property
     def size(self) -> int:
@@ -103,7 +106,7 @@ class Plan:
         return json.dumps({"generation": self.generation, "outer_step": self.outer_step, "attempt": self.attempt,
                            "members": list(self.members), "joiners": list(self.joiners), "source": self.source,
                            "leaving": list(self.leaving), "contributors": list(self.contributors),
-                           "epoch": self.epoch}, separators=(",", ":"))
+                           "epoch": self.epoch, "deadline": self.deadline}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Plan":
@@ -111,7 +114,7 @@ class Plan:
         return cls(generation=d["generation"], outer_step=d["outer_step"], attempt=d["attempt"],
                    members=tuple(d["members"]), joiners=tuple(d["joiners"]), source=d["source"],
                    leaving=tuple(d["leaving"]), contributors=tuple(d.get("contributors", ())),
-                   epoch=d.get("epoch", 0))
+                   epoch=d.get("epoch", 0), deadline=d.get("deadline"))
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,12 @@ class MeshLinks:
         m = self.mesh_cfg
         self.store = open_store(m)
         if self.local.leader:
+            timed = self.cfg.round == "time"
             self.mesh = Mesh(self.store, self.node_id, m, digest=self.digest, info=self.info,
                              min_nodes=self.cfg.min_nodes, emit=self.emit, interrupt=self.interrupted,
-                             reconnect=lambda: open_store(m, probe_timeout=m.heartbeat_interval, like=self.store))
+                             reconnect=lambda: open_store(m, probe_timeout=m.heartbeat_interval, like=self.store),
+                             round_seconds=self.cfg.round_seconds if timed else 0.0,
+                             grace=self.cfg.grace if timed else 0.0)
 
     def close(self) -> None:
         self.forget()

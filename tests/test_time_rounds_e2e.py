@@ -1,0 +1,49 @@
+"""Rounds by time on real engines (diloco.round = "time"): a node half as fast trains fewer steps in each round,
+ends it at the same deadline, and weighs by the tokens it trained; the checksums stay identical."""
+
+from __future__ import annotations
+
+import sys
+
+import test_diloco_e2e as e2e
+
+# Test-side slowdown, no hook in the engine: every inner step of this node sleeps `s` seconds more
+SLOW = """import sys, time
+import engine.train as t
+_step = t.train_step
+def _slow(*a, **k):
+    time.sleep({s})
+    return _step(*a, **k)
+t.train_step = _slow
+sys.argv = ["engine.train"] + sys.argv[1:]
+t.cli()
+"""
+ROUND_S = 2.0
+TIMED = ["--diloco.round=time", f"--diloco.round_seconds={ROUND_S}", "--diloco.min_nodes=2",
+         "--train.max_steps=12"]  # H = 3: 4 rounds, whatever each node's speed
+
+
+def test_time_rounds_end_together_and_weigh_each_node_by_its_tokens(procs, port, tmp_path):
+    e2e.start_store(procs, port)
+    fast = e2e.start_node(procs, port, "a", tmp_path, *TIMED)
+    args = [e2e.CONFIG, *e2e.FAST, f"--mesh.store_port={port}", "--mesh.node_id=b", f"--run.dir={tmp_path / 'b'}",
+            *TIMED]
+    slow = e2e.Node(procs, "b", [sys.executable, "-c", SLOW.format(s=0.08), *args])
+    nodes = [fast, slow]
+    for n in nodes:
+        assert e2e.finish(n, 240, nodes) == 0, n.report()
+        assert n.of("run_end")[-1]["status"] == "completed"
+    e2e.assert_identical(nodes)
+    a, b = fast.outer(), slow.outer()
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]  # the run is measured in rounds, the same on both
+    for k in (2, 3, 4):  # the first round also holds the start-up, the formation's wait
+        ea, eb = a[k], b[k]
+        assert ea["contributors"] == ["a", "b"] and ea["weights"] == eb["weights"]
+        wa, wb = ea["weights"]
+        # each weight is the tokens that node trained in its round: 64 per step (2 x 32)
+        assert wa == 64 * (ea["step"] - a[k - 1]["step"]) and wb == 64 * (eb["step"] - b[k - 1]["step"])
+        assert wa > 1.5 * wb, (k, wa, wb)  # the fast node trained more in the same time, and counts for more
+    # the rounds end at the deadline the plan set: one round apart, on both nodes
+    gaps = [a[k]["ts"] - a[k - 1]["ts"] for k in (3, 4)]
+    assert all(0.6 * ROUND_S < g < 2.0 * ROUND_S for g in gaps), gaps
+    assert abs(a[4]["ts"] - b[4]["ts"]) < 1.0
