@@ -418,14 +418,17 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
 
 # ------------------------------------------------------------------------------------------ run: overlap
 
-def test_overlap_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path):
-    """diloco.overlap=true (each outer step runs in the background while the next round trains): a, b, c form the
-    run; c dies inside the all-reduce of outer step 3 (the survivors abort that attempt in flight and redo it
-    without c); d joins; then b drains (its last round is synchronous) and a finishes. Every outer step's
-    checksum agrees among the nodes that reported it."""
+@pytest.mark.parametrize("mode", ["overlap", "time-rounds"])
+def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode):
+    """diloco.overlap=true (each outer step runs in the background while the next round trains), and rounds by
+    time (diloco.round = "time": each round ends at the plan's deadline): a, b, c form the run; c dies inside the
+    all-reduce of outer step 3 (the survivors abort that attempt and redo it without c); d joins; then b drains
+    (its last round contributed) and a finishes. Every outer step's checksum agrees among the nodes that reported
+    it; with time rounds the run still lasts max_steps / H rounds."""
     port, run_dir = free_port(), tmp_path
     start_store(procs, port)
-    steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4", "--diloco.overlap=true"]
+    steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4"]
+    steps += ["--diloco.overlap=true"] if mode == "overlap" else ["--diloco.round=time", "--diloco.round_seconds=1"]
     go_c, go_d = run_dir / "go-c", run_dir / "go-d"
     c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=3)
     d = start_node(procs, port, "d", run_dir, *steps, go=go_d)
