@@ -111,6 +111,11 @@ class DilocoConfig(_Section):
     # 2502.12996): the node's own fresh pseudo-gradient stands in for its share of the mean (1/contributors,
     # through the outer optimizer); "delayed": the whole of its own progress (docs/learning.md, "Overlap")
     overlap_update: Literal["eager", "delayed"] = "eager"
+    # the poisoned-update sentinel (engine/outer/sentinel.py): before the mean, a contributor whose pseudo-gradient
+    # norm is over sentinel_ratio x the others' median, or whose direction has a cosine under sentinel_min_cosine
+    # with the others' mean, is left out of that outer step. 0 turns it off
+    sentinel_ratio: float = Field(default=10.0, ge=0)
+    sentinel_min_cosine: float = Field(default=-0.1, ge=-1, le=1)
     # "steps": a round is inner_steps steps on every node. "time": a round ends at a deadline the plan sets
     # (round_seconds after it was planned), whatever each node's speed: a fast host never waits for a slow one,
     # and each node's pseudo-gradient counts by the tokens it trained (docs/learning.md, "Mixed hardware"). Then
@@ -247,8 +252,11 @@ def grad_accum_steps(train: TrainConfig, local_world_size: int, source: str = "c
     """Micro-steps per optimizer step so that batch_size sequences are seen across this node's workers."""
     per_round = train.micro_batch_size * local_world_size
     if train.batch_size % per_round:
+        fits = train.batch_size // local_world_size if train.batch_size % local_world_size == 0 else None
         raise ConfigError(f"{source}: train.batch_size ({train.batch_size}) is not divisible by "
-                          f"train.micro_batch_size x workers ({train.micro_batch_size} x {local_world_size})")
+                          f"train.micro_batch_size x workers ({train.micro_batch_size} x {local_world_size}): make "
+                          f"train.batch_size a multiple of {per_round}"
+                          + (f" or train.micro_batch_size {fits}" if fits else ""))
     return train.batch_size // per_round
 
 

@@ -64,7 +64,7 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # the lines of an engine from before them (a console attached to an older run)
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
-                   "weights": (list,)},
+                   "weights": (list,), "left_out": (list,)},
 }
 
 NODE_STATES = ("starting", "joining", "training", "draining", "left")
@@ -158,24 +158,32 @@ def format_human(event: dict[str, Any]) -> str | None:
         return f"{who} start pid {event['pid']} on {event['host']} ({event['strategy']}, {event['max_steps']} steps)"
     if t == "run_end":
         return f"{who} end {event['status']} at step {event['step']}"
+    if t == "state" and "resumed_from" in event:  # the one line that says a run continues a checkpoint
+        step = event.get("resumed_step", event.get("step"))
+        return f"{who} state {event['state']}, resumed from {event['resumed_from']} at step {step}"
     if t in ("state", "drained"):
         return f"{who} {t} {event.get('state', '')}".rstrip()
     return None
 
 
 class Telemetry:
-    """Emits events to sinks: JSON lines on stdout (the contract) and a human line on stderr.
+    """Emits events to sinks: JSON lines on stdout (the contract), the lines for a person (human_out, human_sinks)
+    and any other sinks (metrics). Setting `human` to False silences the lines for a person only: after a bad input
+    the engine's one `error:` line says it all, and the closing events go to the JSON lines alone.
 
     Thread-safe: the heartbeat and resource threads emit alongside the training loop.
     """
 
     def __init__(self, node: str, rank: int, *, json_out: TextIO | None = None, human_out: TextIO | None = None,
-                 enabled: bool = True, extra_sinks: Iterable[Callable[[dict[str, Any]], None]] = ()):
+                 enabled: bool = True, extra_sinks: Iterable[Callable[[dict[str, Any]], None]] = (),
+                 human_sinks: Iterable[Callable[[dict[str, Any]], None]] = ()):
         self.node = node
         self.rank = rank
         self.enabled = enabled
+        self.human = True
         self._json_out = json_out if json_out is not None else sys.stdout
         self._human_out = human_out
+        self._human_sinks = list(human_sinks)
         self._sinks = list(extra_sinks)
         self._lock = threading.Lock()
 
@@ -187,11 +195,13 @@ class Telemetry:
         with self._lock:
             self._json_out.write(line + "\n")
             self._json_out.flush()
-            if self._human_out is not None:
+            if self._human_out is not None and self.human:
                 text = format_human(event)
                 if text is not None:
                     self._human_out.write(text + "\n")
                     self._human_out.flush()
+            for sink in self._human_sinks if self.human else ():
+                sink(event)
             for sink in self._sinks:
                 sink(event)
         return event

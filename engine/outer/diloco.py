@@ -36,7 +36,6 @@ the whole outer step; docs/telemetry.md).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -44,15 +43,17 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.errors import first_line
 from engine.mesh.protocol import Excluded, MeshError, Reformed
 from engine.outer import allreduce
 from engine.outer.buffers import OuterBuffers, fingerprint
-from engine.outer.groups import GROUP_ERRORS, MeshLinks, PeerLost
+from engine.outer.exchange import exchange
+from engine.outer.groups import MeshLinks
 from engine.outer.handoff import StateHandoff
 from engine.outer.local import LocalRanks
 from engine.outer.optimizer import OuterOptimizer
 from engine.outer.progress import Progress
+from engine.outer.sentinel import Sentinel
+from engine.outer.timing import Stopwatch
 from engine.outer.rounds import RoundClock
 
 
@@ -81,11 +82,10 @@ class DilocoOuter:
             info={"host": world.hostname, "pid": world.pid, "workers": world.world_size},
             mesh_factory=None if mesh_factory is None else lambda: mesh_factory(self), group_factory=group_factory)
         self.handoff = StateHandoff(self.bufs, self.opt, self.links, telemetry.emit)
+        self.sentinel = Sentinel(cfg.sentinel_ratio, cfg.sentinel_min_cosine, self.local, self._emit)
         self.rounds = RoundClock(cfg)  # when a round ends (steps or time) and its tokens (the node's weight)
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
-        self.last_phases: dict[str, float] = {}  # seconds per phase of the last outer step (bench/outer_step.py)
-        self._round_started: float | None = None  # when this round's inner steps began (compute_s)
-        self._boundary_at: float | None = None  # when the outer step began (outer_s)
+        self.watch = Stopwatch(self.bufs.device)  # the outer step's seconds, by phase
         self._drain = threading.Event()
         # polled by every mesh wait and collective (train.Signals.requested): "stopped" / "drained" end the wait
         self.interrupt: Callable[[], str | None] | None = None
@@ -103,6 +103,11 @@ class DilocoOuter:
     @property
     def mesh(self) -> Any:
         return self.links.mesh  # local rank 0 only
+
+    @property
+    def last_phases(self) -> dict[str, float]:
+        """Seconds per phase of the last outer step (bench/outer_step.py)."""
+        return self.watch.phases
 
     @property
     def snapshot(self) -> torch.Tensor:
@@ -149,7 +154,8 @@ class DilocoOuter:
         self._started = True
         if not self._restored:
             self.bufs.capture(self.inner.outer_params())
-        self._round_started = self._boundary_at = time.perf_counter()
+        self.watch.boundary()
+        self.watch.round_starts()
         self.rounds.resume(progress)
         if joiner:
             self._emit("state", state="joining")
@@ -161,10 +167,6 @@ class DilocoOuter:
             self._round(progress, plan=None, draining=False, tokens=self.rounds.close(progress))
         else:
             self.rounds.begin(progress, keep_tokens=True)
-
-    @property
-    def timed_rounds(self) -> bool:
-        return self.rounds.timed
 
     def finished(self, progress: Progress, max_steps: int) -> bool:
         """Step rounds: this node's max_steps. Time rounds: max_steps / inner_steps rounds, the same on every node."""
@@ -184,8 +186,7 @@ class DilocoOuter:
             due = self.local.any(due)
         if not due:
             return False
-        self._boundary_at = time.perf_counter()
-        self.last_phases = {}
+        self.watch.boundary()
         draining = self.local.any(self._drain.is_set())
         tokens = self.rounds.close(progress)
         if self._boundary(progress, draining, tokens):
@@ -207,18 +208,9 @@ class DilocoOuter:
         pass  # nothing in flight: the parameters hold every committed update
 
     def close(self, status: str) -> None:
-        """Say goodbye (peers drop this node at once instead of waiting a heartbeat timeout)."""
-        mesh = self.mesh
-        self.links.forget()
-        try:
-            if mesh is not None and self._started and not self._left:
-                # a rejected node (duplicate id, other digest) must not write a goodbye under a live node's
-                # id; run_end statuses -> mesh leave reasons; a stop is not a completion
-                mesh.leave({"completed": "completed", "drained": "drained"}.get(status, "failed"))
-        except MeshError as e:  # the store is gone: the peers see this node's silence instead of a goodbye
-            self._emit("warning", message=f"no goodbye to the mesh: {e}")
-        finally:
-            self.links.close()
+        """Say goodbye (peers drop this node at once instead of waiting a heartbeat timeout). A rejected node
+        (duplicate id, other digest) must not write a goodbye under a live node's id."""
+        self.links.close(status if self._started and not self._left else None)
         self._left = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -294,25 +286,15 @@ class DilocoOuter:
         # a contributor weighs the tokens of its round (rounds.py); a joiner and a diverged node weigh nothing
         counts = self.node_id in contributors and not joiner and not self._discard
         weight = float(max(1, tokens)) if counts else 0.0
-        # zeros go out of the mean buffer: pgrad stays intact for a retry that counts it
-        send = pgrad if weight else self.bufs.mean.zero_()
-        stats, reason = None, ""
         try:
-            group = self.links.group(plan)
-            # into bufs.mean; nothing of the node's state (params, momentum, snapshot) changes before the commit
-            _, stats = self.links.bounded(plan, "all-reduce", lambda: allreduce.weighted_mean(
-                send, weight, group, self.cfg.compression, out=self.bufs.mean, exchange=self.bufs.exchange))
+            out = exchange(plan, pgrad, weight, node_id=self.node_id, links=self.links, sentinel=self.sentinel,
+                           bufs=self.bufs, compression=self.cfg.compression)
         except allreduce.NothingToAverage:
             if self._discard:
                 self._every_member_diverged(plan)
             raise
-        except GROUP_ERRORS as e:
-            reason = first_line(e, 300)
-            self.links.failed(plan, e)  # a group whose collective failed is never reused
-            if isinstance(e, PeerLost):
-                # the abandoned collective's thread may still write into the mean and wire buffers
-                self.bufs.renew_scratch()
-        with self._phase("norm"):
+        stats, reason, left_out = out.stats, out.reason, out.left_out
+        with self.watch.phase("norm"):
             sq = float(torch.linalg.vector_norm(self.bufs.mean)) ** 2 if stats is not None else 0.0
         ok, nbytes, sq = self.local.stats(stats is not None, stats.bytes_sent if stats else 0, sq)
         if not self.local.on_leader("mesh commit", lambda: self.mesh.commit(plan, ok)):
@@ -324,11 +306,11 @@ class DilocoOuter:
             self.handoff.receive(plan, progress, self._adopt, into_mean=self._mean_is_free())
         else:
             self._apply()
-            if self._discard:
+            if self._discard or self.node_id in left_out:
                 self._after_discarded_round()
             progress.outer_step = plan.outer_step
             if plan.joiners or (self._rounds == 0 and plan.size > 1):
-                with self._phase("handoff"):
+                with self.watch.phase("handoff"):
                     self.handoff.send(plan, progress, self._agreed(), self._adopt, into_mean=self._mean_is_free())
         self._rounds += 1
         if stats is not None:
@@ -339,22 +321,12 @@ class DilocoOuter:
         self._emit("outer_step", outer_step=progress.outer_step, step=progress.step, generation=plan.generation,
                    members=list(plan.members), pgrad_norm=sq ** 0.5, bytes_sent=nbytes,
                    **self._timings(stats, checksum=self._checksum()),
-                   contributors=[m for m, _ in counted], weights=[w for _, w in counted])
+                   contributors=[m for m, _ in counted], weights=[w for _, w in counted],
+                   **({"left_out": left_out} if left_out else {}))
         self._next_round_starts(progress, plan)
         return True
 
     # ------------------------------------------------------------------ the math, where the parameters live
-
-    @contextlib.contextmanager
-    def _phase(self, name: str):
-        """Time a phase of the outer step into last_phases (on CUDA up to the end of its kernels)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.bufs.device.type == "cuda":
-                torch.cuda.synchronize(self.bufs.device)
-            self.last_phases[name] = self.last_phases.get(name, 0.0) + time.perf_counter() - t0
 
     def _not_finite(self, pgrad: torch.Tensor, index: int) -> bool:
         """A node whose round diverged (NaN or inf in its weights) must not poison the run's: its pseudo-gradient
@@ -383,28 +355,23 @@ class DilocoOuter:
         self.inner.reset_optimizer_state()
 
     def _pseudo_gradient(self) -> torch.Tensor:
-        with self._phase("pseudo_gradient"):
+        with self.watch.phase("pseudo_gradient"):
             return self.bufs.pseudo_gradient(self.inner.outer_params())
 
     def _timings(self, stats: allreduce.ReduceStats | None, *, checksum: str) -> dict[str, Any]:
-        """The outer_step event's seconds (docs/telemetry.md) and its checksum, computed first so outer_s
-        covers it. allreduce_s = wire_s + codec_s (kept for older readers)."""
+        """The outer_step event's seconds and its checksum, computed first so outer_s covers it."""
         wire, codec = (stats.wire_s, stats.codec_s) if stats else (0.0, 0.0)
-        self.last_phases.update(wire=wire, codec=codec)
-        now = time.perf_counter()
-        began = self._boundary_at if self._boundary_at is not None else now
-        return {"allreduce_s": wire + codec, "wire_s": wire, "codec_s": codec, "compute_s": max(0.0, self._compute_s(began)),
-                "outer_s": now - began, "checksum": checksum}
+        return {**self.watch.seconds(wire, codec, self._compute_s()), "checksum": checksum}
 
-    def _compute_s(self, boundary_at: float) -> float:
+    def _compute_s(self) -> float:
         """Seconds of inner steps in the round this outer step closes."""
-        return boundary_at - self._round_started if self._round_started is not None else 0.0
+        return self.watch.compute_s()
 
     def _apply(self) -> None:
         """The committed update, in place: snapshot and momentum from the mean, then the parameters."""
-        with self._phase("optimizer"):
+        with self.watch.phase("optimizer"):
             self.opt.step_(self.bufs.snapshot, self.bufs.mean)
-        with self._phase("write_back"):
+        with self.watch.phase("write_back"):
             self.bufs.write_back(self.inner.outer_params())
             self.inner.after_outer_update()
 
@@ -439,5 +406,5 @@ class DilocoOuter:
 
     def _next_round_starts(self, progress: Progress, plan: Any) -> None:
         """After a commit: the next round trains from now, until the deadline the plan set (time rounds)."""
-        self._round_started = time.perf_counter()
+        self.watch.round_starts()
         self.rounds.begin(progress, plan)

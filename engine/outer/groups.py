@@ -101,9 +101,17 @@ class MeshLinks:
                              round_seconds=self.cfg.round_seconds if timed else 0.0,
                              grace=self.cfg.grace if timed else 0.0)
 
-    def close(self) -> None:
+    def close(self, status: str | None) -> None:
+        """Drop the groups, say goodbye under the run_end status (None: none), close the mesh."""
         self.forget()
-        if self.mesh is not None:
+        if self.mesh is None:
+            return
+        try:
+            if status is not None:  # run_end statuses -> mesh leave reasons; a stop is not a completion
+                self.mesh.leave({"completed": "completed", "drained": "drained"}.get(status, "failed"))
+        except MeshError as e:  # the store is gone: the peers see this node's silence instead of a goodbye
+            self.emit("warning", message=f"no goodbye to the mesh: {e}")
+        finally:
             self.mesh.close()
             self.mesh = None
 

@@ -64,11 +64,15 @@ class LocalRanks:
 
     def any(self, flag: bool) -> bool:
         """True on every local rank when it is true on one."""
-        if self.group is None:
-            return flag
-        t = torch.tensor([int(flag)])
+        return self.any_of([flag])[0]
+
+    def any_of(self, flags: list[bool]) -> list[bool]:
+        """Each flag true on every local rank when it is true on one (one collective)."""
+        if self.group is None or not flags:
+            return list(flags)
+        t = torch.tensor([int(f) for f in flags])
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     def every(self, errors: list[str | None] | str | None) -> list[str]:
         """Every local rank's error text (None: no error), gathered on every rank."""

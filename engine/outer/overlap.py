@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import time
 from typing import Any
 
 import torch
@@ -59,7 +58,7 @@ class OverlappedDiloco(DilocoOuter):
     # ---- the Outer protocol -----------------------------------------------------------------------------------
 
     def _boundary(self, progress: Progress, draining: bool, tokens: int) -> bool:
-        with self._phase("pseudo_gradient"):
+        with self.watch.phase("pseudo_gradient"):
             self._rebase(self._settle(), eager=self._eager)
             if not bool(torch.isfinite(self.bufs.pgrad).all()):
                 # the round just ended diverged: its progress would carry NaN into the next one. Restart from the
@@ -108,7 +107,7 @@ class OverlappedDiloco(DilocoOuter):
     def _launch(self, progress: Progress, tokens: int) -> None:
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
-        self._flight_compute = (self._boundary_at or 0.0) - (self._round_started or 0.0)
+        self._flight_compute = self.watch.compute_s()
         self._flight_error = None
         stream = self._side_stream()
 
@@ -124,7 +123,7 @@ class OverlappedDiloco(DilocoOuter):
 
         self._flight = threading.Thread(target=body, name="diloco-overlap", daemon=True)
         self._flight.start()
-        self._round_started = time.perf_counter()
+        self.watch.round_starts()
         self.rounds.begin(progress)  # the next round starts now, before its plan exists: the deadline is chained
 
     def _side_stream(self) -> Any:
@@ -201,14 +200,14 @@ class OverlappedDiloco(DilocoOuter):
     def _mean_is_free(self) -> bool:
         return not self._in_flight()  # in flight, bufs.mean holds the result
 
-    def _compute_s(self, boundary_at: float) -> float:
-        return self._flight_compute if self._in_flight() else super()._compute_s(boundary_at)
+    def _compute_s(self) -> float:
+        return self._flight_compute if self._in_flight() else super()._compute_s()
 
     def _apply(self) -> None:
         """In flight, the new weights wait in bufs.mean: the boundary after it puts them in place."""
         if not self._in_flight():
             return super()._apply()
-        with self._phase("optimizer"):
+        with self.watch.phase("optimizer"):
             self.opt.step_(self.bufs.snapshot, self.bufs.mean, out=self.bufs.mean)
 
     def _land(self, params: torch.Tensor) -> None:
