@@ -14,7 +14,8 @@ leaves `latest` naming the previous complete checkpoint; a stale `.tmp` folder i
 
 Nothing is overwritten and nothing is deleted: a fresh run (no ckpt.resume) that finds an older run's checkpoints
 in ckpt.dir moves that folder to `<its parent>/_archive/<time>/` first (as the console archives a node's folder),
-a save refuses an existing step folder, and export refuses a non-empty export_dir.
+a save refuses an existing step folder, and export refuses a non-empty export_dir. The move comes last in start-up
+(plan_start() checks, engine.train moves once everything else is built): a bad input leaves the folder as it was.
 """
 
 from __future__ import annotations
@@ -87,12 +88,19 @@ def _reason(e: BaseException) -> str:
 
 
 class Checkpointer:
+    """`device` and `group` may be given later (before load/save): plan_start() needs neither, so that a bad folder
+    is refused before the process group exists."""
+
     def __init__(self, cfg: CkptConfig, run_dir: str, world: World, config_digest: str, strategy: str,
-                 device: torch.device, group: dist.ProcessGroup | None = None):
+                 device: torch.device | None = None, group: dist.ProcessGroup | None = None,
+                 max_steps: int | None = None):
         self.cfg, self.world, self.digest, self.strategy = cfg, world, config_digest, strategy
         self.device, self.group = device, group
+        self.max_steps = max_steps  # train.max_steps, kept in meta.json: a resume can tell the schedule changed
         self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.last_saved_step: int | None = None
+        self.older_run = False  # plan_start found an older run's checkpoints where a fresh run starts
+        self.resume_meta: dict[str, Any] | None = None  # meta.json of the checkpoint plan_start chose
         self.archived: Path | None = None  # where check_start moved an older run's checkpoints (for a warning)
 
     # ------------------------------------------------------------------------------------------ checks
@@ -102,7 +110,15 @@ class Checkpointer:
         return sorted(int(p.name[5:]) for p in self.dir.glob("step-*") if p.is_dir() and p.name[5:].isdigit())
 
     def check_start(self) -> Path | None:
-        """Before any work: the checkpoint to resume from (or None), refusing to mix two runs in one folder."""
+        """Before any work: the checkpoint to resume from (or None), refusing to mix two runs in one folder; a fresh
+        run moves an older run's checkpoints aside. plan_start(), then move_older_run_aside()."""
+        path = self.plan_start()
+        self.move_older_run_aside()
+        return path
+
+    def plan_start(self) -> Path | None:
+        """The checks of check_start, changing nothing on disk: the checkpoint to resume from, or None for a fresh
+        start (then older_run says whether move_older_run_aside() has something to move)."""
         if self.cfg.export_dir:
             export = Path(self.cfg.export_dir)
             if export.exists() and (not export.is_dir() or any(export.iterdir())):
@@ -112,11 +128,11 @@ class Checkpointer:
         if resume == "auto":  # continue this folder's run if it has one, else start fresh (console launches)
             resume = "latest" if (self.dir / POINTER).is_file() else None
         if not resume:
-            if on_disk or (self.dir / POINTER).exists():
-                self.archived = self._move_aside()
+            self.older_run = bool(on_disk) or (self.dir / POINTER).exists()
             return None
         path = self.resolve(resume)
-        step = self.read_meta(path)["step"]
+        self.resume_meta = self.read_meta(path)
+        step = self.resume_meta["step"]
         if path.parent.resolve() != self.dir.resolve() and (on_disk or (self.dir / POINTER).exists()):
             raise ValueError(f"ckpt.dir: {self.dir} already holds checkpoints of another run (resuming from "
                              f"{path}); choose another ckpt.dir")
@@ -125,6 +141,12 @@ class Checkpointer:
             raise ValueError(f"ckpt.resume: {path} is older than {self.dir / _step_name(later[-1])}; resuming "
                              f"there would overwrite newer checkpoints (use another ckpt.dir)")
         return path
+
+    def move_older_run_aside(self) -> None:
+        """A fresh start where plan_start found an older run: its checkpoints go to _archive/ (collective)."""
+        if self.older_run:
+            self.archived = self._move_aside()
+            self.older_run = False
 
     def _move_aside(self) -> Path:
         """A fresh run where an older one left checkpoints: move them to <parent>/_archive/<time>/<name> (rank 0,
@@ -173,6 +195,7 @@ class Checkpointer:
     # ------------------------------------------------------------------------------------------ save / load
     def save(self, step: int, inner, data, progress, outer) -> tuple[Path, float]:
         """Collective: every rank of the node calls it. Returns (folder, seconds)."""
+        assert self.device is not None, "Checkpointer: the device is given before the first save"
         t0 = time.monotonic()
         final, tmp = self.dir / _step_name(step), self.dir / f".{_step_name(step)}.tmp"
         if final.exists():
@@ -196,7 +219,7 @@ class Checkpointer:
             # fingerprint; each rank-N.pt holds the same, and resume checks the fingerprint against the data
             meta = {"step": step, "world_size": self.world.world_size, "strategy": self.strategy,
                     "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict(),
-                    "data": data.train.state_dict()}
+                    "data": data.train.state_dict(), "max_steps": self.max_steps}
             _write_atomic(tmp / META, json.dumps(meta, indent=1))
             os.rename(tmp, final)
             _fsync_dir(self.dir)
@@ -212,6 +235,7 @@ class Checkpointer:
 
     def load(self, path: Path, inner, data, progress, outer) -> int:
         """Restore everything saved by save(); returns the step. Errors are ValueErrors naming the folder."""
+        assert self.device is not None, "Checkpointer: the device is given before a load"
         self.read_meta(path)
         rank_file = path / f"rank-{self.world.rank}.pt"
         try:

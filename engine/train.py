@@ -4,9 +4,10 @@
     torchrun --nproc_per_node=2 -m engine.train configs/debug.toml --optim.lr=1e-3 --data.path=corpus/
     python -m engine.train configs/150m.toml --ckpt.resume=latest              # continue a run
 
-The story: read the world and the config; build data, model, inner (DDP/FSDP2/ZeRO), outer (none or DiLoCo) and
-the checkpointer; restore a checkpoint if asked; run inner steps until max_steps, a stop signal, or a drain;
-save, export, and shut down cleanly.
+The story: read the world and the config; check what needs no process group (the batch arithmetic of this node's
+workers, the folders to write, the data, the checkpoint to resume), so that a bad input is one line and changes
+nothing; build model, inner (DDP/FSDP2/ZeRO), outer (none or DiLoCo) and the checkpointer; restore a checkpoint
+if asked; run inner steps until max_steps, a stop signal, or a drain; save, export, and shut down cleanly.
 
 Telemetry: JSON events on stdout (local rank 0, or every rank with telemetry.all_ranks), a human line per event
 on stderr, and TensorBoard / offline W&B scalars when telemetry.tensorboard_dir / telemetry.wandb ask for them
@@ -17,21 +18,25 @@ outer loop's waits (the mesh, the collectives) the outer loop polls Signals.requ
 within a poll (checkpoint, run_end "stopped", exit 0); a drain ends it only where the node has nothing to
 contribute (a join), and otherwise lets the round commit and leaves right after it (run_end "drained").
 
-Exit codes: 0 completed, drained or stopped; 2 bad input (`error: ...` on stderr plus an "error" event);
-1 crash or mesh failure ("error" event, run_end "failed"; a traceback on stderr for a crash, one line for a
-mesh failure). A failure after training started saves a checkpoint first: no trained step is lost.
+Exit codes: 0 completed, drained or stopped; 2 bad input (one `error: ...` line on stderr for the node, and no
+closing lines after it; a bad config or command line is that line alone; plus an "error" event); 1 crash or mesh
+failure ("error" event, run_end "failed"; a traceback on stderr for a crash, one line for a mesh failure). A
+failure after training started saves a checkpoint first: no trained step is lost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +48,8 @@ from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.mesh.protocol import MeshError, Stopped
 from engine.model import build_model, count_params, model_config
 from engine.outer import Diverged, Outer, Progress, build_outer
-from engine.inner import build_inner, setup_distributed
+from engine.inner.ddp_fsdp import build_inner, setup_distributed
+from engine.inner.optim import lr_factor
 from engine.resources import ResourceMonitor
 from engine.telemetry import Telemetry, format_human
 from engine.world import World, read_world
@@ -130,41 +136,81 @@ def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
     # ZERO_BAND_LOG_LEVEL: DEBUG and INFO print every progress line, WARNING only warnings, ERROR none (main()
     # prints the one `error:` line whatever the level); the JSON events on stdout are never filtered
     line = {"WARNING": warning_line, "ERROR": None}.get(world.log_level, human_line)
-    sinks: list = [line] if human and line else []
+    human_sinks: list = [line] if human and line else []
+    sinks: list = []
     notes: list[str] = []
     if cfg is not None and speaks and (cfg.telemetry.tensorboard_dir or cfg.telemetry.wandb):
         from engine.metrics import metric_sinks  # imports torch's tensorboard writer only when asked for
         sinks += metric_sinks(cfg.telemetry, run_dir=cfg.run.dir, run_name=cfg.run.name, node=node,
                               rank=world.rank, all_ranks=cfg.telemetry.all_ranks, warn=notes.append)
-    telemetry = Telemetry(node, world.rank, enabled=speaks, extra_sinks=sinks)
+    telemetry = Telemetry(node, world.rank, enabled=speaks, extra_sinks=sinks, human_sinks=human_sinks)
     for note in notes:
         telemetry.emit("warning", message=note)
     return telemetry
 
 
-def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
+@dataclass
+class Inputs:
+    """What read_inputs() read and checked: the same on every rank of the node, and nothing written yet."""
+    data: Data
+    hf_config: Any
+    ckpt: Checkpointer
+    resume_from: Path | None
+
+
+class SameOnEveryRank(ValueError):
+    """Bad input found by checks that every rank of the node runs alike, on the same inputs: local rank 0 alone
+    reports it (main). Not so for the device and rendezvous of setup_distributed or a rank's own checkpoint file."""
+
+
+@contextlib.contextmanager
+def same_on_every_rank():
+    try:
+        yield
+    except SameOnEveryRank:
+        raise
+    except ValueError as e:
+        raise SameOnEveryRank(str(e)) from None
+
+
+def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
+    """The data, the model's shape and the checkpoint to resume, read and checked before this rank does anything of
+    its own (no process group, no device, nothing written)."""
     telemetry.emit("state", state="starting")
-    device, group = setup_distributed(cfg.inner, world)
-    data = build_data(cfg.data, world, cfg.train.seed)
+    with same_on_every_rank():
+        data = build_data(cfg.data, world, cfg.train.seed)
+        hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
+        ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy,
+                            max_steps=cfg.train.max_steps)
+        resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
     for note in data.notes:
         telemetry.emit("warning", message=note)
-    hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
-    ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy, device, group)
-    resume_from = ckpt.check_start()  # before the expensive part: refuse bad folders early
+    return Inputs(data, hf_config, ckpt, resume_from)
+
+
+def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Session:
+    data, ckpt = inputs.data, inputs.ckpt
+    device, group = setup_distributed(cfg.inner, world)
+    ckpt.device, ckpt.group = device, group
+    with same_on_every_rank():  # the strategies' rules (offload, precision, overlap) on the same config and device
+        model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
+        params = count_params(model)  # before sharding: ZeRO-3 empties the partitioned tensors
+        inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
+        outer = build_outer(cfg, world, inner, telemetry, local_group=group)
+    ckpt.move_older_run_aside()  # only now that every input was accepted: a bad one leaves the folder as it was
     if ckpt.archived is not None:
         telemetry.emit("warning", message=f"ckpt.dir: an older run's checkpoints moved to {ckpt.archived}")
-    model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
-    params = count_params(model)  # before sharding: ZeRO-3 empties the partitioned tensors
-    inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
-    outer = build_outer(cfg, world, inner, telemetry, local_group=group)
     signals = Signals(cfg.mesh.drain_file)
     outer.interrupt = signals.requested  # the outer loop's waits end on a stop or drain
-    session = Session(cfg, world, telemetry, device, group, data, hf_config, inner, outer, ckpt, signals,
+    session = Session(cfg, world, telemetry, device, group, data, inputs.hf_config, inner, outer, ckpt, signals,
                       resources=None, accum=grad_accum_steps(cfg.train, world.world_size))
     session.facts = {"params": params, "device": str(device), "grad_accum": session.accum}
-    if resume_from is not None:
-        ckpt.load(resume_from, inner, data, session.progress, outer)
-        session.facts["resumed_from"] = str(resume_from)
+    if inputs.resume_from is not None:
+        ckpt.load(inputs.resume_from, inner, data, session.progress, outer)
+        session.facts.update(resumed_from=str(inputs.resume_from), resumed_step=session.progress.step)
+        note = schedule_note(cfg, ckpt.resume_meta or {})
+        if note:
+            telemetry.emit("warning", message=note)
     if telemetry.enabled:  # started last: nothing after it can fail and leave the thread running
         # local rank 0 samples every GPU of the node; with telemetry.all_ranks each rank samples its own
         gpus = [] if device.type != "cuda" else [device.index] if cfg.telemetry.all_ranks \
@@ -174,6 +220,18 @@ def build(cfg: Config, world: World, telemetry: Telemetry) -> Session:
         if session.resources.fallback_reason:
             telemetry.emit("warning", message=session.resources.fallback_reason)
     return session
+
+
+def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
+    """A resume under another train.max_steps than the checkpoint's run moves the LR schedule under the steps to
+    come (a raised max_steps takes a cosine back up): say so, once."""
+    before, step = meta.get("max_steps"), int(meta.get("step", 0))
+    if before is None or before == cfg.train.max_steps or cfg.optim.schedule == "constant":
+        return None
+    was, now = (cfg.optim.lr * lr_factor(step, cfg.optim, n) for n in (before, cfg.train.max_steps))
+    how = "stretched" if cfg.train.max_steps > before else "shortened"
+    return (f"train.max_steps is {cfg.train.max_steps}, the checkpoint's run had {before}: the {cfg.optim.schedule} "
+            f"LR schedule is {how} to {cfg.train.max_steps} steps (lr at step {step}: {now:.2e}, was {was:.2e})")
 
 
 def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,10 +393,65 @@ def save_before_failing(s: Session | None) -> None:
         s.telemetry.emit("error", message=f"checkpoint before exit failed: {type(e).__name__}: {e}")
 
 
+USAGE = "usage: python -m engine.train CONFIG.toml [--section.key=value ...]"
+# a rank other than 0 whose error every rank shares waits this long at most for torchrun to end it (leave_quietly)
+REPORT_GRACE_S = 30.0
+
+
+def usage() -> str:
+    """--help: the usage line, this module's examples, and where the keys are."""
+    examples = __doc__.split("\n\n")[1]
+    return (f"{USAGE}\n\n{examples}\n\nsections: {', '.join(Config.model_fields)} (engine/config.py lists every key, "
+            f"configs/*.toml set them)\nexit codes: 0 completed, drained or stopped; 2 bad input; 1 crash or mesh "
+            f"failure")
+
+
 def split_args(argv: list[str]) -> tuple[str, list[str]]:
     if not argv or argv[0].startswith("--"):
-        raise ValueError("usage: python -m engine.train CONFIG.toml [--section.key=value ...]")
+        raise ValueError(USAGE)
     return argv[0], argv[1:]
+
+
+def preflight(cfg: Config, world: World, source: str) -> None:
+    """What the config alone cannot check, before anything is read or written: the batch arithmetic of this node's
+    worker count, and the folders the run will write into (a /proc path trained, then failed at the first
+    checkpoint with four tracebacks)."""
+    grad_accum_steps(cfg.train, world.world_size, source=source)
+    check_writable(Path(cfg.run.dir), "run.dir")
+    if cfg.ckpt.dir:
+        check_writable(Path(cfg.ckpt.dir), "ckpt.dir")
+    if cfg.ckpt.export_dir:
+        check_writable(Path(cfg.ckpt.export_dir).parent, "ckpt.export_dir")
+
+
+def check_writable(folder: Path, key: str) -> None:
+    """`folder` takes new files, or can be created. Probed by writing (and removing what was written), since
+    os.access() passes root everywhere, /proc included."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:  # the nearest part of the path that exists
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{key}: {folder}: {existing} is a file, not a folder")
+    try:
+        if existing == folder:
+            tempfile.TemporaryFile(dir=folder).close()
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as e:
+        doing = "cannot write into it" if existing == folder else f"cannot create a folder in {existing}"
+        raise ValueError(f"{key}: {folder}: {doing} ({e.strerror or e})") from None
+
+
+def leave_quietly() -> None:
+    """A rank other than 0 with the error every rank of the node found: local rank 0 reports it, once. This rank
+    must not exit first, though: torchrun stops the other workers as soon as one exits, and rank 0, stopped before
+    it printed, would leave the run without its error line. torchrun's SIGTERM (or REPORT_GRACE_S) ends the wait."""
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # taken by sigtimedwait below, not by the default handler
+    try:
+        signal.sigtimedwait(stops, REPORT_GRACE_S)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     argv defaults to the process's command line; the process itself ends through cli()'s exit path."""
     if argv is None:
         argv = sys.argv[1:]
+    if "-h" in argv or "--help" in argv:
+        print(usage())
+        return 0
     try:
         world = read_world()
     except ValueError as e:  # a bad RANK or WORLD_SIZE: one line, as for any bad input (no traceback)
@@ -355,13 +471,16 @@ def main(argv: list[str] | None = None) -> int:
     session: Session | None = None
     status, code = "failed", 1
     try:
-        config_path, overrides = split_args(argv)
-        cfg = load_config(config_path, overrides, environ=world.env)
+        with same_on_every_rank():
+            config_path, overrides = split_args(argv)
+            cfg = load_config(config_path, overrides, environ=world.env)
+            preflight(cfg, world, config_path)
         telemetry = make_telemetry(cfg, world)
         telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
                        config_digest=digest(cfg), strategy=cfg.inner.strategy, max_steps=cfg.train.max_steps,
                        run=cfg.run.name, diloco=cfg.diloco.enabled, dataset=dataset_name(cfg.data))
-        session = build(cfg, world, telemetry)
+        inputs = read_inputs(cfg, world, telemetry)
+        session = build(cfg, world, telemetry, inputs)
         status = run(session)
         code = 0
     except Diverged as e:  # NaN or inf without DiLoCo: one line, and nothing saved over the last good checkpoint
@@ -369,7 +488,10 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.emit("error", message=str(e))
     except ValueError as e:  # bad input: config, files, data, checkpoint
         code = 2
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if isinstance(e, SameOnEveryRank) and world.rank > 0:  # one line for the node, from local rank 0
+            leave_quietly()
+        else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
     except MeshError as e:  # the mesh said no: bad input before training (store, id, digest), a failure after
         code = 1 if session is not None and session.training else 2
@@ -381,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.emit("error", message=f"{type(e).__name__}: {e}")
         save_before_failing(session)
     finally:
+        telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
         shutdown(session, telemetry, status, clean=code == 0)
     return code
 

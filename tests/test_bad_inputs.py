@@ -42,6 +42,48 @@ def old_run(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+# ---------------------------------------------------------------------------------------------- item 2
+
+def test_torchrun_batch_arithmetic_is_one_line_naming_file_and_keys_and_moves_nothing(procs, tmp_path):
+    """Defect: with 2 workers, debug.toml's batch 8 = micro-batch 8 x 2 does not divide; the old checkpoints were
+    moved to _archive/ before that was checked, and the error printed once per rank."""
+    run_dir = tmp_path / "run"
+    ckpts = old_run(run_dir)
+    done = procs.run([*TORCHRUN, f"--run.dir={run_dir}"], timeout=120)
+    assert done.returncode != 0
+    lines = error_lines(done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: configs/debug.toml: train.batch_size (8) is not divisible by "
+                               "train.micro_batch_size x workers (8 x 2)"), lines
+    assert (ckpts / "latest").is_file() and (ckpts / "step-00000004").is_dir()
+    assert not (run_dir / "_archive").exists()
+    assert "state left" not in done.stderr and "end failed" not in done.stderr
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--data.path=/nonexistent/corpus"], "error: data.path: /nonexistent/corpus does not exist"),
+    (["--inner.device=cpu", "--inner.strategy=fsdp", "--inner.cpu_offload=true"], "error: inner.cpu_offload: needs"),
+])
+def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, extra, fragment):
+    """The data (read before the process group) and the strategies' rules (after it) are the same on every rank:
+    local rank 0 reports them, the other ranks leave quietly with the same code."""
+    done = procs.run([*TORCHRUN, *SMALL, f"--run.dir={tmp_path / 'run'}", *extra], timeout=120)
+    assert done.returncode != 0
+    lines = error_lines(done.stderr)
+    assert len(lines) == 1 and lines[0].startswith(fragment), done.stderr
+    assert done.stderr.count("exitcode  : 2") == 2, done.stderr  # torchrun's report: both ranks exited 2
+
+
+def test_bad_input_found_while_building_moves_no_checkpoints(capsys, monkeypatch, tmp_path):
+    """Whatever build() refuses (here FSDP2's CPU offload on a CPU, refused by the inner strategy after the model is
+    built) comes before an older run's checkpoints are moved aside."""
+    ckpts = old_run(tmp_path / "run")
+    code, _, err = run_main(capsys, monkeypatch, "configs/debug.toml", *SMALL, f"--run.dir={tmp_path / 'run'}",
+                            "--inner.device=cpu", "--inner.strategy=fsdp", "--inner.cpu_offload=true")
+    assert code == 2 and len(error_lines(err)) == 1 and "inner.cpu_offload: needs" in err, err
+    assert (ckpts / "latest").is_file() and not (tmp_path / "run" / "_archive").exists()
+
+
 # ---------------------------------------------------------------------------------------------- item 3
 
 @pytest.mark.parametrize("variable, value, key", [
@@ -94,6 +136,22 @@ def test_prepare_where_every_document_is_held_out_says_so(tmp_path, capsys):
     assert code == 2 and error_lines(err) == [f"error: prepare: {source} holds no text to train on (all 1 document(s) "
                                               f"went to the held-out split: lower --eval-percent)"], err
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------- item 7
+
+@pytest.mark.parametrize("where, why", [("/proc/zb-run", "cannot create"), ("file", "is a file")])
+def test_an_unwritable_run_folder_is_one_line_before_training(capsys, monkeypatch, tmp_path, where, why):
+    """Defect: `--run.dir=/proc/zb-run` trained, then failed with four tracebacks at the first write."""
+    if where == "file":
+        where = str(tmp_path / "file")
+        Path(where).write_text("")
+    code, out, err = run_main(capsys, monkeypatch, "configs/debug.toml", *SMALL, f"--run.dir={where}/run",
+                              "--train.max_steps=2")
+    lines = error_lines(err)
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: run.dir: {where}/run") and why in lines[0], err
+    assert "Traceback" not in err and '"type":"step"' not in out
 
 
 # ---------------------------------------------------------------------------------------------- item 8
@@ -159,7 +217,29 @@ def test_store_on_an_unknown_host_name_says_so(capsys):
     assert "another --port" not in err
 
 
+# ---------------------------------------------------------------------------------------------- item 9
+
+def test_a_config_error_prints_its_one_line_and_nothing_else(procs):
+    """Defect: every config error also printed `state left` and `end failed at step 0`. The JSON events on stdout
+    (the console's contract) still say error and run_end."""
+    done = procs.run([*ENGINE, "--optim.lrr=1"], timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: command line: optim.lrr: unknown key (did you mean optim.lr?)"]
+    assert [line.split('"type":"')[1].split('"')[0] for line in done.stdout.splitlines()] == \
+        ["error", "state", "run_end"]
+
+
 # ---------------------------------------------------------------------------------------------- item 18
+
+def test_help_prints_usage_and_exits_0(procs):
+    """Defect: `--help` printed `error: usage...` and exited 2."""
+    for args in (["--help"], ["-h"], ["configs/debug.toml", "--help"]):
+        done = procs.run([PYTHON, "-m", "engine.train", *args], timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("usage: python -m engine.train CONFIG.toml [--section.key=value ...]")
+        assert "sections: run, model, data, train, optim, inner, diloco, mesh, ckpt, telemetry" in done.stdout
+        assert done.stderr == ""
+
 
 @pytest.mark.parametrize("override, suggestion", [
     ("--optim.lrr=1", "did you mean optim.lr?"),
@@ -183,3 +263,27 @@ def test_an_unknown_key_in_the_file_names_the_file_and_suggests(tmp_path):
 def test_an_unknown_variable_gets_a_suggestion():
     with pytest.raises(ConfigError, match=r"unknown variable GLOBAL_ADRR \(did you mean GLOBAL_ADDR\?"):
         load_config(ROOT / "configs" / "debug.toml", [], environ={"GLOBAL_ADRR": "10.0.0.1"})
+
+
+def test_a_resumed_run_says_so_once_and_says_when_max_steps_stretches_the_schedule(procs, tmp_path):
+    """Defect: a resumed run never said it resumed, and a raised train.max_steps stretched the cosine schedule back
+    up without a word."""
+    run_dir = tmp_path / "run"
+    first = procs.run([*ENGINE, *SMALL, f"--run.dir={run_dir}", "--train.max_steps=4"], timeout=150)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "resumed from" not in first.stderr
+    again = procs.run([*ENGINE, *SMALL, f"--run.dir={run_dir}", "--train.max_steps=4", "--ckpt.resume=latest"],
+                      timeout=150)
+    assert again.returncode == 0, again.stderr[-2000:]
+    checkpoint = run_dir / "checkpoints" / "step-00000004"
+    resumed = [line for line in again.stderr.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and f"resumed from {checkpoint} at step 4" in resumed[0], again.stderr
+    assert "max_steps" not in again.stderr
+    longer = procs.run([*ENGINE, *SMALL, f"--run.dir={run_dir}", "--train.max_steps=8", "--ckpt.resume=latest"],
+                       timeout=150)
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    stretched = [line for line in longer.stderr.splitlines() if "max_steps" in line]
+    assert len(stretched) == 1 and "WARNING: train.max_steps is 8, the checkpoint's run had 4: the cosine LR " \
+                                   "schedule is stretched to 8 steps" in stretched[0], longer.stderr
+    assert sum("resumed from" in line for line in longer.stderr.splitlines()) == 1
+
