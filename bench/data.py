@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from engine.config import DataConfig, InnerConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from engine.data import build_data  # noqa: E402
 from engine.model import PRESETS, build_model, count_params  # noqa: E402
-from engine.inner import build_inner  # noqa: E402
+from engine.inner.ddp_fsdp import build_inner  # noqa: E402
 from engine.world import World  # noqa: E402
 
 H100_BF16_FLOPS = 989e12

@@ -38,7 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
 from engine.data import FakeSource, TokenStream  # noqa: E402
 from engine.model import build_model  # noqa: E402
-from engine.inner import build_inner, lr_factor, make_optimizer, resolve_device, setup_distributed  # noqa: E402
+from engine.inner.ddp_fsdp import build_inner, resolve_device, setup_distributed  # noqa: E402
+from engine.inner.optim import lr_factor, make_optimizer  # noqa: E402
 from engine.train import train_step  # noqa: E402
 from engine.world import World, read_world  # noqa: E402
 

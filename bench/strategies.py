@@ -70,7 +70,7 @@ def warm_up_code_paths(args, inner_cfg, world, device) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.config import OptimConfig, TrainConfig
-    from engine.inner import build_inner
+    from engine.inner.ddp_fsdp import build_inner
     from engine.train import train_step
 
     class Stream:
@@ -95,7 +95,7 @@ def worker(args) -> None:
     from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig
     from engine.data import FakeSource, TokenStream
     from engine.model import build_model
-    from engine.inner import build_inner, setup_distributed
+    from engine.inner.ddp_fsdp import build_inner, setup_distributed
     from engine.train import train_step
     from engine.world import read_world
 

@@ -9,7 +9,7 @@
 What each file is:
 
     deepspeed  the DeepSpeed JSON config engine/inner/zero.py passes to deepspeed.initialize for those settings (same
-               builder, engine/deepspeed_config.py), with batch sizes from an engine config (--config, default the
+               builder, engine/inner/deepspeed_config.py), with batch sizes from an engine config (--config, default the
                engine's defaults) and buckets sized from its model's hidden size (engine/presets.py)
     fsdp       an FSDP2 description in the accelerate/transformers `fsdp_config` vocabulary, plus the engine
                overrides that select the same layout (`engine_overrides`, "section.key": value)
@@ -76,7 +76,7 @@ def deepspeed_json(stage: int, offload_optimizer: bool, offload_params: bool, pr
                    config_path: str | None, workers: int) -> dict[str, Any]:
     # the engine's own builder and shapes, from its torch-free modules (the console never imports torch)
     from engine.config import grad_accum_steps, load_config
-    from engine.deepspeed_config import deepspeed_config
+    from engine.inner.deepspeed_config import deepspeed_config
     from engine.presets import hidden_size
     if workers < 1:
         raise ValueError(f"--workers: {workers} is not a positive number of processes per node")

@@ -13,7 +13,7 @@ from engine.config import CkptConfig, DataConfig, InnerConfig, ModelConfig, Opti
 from engine.data import build_data
 from engine.model import build_model
 from engine.outer import NoOuter, Progress
-from engine.inner import build_inner
+from engine.inner.ddp_fsdp import build_inner
 from engine.world import World
 from test_train import run_engine
 

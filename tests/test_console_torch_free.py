@@ -1,7 +1,7 @@
 """The console runs without torch: no file under console/ imports torch, transformers or deepspeed (not even
 inside a function), and every console module imports, with every engine module the console names, in a Python
 where those three packages cannot be imported. What needs torch runs on the engine side (engine/presets.py and
-engine/deepspeed_config.py are the torch-free pieces the console reads; the store probe runs as a process)."""
+engine/inner/deepspeed_config.py are the torch-free pieces the console reads; the store probe runs as a process)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from transformers import LlamaForCausalLM
 from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig
 from engine.model import build_model, causal_lm_loss, count_params, model_config
 from engine.outer import NoOuter, Progress
-from engine.inner import Inner, build_inner, lr_factor
+from engine.inner.ddp_fsdp import Inner, build_inner
+from engine.inner.optim import lr_factor
 from engine.world import World
 
 torch.set_num_threads(1)  # as conftest does for engine processes: tiny models on shared cores
@@ -193,7 +194,7 @@ FSDP_DRIVER = """
 import json, torch
 from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig
 from engine.model import build_model, decoder_layers
-from engine.inner import build_inner, setup_distributed
+from engine.inner.ddp_fsdp import build_inner, setup_distributed
 from engine.world import World
 torch.set_num_threads(1)
 world = World(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)

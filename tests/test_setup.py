@@ -112,7 +112,7 @@ def test_deepspeed_config_is_what_deepspeed_reads(procs, tmp_path):
     assert done.stderr.strip() == f"wrote {out}"  # and nothing else: no library warnings to a user
     cfg = json.loads(out.read_text())
     # debug.toml: micro batch 8, batch 8, one worker -> no accumulation, clip 1.0: as engine/inner/zero.py builds it
-    from engine.deepspeed_config import deepspeed_config
+    from engine.inner.deepspeed_config import deepspeed_config
     assert cfg == deepspeed_config(3, micro_batch_size=8, grad_accum=1, precision="bf16-mixed", clip_norm=1.0,
                                    offload_optimizer=True, offload_params=True, hidden_size=192)
     assert cfg["zero_optimization"]["reduce_bucket_size"] == 192 * 192  # the debug preset's hidden size

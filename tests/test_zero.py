@@ -310,7 +310,7 @@ def _driver(stage: int, overrides: list[str]) -> None:
 
     from engine.config import load_config
     from engine.model import build_model
-    from engine.inner import Inner, setup_distributed
+    from engine.inner.ddp_fsdp import Inner, setup_distributed
     from engine.world import World, read_world
     from engine.inner.zero import build_zero_inner
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
-from engine.deepspeed_config import deepspeed_config
+from engine.inner.deepspeed_config import deepspeed_config
 from engine.model import causal_lm_loss
 from engine.inner.optim import lr_factor, make_optimizer, schedule_at
 from engine.inner.transforms import apply_activation_checkpointing, apply_compile
