@@ -5,7 +5,8 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --corpus stdlib           # the larger corpus (corpus-large/, built by scripts/setup.sh)
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
     python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
-    python bench/learning.py --overlap                 # adds a diloco.overlap arm: the learning cost of overlap
+    python bench/learning.py --overlap --seeds 1337,7,11   # synchronous, eager and delayed overlap at H = 5 and 20
+    python bench/learning.py --poison --seeds 1337,7   # one of 4 nodes sends x100 or sign-flipped pseudo-gradients
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
@@ -14,6 +15,21 @@ Arms (every worker runs --steps inner steps of --micro-batch sequences; the same
     ddp        one worker with a k-times batch (gradient accumulation): exactly what DDP on k workers computes,
                reading exactly the sequences the k DiLoCo nodes read at the same step (engine/data.py sharding)
     diloco     k nodes, outer step every H inner steps (outer optimizer, lr, momentum, warm-up, compression)
+
+Studies of their own (real engines only, each arm against its baseline arm of the same seed):
+    --overlap  at each H of --overlap-h (5, 20): sync H (synchronous DiLoCo), eager H and delayed H
+               (diloco.overlap with diloco.overlap_update = eager / delayed). Last line:
+                   overlap/sync eval-loss ratio R; delayed R'
+               R: eager's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
+    --poison   synchronous DiLoCo (the default arm's settings); node --poison-node sends its pseudo-gradient x100
+               or sign-flipped for the outer steps --poison-rounds, with the sentinel on (the engine's default) and
+               off (diloco.sentinel_ratio = 0). The poison is injected here, not in the engine: that node runs a
+               `python -c` wrapper that scales what DilocoOuter._pseudo_gradient returns (the node's own weights
+               and working state stay clean). Last line:
+                   poisoned/clean eval-loss ratio R with the sentinel; R' without
+               R (R'): the worse of x100 and sign flip, the mean over the seeds.
+Every mesh run counts the contributors the sentinel left out (outer_step events' left_out) in its clean arms
+(goal: 0) and prints `sentinel: N contributors left out of M outer steps in the clean arms`.
 
 Engines:
     mesh (default)  every arm is `python -m engine.train` (DiLoCo: k engines and `python -m engine.store`, the
@@ -55,6 +71,15 @@ CORPORA = {"docstrings": ROOT / "corpus", "stdlib": ROOT / "corpus-large"}
 
 
 @dataclass(frozen=True)
+class Poison:
+    """Node `node` sends its pseudo-gradient times `scale` at its rounds first..last (1-based, inclusive)."""
+    node: int
+    scale: float
+    first: int
+    last: int
+
+
+@dataclass(frozen=True)
 class Arm:
     name: str
     kind: str  # single | ddp | diloco
@@ -65,13 +90,23 @@ class Arm:
     outer_momentum: float = 0.9
     outer_warmup: int = 0
     compression: str = "none"
-    overlap: bool = False  # diloco.overlap: the outer step of round t lands one round late (mesh engine only)
+    overlap: bool = False  # diloco.overlap: the outer step of round t runs while round t+1 trains (mesh only)
+    overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed
+    sentinel_ratio: float | None = None  # diloco.sentinel_ratio (None: the engine's default; 0: off)
+    poison: Poison | None = None  # one node sends a scaled pseudo-gradient for a stretch of rounds (mesh only)
+    baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
 
     def overrides(self) -> dict[str, object]:
-        return {"diloco.enabled": True, "diloco.inner_steps": self.inner_steps,
-                "diloco.outer_optimizer": self.outer_optimizer, "diloco.outer_lr": self.outer_lr,
-                "diloco.outer_momentum": self.outer_momentum, "diloco.compression": self.compression,
-                "diloco.min_nodes": self.k, "diloco.overlap": self.overlap}
+        out: dict[str, object] = {
+            "diloco.enabled": True, "diloco.inner_steps": self.inner_steps,
+            "diloco.outer_optimizer": self.outer_optimizer, "diloco.outer_lr": self.outer_lr,
+            "diloco.outer_momentum": self.outer_momentum, "diloco.compression": self.compression,
+            "diloco.min_nodes": self.k, "diloco.overlap": self.overlap}
+        if self.overlap:
+            out["diloco.overlap_update"] = self.overlap_update
+        if self.sentinel_ratio is not None:
+            out["diloco.sentinel_ratio"] = self.sentinel_ratio
+        return out
 
 
 @dataclass
@@ -83,6 +118,9 @@ class Result:
     bytes_sent: int = 0  # DiLoCo: bytes node 0 put on the wire
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, wall_s, eval loss)
     seed: int = 0
+    outer_steps: int = 0  # DiLoCo on real engines: outer steps node 0 committed
+    left_out: list[tuple[int, str]] = field(default_factory=list)  # (outer step, node) the sentinel left out
+    failed: str = ""  # a study's arm whose engines failed (a poisoned run may): why; eval_loss is nan
 
 
 def shipped_outer() -> dict[str, object]:
@@ -97,10 +135,37 @@ def default_arms(args) -> list[Arm]:
     base = Arm("diloco", "diloco", k=args.k, **{**shipped_outer(), **args.outer})
     arms = [Arm("single", "single"), Arm("ddp", "ddp", k=args.k), base]
     arms += [replace(base, name=f"diloco-{c}", compression=c) for c in args.compressions]
-    if args.overlap:  # the learning cost of diloco.overlap (each round's update applied one round late)
-        arms.append(replace(base, name="diloco-overlap", overlap=True))
     # the setting shipped before this study (the DiLoCo paper's, for runs of 100+ outer steps)
     arms += [replace(base, name="paper 0.7/0.9", outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)]
+    return arms
+
+
+def overlap_arms(args) -> list[Arm]:
+    """diloco.overlap's learning cost: at each H, synchronous DiLoCo, eager overlap and delayed overlap."""
+    arms = []
+    for h in args.overlap_h:
+        sync = Arm(f"sync H{h}", "diloco", k=args.k, **{**shipped_outer(), **args.outer, "inner_steps": h})
+        arms += [sync, replace(sync, name=f"eager H{h}", overlap=True, overlap_update="eager", baseline=sync.name),
+                 replace(sync, name=f"delayed H{h}", overlap=True, overlap_update="delayed", baseline=sync.name)]
+    return arms
+
+
+def poison_arms(args) -> list[Arm]:
+    """The sentinel's study: one node's pseudo-gradient x100 or sign-flipped for a stretch of rounds, with the
+    sentinel on (the engine's default) and off, against the clean run."""
+    clean = Arm("clean", "diloco", k=args.k, **{**shipped_outer(), **args.outer})
+    rounds = args.steps // clean.inner_steps
+    # by default the middle half of the run's rounds: after the warm-up, and with rounds left to recover in
+    first, last = args.poison_rounds or (rounds // 4 + 1, rounds - rounds // 4)
+    if not (1 <= first <= last <= rounds) or not 0 <= args.poison_node < args.k:
+        raise SystemExit(f"learning: --poison-rounds {first}-{last} / --poison-node {args.poison_node}: the run has "
+                         f"rounds 1-{rounds} and nodes 0-{args.k - 1}")
+    arms = [clean]
+    for off in (False, True):
+        for label, scale in (("x100", 100.0), ("flip", -1.0)):
+            arms.append(replace(clean, name=f"{label} sentinel {'off' if off else 'on'}", baseline=clean.name,
+                                poison=Poison(args.poison_node, scale, first, last),
+                                sentinel_ratio=0.0 if off else None))
     return arms
 
 
@@ -187,7 +252,7 @@ def run_sim(args, arm: Arm) -> Result:
     from engine.data import build_data
     from engine.outer.optimizer import OuterOptimizer
     from engine.model import build_model, causal_lm_loss
-    from engine.inner import lr_factor, make_optimizer
+    from engine.inner.optim import lr_factor, make_optimizer
     from engine.world import World
 
     k = arm.k if arm.kind == "diloco" else 1
@@ -290,8 +355,32 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
+class ArmFailed(RuntimeError):
+    """An arm's engines failed (exited non-zero or ran past --arm-timeout)."""
+
+
+# The poisoned node of --poison: engine.train with DilocoOuter._pseudo_gradient wrapped so that what the node sends
+# is scaled at its rounds FIRST..LAST (its own weights and buffers stay clean). argv: SCALE FIRST LAST then
+# engine.train's own arguments.
+POISONED_ENGINE = """
+import sys
+from engine.outer.diloco import DilocoOuter
+scale, first, last = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+clean, rounds = DilocoOuter._pseudo_gradient, [0]
+def poisoned(self):
+    pgrad = clean(self)
+    rounds[0] += 1  # called once per round this node contributes to (a retried attempt reuses it)
+    return pgrad * scale if first <= rounds[0] <= last else pgrad
+DilocoOuter._pseudo_gradient = poisoned
+import engine.train
+sys.argv = ["engine.train"] + sys.argv[4:]
+engine.train.cli()
+"""
+
+
 def run_mesh(args, arm: Arm, workdir: Path) -> Result:
-    """Train an arm with real engine processes (DiLoCo: k nodes and a store). Raises on any failure."""
+    """Train an arm with real engine processes (DiLoCo: k nodes and a store). Raises ArmFailed when an engine
+    fails."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -322,7 +411,11 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             if port is not None:
                 over.update({"mesh.store_port": port, "mesh.node_id": f"node-{i}", "mesh.heartbeat_timeout": 30.0,
                              "mesh.start_timeout": 300.0, "diloco.allreduce_timeout": 300.0})
-            cmd = [sys.executable, "-m", "engine.train", str(ROOT / "configs" / "debug.toml")]
+            cmd = [sys.executable, "-m", "engine.train"]
+            if arm.poison is not None and arm.poison.node == i:
+                p_ = arm.poison
+                cmd = [sys.executable, "-c", POISONED_ENGINE, str(p_.scale), str(p_.first), str(p_.last)]
+            cmd += [str(ROOT / "configs" / "debug.toml")]
             cmd += [f"--{key}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
                     for key, v in over.items()]
             node_env = {**env, "GLOBAL_RANK": str(i), "GLOBAL_WORLD_SIZE": str(k)}
@@ -334,9 +427,9 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             try:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise SystemExit(f"learning: arm {arm.name} ran past --arm-timeout {args.arm_timeout}s") from None
+                raise ArmFailed(f"arm {arm.name} ran past --arm-timeout {args.arm_timeout}s") from None
             if p.returncode != 0:
-                raise SystemExit(f"learning: arm {arm.name}: an engine exited {p.returncode}:\n{err[-3000:]}")
+                raise ArmFailed(f"arm {arm.name}: an engine exited {p.returncode}:\n{err[-3000:]}")
             outs.append(out)
         wall = time.perf_counter() - start
     finally:
@@ -346,12 +439,15 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
     accum = arm.k if arm.kind == "ddp" else 1
     tokens_per_step = args.micro_batch * args.seq_len * accum * k
     curve = [(e["step"] * tokens_per_step, e["ts"] - t0, e["loss"]) for e in events if e["type"] == "eval"]
-    nbytes = sum(e["bytes_sent"] for e in events if e["type"] == "outer_step")
+    outer = [e for e in events if e["type"] == "outer_step"]
+    nbytes = sum(e["bytes_sent"] for e in outer)
+    # the sentinel's verdict is the same on every member: node 0's events name every node it left out
+    left_out = [(e["outer_step"], m) for e in outer for m in e.get("left_out", [])]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "node-0" / "export", local_files_only=True,
                                                  dtype=torch.float32).to(args.device)
     loss = eval_model(model, held_out(args).eval, args)
     curve = [c for c in curve if c[0] < args.steps * tokens_per_step] + [(args.steps * tokens_per_step, wall, loss)]
-    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed)
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed, len(outer), left_out)
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -391,6 +487,59 @@ def spread(per_seed: list[list[Result]]) -> tuple[str, dict[str, tuple[float, fl
                      f"{mean(vs_ddp):>9.3f} {sd(vs_ddp):>6.3f} {min(vs_ddp, default=float('nan')):>6.3f} "
                      f"{max(vs_ddp, default=float('nan')):>6.3f} {mean(vs_single):>12.3f} {sd(vs_single):>6.3f}")
     return "\n".join(lines), means
+
+
+def paired(per_seed: list[list[Result]]) -> tuple[str, dict[str, float]]:
+    """A study's arms against their baselines: each arm's eval-loss ratio to its baseline arm of the same seed, over
+    the seeds: a table, and {arm: mean ratio} (nan where a run failed or diverged)."""
+    import math
+    import statistics
+    names = [r.arm.name for r in per_seed[0] if r.arm.baseline]
+    head = f"{'arm':<22} {'against':<10} {'seeds':>5} {'ratio mean':>10} {'sd':>6} {'min':>6} {'max':>6}  per seed"
+    lines, means = [head, "-" * len(head)], {}
+    for name in names:
+        ratios = []
+        for rs in per_seed:
+            by = {r.arm.name: r for r in rs}
+            ratios.append(by[name].eval_loss / by[by[name].arm.baseline].eval_loss)
+        finite = all(math.isfinite(x) for x in ratios)
+        means[name] = statistics.fmean(ratios) if finite else float("nan")
+        sd = statistics.stdev(ratios) if finite and len(ratios) > 1 else 0.0
+        lo, hi = (min(ratios), max(ratios)) if finite else (float("nan"),) * 2
+        lines.append(f"{name:<22} {by[name].arm.baseline:<10} "
+                     f"{len(ratios):>5} {means[name]:>10.4f} {sd:>6.4f} {lo:>6.4f} {hi:>6.4f}  "
+                     f"{' '.join(f'{x:.4f}' for x in ratios)}")
+    return "\n".join(lines), means
+
+
+def steps_text(steps: list[int]) -> str:
+    """[3, 4, 5, 9] -> '3-5, 9'."""
+    runs: list[list[int]] = []
+    for s in sorted(steps):
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def sentinel_report(results: list[Result]) -> str:
+    """Who the sentinel left out: each poisoned arm's verdicts, then the count over the clean DiLoCo arms."""
+    lines = []
+    for r in results:
+        if r.arm.poison is not None and not r.failed:
+            nodes = sorted({m for _, m in r.left_out})
+            said = "; ".join(f"{m} at outer steps {steps_text([s for s, n in r.left_out if n == m])}" for m in nodes)
+            lines.append(f"  {r.arm.name} (seed {r.seed}, node-{r.arm.poison.node} poisoned at its rounds "
+                         f"{r.arm.poison.first}-{r.arm.poison.last}): left out: {said or 'nobody'}")
+    clean = [r for r in results if r.arm.kind == "diloco" and r.arm.poison is None]
+    count = sum(len(r.left_out) for r in clean)
+    lines.append(f"sentinel: {count} contributors left out of {sum(r.outer_steps for r in clean)} outer steps in the "
+                 f"clean arms ({len(clean)} runs)")
+    for r in clean:
+        if r.left_out:
+            lines.append(f"  {r.arm.name} (seed {r.seed}): " + ", ".join(f"{m} at {s}" for s, m in r.left_out))
+    return "\n".join(lines)
 
 
 def plot(results: list[Result], path: Path, title: str) -> None:
@@ -437,8 +586,6 @@ def parse_args(argv=None):
     ap.add_argument("--outer-optimizer"), ap.add_argument("--outer-lr", type=float)
     ap.add_argument("--outer-momentum", type=float), ap.add_argument("--outer-warmup", type=int)
     ap.add_argument("--compressions", default="int8", help="extra DiLoCo arms with these compressions")
-    ap.add_argument("--overlap", action="store_true",
-                    help="add a DiLoCo arm with diloco.overlap = true (real engines only: --engine mesh)")
     ap.add_argument("--eval-interval", type=int, default=40)
     ap.add_argument("--eval-batches", type=int, default=8)
     ap.add_argument("--device", default="cpu")
@@ -447,6 +594,13 @@ def parse_args(argv=None):
     sweeps = ap.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
     sweeps.add_argument("--sweep-h", action="store_true", help="H = 10, 50, 200 over 400 inner steps per worker")
+    sweeps.add_argument("--overlap", action="store_true",
+                        help="synchronous, eager-overlap and delayed-overlap DiLoCo at each --overlap-h (mesh only)")
+    sweeps.add_argument("--poison", action="store_true",
+                        help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
+    ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
+    ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
+    ap.add_argument("--poison-rounds", help="--poison: its rounds FIRST-LAST (default: the middle half of the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
     args = ap.parse_args(argv)
     args.data = args.data or CORPORA[args.corpus]
@@ -467,7 +621,16 @@ def parse_args(argv=None):
         ap.error("--seeds: no seed given")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     if args.overlap and args.engine != "mesh":
-        ap.error("--overlap needs --engine mesh: the in-process engine does not model the late update")
+        ap.error("--overlap needs --engine mesh: the in-process engine does not model the overlapped step")
+    if args.poison and args.engine != "mesh":
+        ap.error("--poison needs --engine mesh: the sentinel and the poisoned node are the engine's")
+    try:
+        args.overlap_h = [int(x) for x in args.overlap_h.split(",") if x.strip()]
+        first, _, last = (args.poison_rounds or "").partition("-")
+        args.poison_rounds = (int(first), int(last or first)) if args.poison_rounds else None
+    except ValueError:
+        ap.error(f"--overlap-h {args.overlap_h!r} / --poison-rounds {args.poison_rounds!r}: expected integers "
+                 f"(5,20 and FIRST-LAST)")
     return args
 
 
