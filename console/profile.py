@@ -164,7 +164,7 @@ class Profile(_Spec):
     @property
     def store_bind(self) -> str:
         """What the store listens on: [store] bind, else the address the engines dial (the console checks that
-        the store's host can bind it before starting, see Cluster._store_bind)."""
+        the store's host can bind it before starting, see StoreHost.bind in console/store_host.py)."""
         return self.store.bind or self.store_address
 
     def active_hosts(self) -> list[HostSpec]:
