@@ -22,8 +22,8 @@ comes back empty (restarted) gets this node registered again (Registration.regis
 registers again too, and is excluded at its next boundary like any straggler.
 
 The heartbeat owns its thread, its own store client (a clone), its outbox, its tick timings (link_slow) and the
-leader's pruning state; it writes the liveness table, the lease and the store's life into the node's Membership.
-Without a thread (tests, the scale bench) whoever drives the node calls tick() or beat() instead.
+leader's pruning state; it writes the liveness table (and when it last read it) and the lease into the node's
+Membership. Without a thread (tests, the scale bench) whoever drives the node calls tick() or beat() instead.
 """
 
 from __future__ import annotations
