@@ -327,7 +327,7 @@ def test_a_drain_that_comes_during_the_boundary_wait_contributes_that_round_then
     assert [d["outer_step"] for d in b.of("drained")] == [n_drain]
     for n in (a, b):  # its pseudo-gradient entered the mean of outer step N, in both nodes' view
         e = n.outer()[n_drain]
-        assert sorted(e["contributors"]) == ["a", "b"] and e["weights"] == [1.0, 1.0], e
+        assert sorted(e["contributors"]) == ["a", "b"] and e["weights"] == [e2e.ROUND_TOKENS] * 2, e
     assert a.outer()[n_drain]["checksum"] == b.outer()[n_drain]["checksum"]
     assert b.of("checkpoint")[-1]["step"] == n_drain * e2e.H  # nothing trained after the round it contributed
     assert a.outer()[n_drain + 1]["members"] == ["a"]
