@@ -42,9 +42,6 @@ class Mesh:
                  interrupt: Callable[[], str | None] | None = None,
                  reconnect: Callable[[], Any] | None = None, round_seconds: float = 0.0, grace: float = 0.0,
                  wall: Callable[[], float] = time.time) -> None:
-        # time rounds (diloco.round = "time"): plans carry the next round's deadline, and the planner waits for a
-        # member at most `grace` past the deadline of the round that ended (diloco.straggler_grace)
-        self._grace, self._wall = grace, wall
         if not node_id or "/" in node_id:
             raise ValueError(f"mesh.node_id {node_id!r}: must be non-empty and contain no '/'")
         self.node_id = node_id
@@ -60,8 +57,10 @@ class Mesh:
         self.keys = k = Keys()
         self._m = m = Membership(store, NodeState("starting", self.info["token"]), Liveness(cfg.heartbeat_timeout))
         leased = bool(getattr(store, "has_leases", lambda: False)())  # etcd: a dead node's heartbeat key vanishes
+        # time rounds (diloco.round = "time"): plans carry the next round's deadline, and the planner waits for a
+        # member at most `grace` past the deadline of the round that ended (diloco.straggler_grace)
         self.planner = Planner(m, node_id, k, min_nodes=min_nodes, clock=clock, round_seconds=round_seconds,
-                               wall=wall)
+                               grace=grace, wall=wall)
         self.registration = Registration(m, self.planner, node_id, k, cfg, digest=digest, info=self.info,
                                          leased=leased, clock=clock, sleep=sleep, emit=emit)
         self.heartbeat = Heartbeat(m, self.registration, node_id, k, cfg, workers=int(self.info.get("workers", 1)),
@@ -211,18 +210,11 @@ class Mesh:
         plan = self._plan_for(latest, outer_step, attempt)
         if plan is None and self._may_plan():
             wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
-            overdue = self.clock() > self._arrived_at + wait or self._past_grace(latest)
+            overdue = self.clock() > self._arrived_at + wait or self.planner.past_grace(latest)
             self.planner.try_plan(outer_step, attempt, raw, latest, timed_out=overdue)
             raw, latest = self.planner.latest()
             plan = self._plan_for(latest, outer_step, attempt)
         return None if plan is None else self._accept(plan)
-
-    def _past_grace(self, latest: Plan | None) -> bool:
-        """Time rounds: the round that ended had a deadline (the last plan's) and its grace is over: plan with
-        whoever arrived; a member that arrives later is left out (it re-joins, its round not counted)."""
-        if latest is None or latest.deadline is None or latest.epoch != self._m.epoch:
-            return False
-        return self._wall() > latest.deadline + self._grace
 
     def post(self, plan: Plan, succeeded: bool) -> None:
         """Post this node's outcome of the plan's all-reduce (in its state key)."""

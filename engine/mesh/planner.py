@@ -38,10 +38,10 @@ class Planner:
     """One node's planner: it reads a boundary, writes its plan when asked to, and decides attempts."""
 
     def __init__(self, m: Membership, node_id: str, keys: Keys, *, min_nodes: int,
-                 clock: Callable[[], float], round_seconds: float = 0.0,
+                 clock: Callable[[], float], round_seconds: float = 0.0, grace: float = 0.0,
                  wall: Callable[[], float] = time.time) -> None:
         self.round_seconds = round_seconds  # time rounds: every plan sets the next round's deadline
-        self.wall = wall
+        self.grace, self.wall = grace, wall
         self.m = m
         self.node_id = node_id
         self.keys = keys
@@ -62,6 +62,13 @@ class Planner:
             return {}
         raws = self.m.store.multi_get([self.keys.state(n) for n in nodes])
         return {n: NodeState.from_json(text(r)) for n, r in zip(nodes, raws)}
+
+    def past_grace(self, latest: Plan | None) -> bool:
+        """Time rounds: the round that ended had a deadline (the last plan's) and its grace is over: plan with
+        whoever arrived; a member that arrives later is left out (it re-joins, its round not counted)."""
+        if latest is None or latest.deadline is None or latest.epoch != self.m.epoch:
+            return False
+        return self.wall() > latest.deadline + self.grace
 
     def try_plan(self, outer_step: int, attempt: int, raw: str, latest: Plan | None, *, timed_out: bool) -> None:
         """Write the plan of (outer_step, attempt) if the boundary is ready (compare_set against `raw`)."""
