@@ -11,6 +11,8 @@ Layout (profiles/lab.toml documents every option):
                 etcd_client_port, etcd_peer_port, etcd_binary, etcd_prefix (console/etcd.py)
     [engine]    config (an engine TOML, relative to the workdir), overrides = { "train.max_steps" = 200 }
     [console]   poll_interval, stop_timeout
+    [check]     timeout, link_timeout, min_free_gb, max_clock_skew (the preflight: console/preflight/)
+    [sync]      shared_fs, setup_env, setup_timeout, timeout (console/sync.py)
     [defaults]  any host option; each host inherits what it does not set ([defaults.env] merges per key)
     [hosts.NAME] transport, address, port, user, identity_file, jump_host, ssh_alias, ssh_config, known_hosts,
                 accept_new_host_key, connect_timeout, python | venv, workdir, env, workers, rdzv_port, standby,
@@ -86,6 +88,30 @@ class ConsoleSpec(_Spec):
     stop_timeout: float = Field(default=30.0, gt=0)  # how long stop() lets engines end before killing them
 
 
+class CheckSpec(_Spec):
+    """`zeroband-console PROFILE check`, and the same preflight before every start (console/preflight/)."""
+    timeout: float = Field(default=30.0, gt=0)  # seconds for one host's probe (connecting has connect_timeout)
+    link_timeout: float = Field(default=5.0, gt=0)  # seconds an engine host tries to reach the store's port
+    min_free_gb: float = Field(default=2.0, ge=0)  # free disk wanted under the run folder on every host
+    max_clock_skew: float = Field(default=3.0, gt=0)  # seconds a host's clock may be off the console's
+
+
+class SyncSpec(_Spec):
+    """`zeroband-console PROFILE sync`: the console's checkout into every host's workdir, then its set-up."""
+    shared_fs: bool = False  # the hosts' workdir is one folder on a shared file system: written once
+    setup_env: dict[str, str] = {}  # for scripts/setup.sh on the hosts: BASE_SITE, TORCH_SPEC, PIP_INDEX_URL...
+    setup_timeout: float = Field(default=1800.0, gt=0)  # seconds scripts/setup.sh may take on one host
+    timeout: float = Field(default=600.0, gt=0)  # seconds the files may take to reach one host
+
+    @field_validator("setup_env")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+        return value
+
+
 class HostSpec(_Spec):
     name: str
     transport: Literal["local", "ssh"] = "ssh"
@@ -138,6 +164,8 @@ class Profile(_Spec):
     store: StoreSpec = StoreSpec()
     engine: EngineSpec
     console: ConsoleSpec = ConsoleSpec()
+    check: CheckSpec = CheckSpec()
+    sync: SyncSpec = SyncSpec()
     hosts: dict[str, HostSpec]
 
     @property
@@ -213,6 +241,20 @@ def _check_hosts(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
         raise ProfileError(f"{profile.path}:{lines.get(('hosts',), 0)}: hosts: every host is standby, "
                            "nothing would start")
     _check_etcd(profile, lines)
+    _check_shared_fs(profile, lines)
+
+
+def _check_shared_fs(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    """With one shared folder, sync writes it once: every host must name that same folder."""
+    if not profile.sync.shared_fs:
+        return
+    first, *rest = profile.hosts.values()
+    for host in rest:
+        if host.workdir != first.workdir:
+            line = lines.get(("hosts", host.name, "workdir")) or lines.get(("sync", "shared_fs"), 0)
+            raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.workdir: {host.workdir!r} differs from "
+                               f"{first.name}'s {first.workdir!r}, but sync.shared_fs says every host shares one "
+                               f"folder (set the same workdir, or shared_fs = false)")
 
 
 def _check_etcd(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:

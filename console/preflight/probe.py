@@ -1,0 +1,387 @@
+"""The preflight's probe: what runs on each host, with the host's own python, before anything starts there.
+
+The console never imports torch (tests/test_console_torch_free.py), and neither does this probe: the versions of
+torch and the other packages come from their installed metadata. It is one file of the standard library only, and
+old pythons parse it (3.6+, no annotations), because it has to run to say that a python is too old or a venv
+lacks torch. The console sends it on the channel's stdin after one line that sets its arguments:
+
+    ARGS = json.loads('{"mode": "facts", "workdir": "/opt/zeroband", ...}')   # console/preflight/runner.py
+    <this file>                                                              # run as `PYTHON -`
+
+and reads one JSON object from its stdout. Modes:
+
+    facts    python, packages, the project's version (git commit and a digest of engine/**/*.py), GPUs (NVML; or
+             ZEROBAND_FAKE_GPUS from the profile, the one fake allowed, for tests on machines without a GPU), CPUs,
+             free disk under the run folder, data paths and a prepared folder's manifest digest, network
+             interfaces, whether the store's address and port can be bound, the venv's set-up stamp, the clock
+    listen   listen on the store's address and port(s) and accept (close at once) until `expect` connections came
+             or `seconds` passed: the far end of the link test
+    connect  open a TCP connection to each target, retrying a refusal until `seconds` (the listener may not be up
+             yet): connected, refused, timeout or unreachable, each with the error's text
+    files    the git blob id and executable bit of each named file under the workdir, and the engine/**/*.py files
+             that are not named (console/sync.py sends the first that differ and removes the second)
+    venv     the python's packages and the venv's set-up stamp against the workdir's (sync: is set-up due?)
+
+The digest of engine/**/*.py is the same function the console uses for its own checkout (`engine_digest`), so a
+host that holds the console's files has the console's digest, with or without git.
+"""
+
+import errno
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+MANIFEST = "manifest.json"  # engine/data/shards.py: a prepared folder's manifest
+STAMP = ".zeroband-setup"  # scripts/setup.sh: in the venv, the digest of what it was set up from
+SUBPROCESS_S = 5.0
+
+
+# ---- digests shared with the console ----------------------------------------------------------------------------
+def blob_id(path):
+    """The file's git blob id (sha1 of "blob SIZE\\0" + content): comparable with `git ls-tree` without git."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def digest_of(entries):
+    """A short digest of (relative path, blob id) pairs, whatever their order."""
+    h = hashlib.sha256()
+    for path, blob in sorted(entries):
+        h.update(("%s\0%s\n" % (path, blob)).encode())
+    return h.hexdigest()[:12]
+
+
+def engine_files(root):
+    """(relative path, absolute path) of every engine/**/*.py under root (caches skipped), sorted."""
+    out = []
+    base = os.path.join(root, "engine")
+    for folder, dirs, files in os.walk(base):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        for name in files:
+            if name.endswith(".py"):
+                full = os.path.join(folder, name)
+                out.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
+    return sorted(out)
+
+
+def engine_digest(root):
+    """(digest, file count) of root's engine/**/*.py, or (None, 0) when root has no engine folder."""
+    if not os.path.isdir(os.path.join(root, "engine")):
+        return None, 0
+    files = engine_files(root)
+    return digest_of((rel, blob_id(full)) for rel, full in files), len(files)
+
+
+def setup_digest(root):
+    """What scripts/setup.sh writes into VENV/.zeroband-setup: `sha256sum pyproject.toml scripts/setup.sh |
+    sha256sum | cut -c1-16`, or None when either file is missing."""
+    lines = []
+    for rel in ("pyproject.toml", "scripts/setup.sh"):
+        try:
+            with open(os.path.join(root, rel), "rb") as f:
+                lines.append("%s  %s\n" % (hashlib.sha256(f.read()).hexdigest(), rel))
+        except OSError:
+            return None
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:16]
+
+
+def machine_id():
+    """This machine's identity (/etc/machine-id): with a folder's real path it says "the console's own checkout"."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if text:
+                return text
+        except OSError:
+            pass
+    return socket.gethostname()
+
+
+# ---- facts ------------------------------------------------------------------------------------------------------
+def here(workdir, path):
+    """A path as the engine sees it: relative to the workdir unless absolute; ~ is this user's home."""
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) else os.path.join(workdir, path)
+
+
+def package_versions(names):
+    try:
+        from importlib import metadata
+    except ImportError:  # python < 3.8: too old anyway, and said so
+        return dict((name, None) for name in names)
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except Exception:  # noqa: BLE001 -- PackageNotFoundError, or a broken install: either way not usable
+            out[name] = None
+    return out
+
+
+def git_commit(workdir):
+    if not os.path.exists(os.path.join(workdir, ".git")):
+        return None
+    try:
+        done = subprocess.run(["git", "-C", workdir, "rev-parse", "HEAD"], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, timeout=SUBPROCESS_S)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = done.stdout.decode(errors="replace").strip()
+    return text if done.returncode == 0 and text else None
+
+
+def gpus(fake, visible):
+    """How many GPUs the engine will find: NVML's count (nvidia-smi -L without the NVML bindings), limited by
+    CUDA_VISIBLE_DEVICES; `fake` (ZEROBAND_FAKE_GPUS) replaces the count, for tests on machines without a GPU."""
+    if fake is not None:
+        count, source, note = int(fake), "fake (ZEROBAND_FAKE_GPUS)", None
+    else:
+        count, source, note = nvml_count()
+    if visible is not None and count:
+        count = min(count, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
+    return {"count": count, "source": source, "note": note}
+
+
+def nvml_count():
+    try:
+        import pynvml  # nvidia-ml-py: a dependency of the project, so on every host the engine runs on
+    except ImportError:
+        return smi_count("no NVML bindings (nvidia-ml-py)")
+    try:
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount()), "nvml", None
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as e:  # noqa: BLE001 -- NVMLError_LibraryNotFound, DriverNotLoaded...: no usable GPU
+        return 0, "nvml", str(e) or type(e).__name__
+
+
+def smi_count(why):
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              timeout=SUBPROCESS_S)
+    except (OSError, subprocess.SubprocessError):
+        return 0, "none", why + "; no nvidia-smi"
+    lines = [ln for ln in done.stdout.decode(errors="replace").splitlines() if ln.startswith("GPU ")]
+    return len(lines), "nvidia-smi", why
+
+
+def cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def free_disk(path):
+    """Free bytes for this user on the file system that holds path (its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError as e:
+        return {"path": probe, "free": None, "error": e.strerror}
+    return {"path": probe, "free": st.f_bavail * st.f_frsize, "error": None}
+
+
+def data_fact(workdir, path):
+    """Whether a data path exists (a glob: matches something) and, for a prepared folder, its manifest's sha256."""
+    import glob
+
+    full = here(workdir, path)
+    if any(c in path for c in "*?["):
+        return {"path": full, "exists": bool(glob.glob(full, recursive=True)), "manifest": None}
+    manifest = None
+    if os.path.isfile(os.path.join(full, MANIFEST)):
+        with open(os.path.join(full, MANIFEST), "rb") as f:
+            manifest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return {"path": full, "exists": os.path.exists(full), "manifest": manifest}
+
+
+def interfaces():
+    try:
+        return sorted(name for _, name in socket.if_nameindex())
+    except (AttributeError, OSError):
+        try:
+            return sorted(os.listdir("/sys/class/net"))
+        except OSError:
+            return []
+
+
+def bind_error(address, port):
+    """None if this host can listen on address:port now; else the error ("EADDRINUSE: Address already in use")."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # the store sets it too: a port in TIME_WAIT after the last run is free for it
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((address, int(port)))
+        s.listen(1)
+        return None
+    except OSError as e:
+        return describe(e)
+    finally:
+        s.close()
+
+
+def describe(e):
+    name = errno.errorcode.get(e.errno or 0, "")
+    text = e.strerror or str(e)
+    return "%s: %s" % (name, text) if name else text
+
+
+def facts(a):
+    workdir = os.path.realpath(os.path.expanduser(a["workdir"])) if a.get("workdir") else os.getcwd()
+    has_workdir = os.path.isdir(workdir)
+    digest, count = engine_digest(workdir) if has_workdir else (None, 0)
+    venv = a.get("venv")
+    stamp = None
+    if venv:
+        try:
+            with open(os.path.join(here(workdir, venv), STAMP)) as f:
+                stamp = f.read().strip()
+        except OSError:
+            stamp = None
+    out = {
+        "python": list(sys.version_info[:3]), "executable": sys.executable, "machine": machine_id(),
+        "workdir": workdir if has_workdir else None,
+        "config": os.path.isfile(here(workdir, a["config"])) if a.get("config") else None,
+        "engine": digest, "engine_files": count, "git": git_commit(workdir) if has_workdir else None,
+        "packages": package_versions(a.get("packages", [])),
+        "stamp": stamp, "stamp_want": setup_digest(workdir) if has_workdir else None,
+        "gpus": gpus(a.get("fake_gpus"), a.get("cuda_visible")), "cpus": cpus(),
+        "disk": free_disk(here(workdir, a.get("run_dir") or ".")),
+        "data": [data_fact(workdir, p) for p in a.get("data", [])],
+        "interfaces": interfaces(),
+        "binds": [[address, port, bind_error(address, port)] for address, port in a.get("binds", [])],
+    }
+    out["time"] = time.time()  # last: the console brackets it between sending this probe and reading its answer
+    return out
+
+
+# ---- the link test ----------------------------------------------------------------------------------------------
+def listen(a):
+    """Listen on every [address, port]; accept and close until `expect` connections or `seconds` have passed."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    bound, accepted = [], 0
+    for address, port in a["binds"]:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, int(port)))
+            s.listen(64)
+        except OSError as e:
+            bound.append([address, port, describe(e)])
+            s.close()
+            continue
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        bound.append([address, port, None])
+    deadline = time.time() + float(a["seconds"])
+    while sel.get_map() and accepted < int(a.get("expect", 1 << 30)) and time.time() < deadline:
+        for key, _ in sel.select(timeout=max(0.0, min(0.2, deadline - time.time()))):
+            try:
+                conn, _ = key.fileobj.accept()
+            except OSError:
+                continue
+            accepted += 1
+            try:  # let the dialler close first: the TIME_WAIT stays on its side, not on the store's port
+                conn.settimeout(1.0)
+                conn.recv(1)
+            except OSError:
+                pass
+            conn.close()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    return {"bound": bound, "accepted": accepted}
+
+
+def connect_one(address, port, deadline, result):
+    last = None
+    while True:
+        left = deadline - time.time()
+        if left <= 0:
+            result.append(last or ["timeout", "no answer"])
+            return
+        try:
+            socket.create_connection((address, int(port)), timeout=left).close()
+            result.append(["connected", None])
+            return
+        except socket.timeout:
+            result.append(["timeout", "no answer within the time"])
+            return
+        except ConnectionRefusedError as e:
+            last = ["refused", describe(e)]  # the listener may not be up yet: try again until the deadline
+        except socket.gaierror as e:
+            result.append(["unresolved", "%s: %s" % (address, e.strerror or e)])
+            return
+        except OSError as e:
+            if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+                result.append(["unreachable", describe(e)])
+                return
+            last = ["error", describe(e)]
+        time.sleep(min(0.2, max(0.0, deadline - time.time())))
+
+
+def connect(a):
+    deadline = time.time() + float(a["seconds"])
+    results = [[] for _ in a["targets"]]
+    threads = [threading.Thread(target=connect_one, args=(address, port, deadline, results[i]), daemon=True)
+               for i, (address, port) in enumerate(a["targets"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(float(a["seconds"]) + 5)
+    return {"links": [[address, port] + (r[0] if r else ["timeout", "no answer"])
+                      for (address, port), r in zip(a["targets"], results)]}
+
+
+# ---- sync's view of the workdir -----------------------------------------------------------------------------------
+def files(a):
+    root = os.path.realpath(os.path.expanduser(a["workdir"]))
+    named = set(a["paths"])
+    out = {}
+    for rel in a["paths"]:
+        full = os.path.join(root, rel)
+        if os.path.isfile(full) and not os.path.islink(full):
+            out[rel] = [blob_id(full), bool(os.stat(full).st_mode & 0o100)]
+        else:
+            out[rel] = None
+    stray = [rel for rel, _ in engine_files(root) if rel not in named]
+    return {"workdir": root, "machine": machine_id(), "files": out, "stray": stray}
+
+
+def venv(a):
+    """What sync needs to decide whether scripts/setup.sh must run for this python (the venv's)."""
+    workdir = os.path.realpath(os.path.expanduser(a["workdir"]))
+    stamp = None
+    try:
+        with open(os.path.join(here(workdir, a["venv"]), STAMP)) as f:
+            stamp = f.read().strip()
+    except OSError:
+        pass
+    return {"python": list(sys.version_info[:3]), "packages": package_versions(a.get("packages", [])),
+            "stamp": stamp, "stamp_want": setup_digest(workdir)}
+
+
+def main(a):
+    sys.path[:0] = [p for p in (a.get("pythonpath") or "").split(os.pathsep) if p]  # as the engine will see it
+    mode = a.get("mode", "facts")
+    result = {"facts": facts, "listen": listen, "connect": connect, "files": files, "venv": venv}[mode](a)
+    sys.stdout.write(json.dumps(result) + "\n")
+
+
+if __name__ in ("__main__", "__probe__") and "ARGS" in globals():
+    main(ARGS)  # noqa: F821 -- set by the line the console puts before this file

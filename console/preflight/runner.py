@@ -1,0 +1,336 @@
+"""The preflight, run: every host at once over its own transport, each step bounded in time.
+
+    report = await preflight(profile, transport_of, mode="check")    # check: every host; start: the run's hosts
+    report.problems                                                   # [Problem]: one line each (rules.py)
+    report.table()                                                    # when there are none
+
+1. Per host, at once: connect (the profile's connect_timeout; a missing identity_file is said before trying), then
+   the probe (probe.py) with the profile's python, bounded by `check.timeout`. A python that does not run is a
+   problem of its own; the probe then runs again with `python3` so the host's other problems are still named.
+2. The link test, once every host answered: the store's host (each etcd member's host) listens on the store's
+   address and port with a listener the check starts and that ends by itself, after every engine host connected
+   or after `check.link_timeout` + 3 s; each engine host opens a TCP connection to it. Where the port is taken, or
+   the store of this run already runs (`check` beside a running cluster, `add`), the engine hosts dial what listens.
+3. rules.judge() turns what came back into problems.
+
+Modes: "check" (every host of the profile; a standby host is checked as an engine host unless it only holds the
+store), "start" (the hosts a start uses: active hosts, the store's, the etcd members'), "add" (one host, which
+must reach the running store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from console import etcd as E
+from console.checkout import Checkout
+from console.fleet import Fleet, NodeState
+from console.hosts import STORE
+from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
+from console.preflight import probe as P
+from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, judge, summary)
+from console.profile import HostSpec, Profile, engine_overrides
+from console.transport import Transport, TransportError
+from console.transport import commands as C
+
+PROBE_SOURCE = Path(P.__file__).read_text()
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+FAKE_GPUS = "ZEROBAND_FAKE_GPUS"  # in a host's env: replaces NVML's count (tests on machines without a GPU)
+FALLBACK_PYTHON = "python3"
+
+
+@dataclass
+class Report:
+    plans: list[HostPlan]
+    results: dict[str, HostResult]
+    expect: Expect
+    problems: list[Problem]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        return [p.line() for p in self.problems]
+
+    def table(self) -> list[str]:
+        return summary(self.plans, self.results, self.expect)
+
+
+async def preflight(profile: Profile, transport_of: Callable[[str], Transport], *, mode: str = "check",
+                    hosts: Sequence[str] | None = None, checkout: Checkout | None = None) -> Report:
+    checkout = checkout or Checkout.find()
+    notes: list[str] = []
+    store_running = mode == "add" or (mode == "check" and await _store_runs(profile, transport_of))
+    if store_running and mode == "check":
+        notes.append("the run's store is running: the engine hosts dialled it instead of a listener of the check")
+    plans = build_plans(profile, mode, hosts, checkout, bind=not store_running)
+    expect = make_expect(profile, checkout)
+    results = dict(zip([p.name for p in plans],
+                       await asyncio.gather(*(_ask(profile, p, profile.hosts[p.name], transport_of(p.name))
+                                              for p in plans))))
+    await _link_test(profile, plans, results, transport_of, listen=not store_running)
+    return Report(plans, results, expect, judge(plans, results, expect), notes)
+
+
+# ---- what to ask of each host ---------------------------------------------------------------------------------
+def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checkout: Checkout | None,
+                bind: bool = True) -> list[HostPlan]:
+    store_host = profile.store_host.name if profile.store.backend == "tcp" else None
+    members = E.plan_members(profile) if profile.store.backend == "etcd" and profile.store.etcd_hosts else []
+    if mode == "check":
+        names = list(profile.hosts)
+    elif mode == "add":
+        names = list(hosts or [])
+    else:
+        names = [h.name for h in profile.active_hosts()]
+        names += [n for n in [store_host, *(m.host for m in members)] if n and n not in names]
+    links = tuple(link_targets(profile))
+    plans = []
+    for name in names:
+        host = profile.hosts[name]
+        roles = set()
+        if (not host.standby or mode == "add") or (mode == "check" and name != store_host):
+            roles.add("engine")
+        binds: list[Target] = []
+        if name == store_host and mode != "add":
+            roles.add("store")
+            binds.append(Target(_store_bind(profile), profile.store.port, "the store"))
+        for m in members:
+            if m.host == name and mode != "add":
+                roles.add("etcd")
+                binds += [Target(m.address, m.client_port, f"etcd member {m.name} (clients)"),
+                          Target(m.address, m.peer_port, f"etcd member {m.name} (peers)")]
+        plans.append(_plan(profile, host, frozenset(roles), tuple(binds) if bind else (),
+                           links if "engine" in roles else (), checkout))
+    return plans
+
+
+def _plan(profile: Profile, host: HostSpec, roles: frozenset[str], binds: tuple[Target, ...],
+          links: tuple[Target, ...], checkout: Checkout | None) -> HostPlan:
+    device, data = engine_settings(profile, host, checkout)
+    return HostPlan(name=host.name, roles=roles, python=host.python_path, venv=host.venv or None,
+                    workdir=host.workdir, run_dir=profile.run.dir, config=profile.engine.config, data=data,
+                    device=device, workers=host.workers,
+                    ifnames=tuple((v, host.env[v]) for v in IFNAME_VARS if host.env.get(v)),
+                    binds=binds, links=links)
+
+
+def engine_settings(profile: Profile, host: HostSpec,
+                    checkout: Checkout | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """(inner.device, the data paths) this host's engine will use: the engine config as the console's checkout has
+    it (sync makes the hosts' the same) with the profile's overrides; (None, ()) if it cannot be read here."""
+    from engine.config import ConfigError, load_config  # torch-free: the engine's own rules, not a copy
+
+    config = Path(profile.engine.config)
+    candidates = [config] if config.is_absolute() else \
+        [p / config for p in ((checkout.root,) if checkout else ()) + (Path.cwd(),)]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None:
+        return None, ()
+    try:
+        cfg = load_config(path, engine_overrides(profile, host), environ=host.env)
+    except ConfigError:
+        return None, ()  # the profile check (check_engine_config) or the engine says what is wrong
+    data = [] if cfg.data.fake else [("data.path", p) for p in [cfg.data.path] if p]
+    data += [("data.tokenizer", cfg.data.tokenizer)] if cfg.data.tokenizer else []
+    return cfg.inner.device, tuple(data)
+
+
+def link_targets(profile: Profile) -> list[Target]:
+    """Where every engine host must be able to open a TCP connection before anything starts."""
+    if profile.store.backend == "tcp":
+        return [Target(profile.store_address, profile.store.port, "the store")]
+    return [Target(*_split(ep), "etcd") for ep in E.endpoints(profile)]
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    address, _, port = endpoint.rstrip("/").rpartition("//")[-1].rpartition(":")
+    return address.strip("[]"), int(port)
+
+
+def _store_bind(profile: Profile) -> str:
+    """What the store will listen on (console/store_host.py bind()): an ssh_config alias's HostName may not be an
+    address of the host itself, and then the store listens on every interface."""
+    host = profile.store_host
+    if profile.store.bind or profile.store.address or host.address or host.transport == "local":
+        return profile.store_bind
+    return "0.0.0.0"
+
+
+def make_expect(profile: Profile, checkout: Checkout | None) -> Expect:
+    from importlib import metadata
+
+    try:
+        torch = metadata.version("torch")  # the installed metadata only: the console never imports torch
+    except metadata.PackageNotFoundError:
+        torch = None
+    return Expect(profile=profile.path, engine=checkout.engine if checkout else None,
+                  label=checkout.label() if checkout else "no checkout", torch=torch,
+                  min_free_gb=profile.check.min_free_gb, max_clock_skew=profile.check.max_clock_skew,
+                  machine=checkout.machine if checkout else None,
+                  root=os.path.realpath(checkout.root) if checkout else None)
+
+
+# ---- asking -----------------------------------------------------------------------------------------------------
+async def _ask(profile: Profile, plan: HostPlan, host: HostSpec, t: Transport) -> HostResult:
+    result = HostResult(plan.name)
+    result.reach = identity_missing(host)
+    if result.reach:
+        return result
+    try:
+        await asyncio.wait_for(t.connect(), host.connect_timeout * 2 + 1)
+    except TransportError as e:
+        result.reach = str(e)
+        return result
+    except asyncio.TimeoutError:
+        result.reach = f"connect timed out after {host.connect_timeout * 2 + 1:g}s"
+        return result
+    args = {"mode": "facts", "workdir": host.workdir, "venv": host.venv or None, "config": plan.config,
+            "run_dir": plan.run_dir, "packages": list(PACKAGES), "data": [p for _, p in plan.data],
+            "binds": [[b.address, b.port] for b in plan.binds], "pythonpath": host.env.get("PYTHONPATH"),
+            "fake_gpus": host.env.get(FAKE_GPUS), "cuda_visible": host.env.get("CUDA_VISIBLE_DEVICES")}
+    timeout = profile.check.timeout
+    result.sent = time.time()
+    rc, answer, error = await run_probe(t, host.workdir, plan.python, args, timeout)
+    result.received = time.time()
+    if rc in (126, 127):  # the shell could not run that python: say so, and ask python3 for the rest
+        result.python_missing = True
+        result.sent = time.time()
+        rc, answer, error = await run_probe(t, host.workdir, FALLBACK_PYTHON, args, timeout)
+        result.received = time.time()
+        if rc in (126, 127):
+            return result
+    result.facts, result.probe_error = answer, error
+    return result
+
+
+def identity_missing(host: HostSpec) -> str | None:
+    """The profile's identity_file, said missing before asyncssh tries (it would say "No such file")."""
+    if host.transport == "ssh" and host.identity_file and not os.path.exists(os.path.expanduser(host.identity_file)):
+        return f"identity_file {host.identity_file} does not exist on this machine"
+    return None
+
+
+async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout: float) -> tuple[int, dict | None,
+                                                                                                   str | None]:
+    """Run probe.py on the host with `python` (a relative path is the workdir's, as for the engine); (exit status,
+    its JSON answer or None, why not)."""
+    program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{PROBE_SOURCE}".encode()
+    try:
+        rc, out, err = await t.run(f"cd {C.qpath(workdir)} 2>/dev/null; exec {C.qpath(python)} -", timeout=timeout,
+                                   stdin=program)
+    except TransportError as e:
+        return -1, None, str(e)
+    if rc != 0:
+        last = (err.strip().splitlines() or [f"exit status {rc}"])[-1]
+        return rc, None, last
+    try:
+        return rc, json.loads(out.strip().splitlines()[-1]), None
+    except (ValueError, IndexError):
+        return rc, None, f"unreadable answer: {out.strip()[-200:]!r}"
+
+
+async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]) -> bool:
+    """Whether this profile's store runs now (its pid file names a live process of ours)."""
+    if profile.store.backend != "tcp":
+        return False
+    t = transport_of(profile.store_host.name)
+    try:
+        text = await asyncio.wait_for(t.read_text(C.join(profile.run.dir, STORE, C.PID)),
+                                      profile.store_host.connect_timeout * 2 + 1)
+        pid = int(text.strip()) if text and text.strip().isdigit() else None
+        return pid is not None and pid > 1 and await t.alive(pid, C.TAG)
+    except (TransportError, asyncio.TimeoutError):
+        return False
+
+
+# ---- the link test ------------------------------------------------------------------------------------------------
+async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str, HostResult],
+                     transport_of: Callable[[str], Transport], listen: bool) -> None:
+    seconds = profile.check.link_timeout
+    dialers = [p for p in plans if p.links and results[p.name].facts is not None]
+    if not dialers:
+        return
+    waits = []
+    for p in plans if listen else []:
+        free = [[a, port] for a, port, error in (results[p.name].facts or {}).get("binds", []) if error is None]
+        dialled = {t.port for t in dialers[0].links} & {port for _, port in free}
+        if not dialled:
+            continue
+        for d in dialers:  # what the check holds while the others dial: a refusal there is a problem
+            results[d.name].listening |= {str(t) for t in d.links if t.port in dialled}
+        waits.append(_listen(p, free, transport_of(p.name), seconds + 3, len(dialers) * len(dialled), results,
+                             profile))
+    dials = [_dial(p, transport_of(p.name), seconds, results[p.name], profile) for p in dialers]
+    await asyncio.gather(*waits, *dials)
+
+
+async def _listen(plan: HostPlan, binds: list, t: Transport, seconds: float, expect: int,
+                  results: dict[str, HostResult], profile: Profile) -> None:
+    host = profile.hosts[plan.name]
+    args = {"mode": "listen", "binds": binds, "seconds": seconds, "expect": expect}
+    await run_probe(t, host.workdir, _python_of(results[plan.name], plan), args, seconds + 10)
+
+
+async def _dial(plan: HostPlan, t: Transport, seconds: float, result: HostResult, profile: Profile) -> None:
+    host = profile.hosts[plan.name]
+    args = {"mode": "connect", "targets": [[x.address, x.port] for x in plan.links], "seconds": seconds}
+    _, answer, error = await run_probe(t, host.workdir, _python_of(result, plan), args, seconds + 15)
+    if answer is None:
+        result.links = [[x.address, x.port, "error", f"the link test did not run: {error}"] for x in plan.links]
+    else:
+        result.links = answer["links"]
+
+
+def _python_of(result: HostResult, plan: HostPlan) -> str:
+    return FALLBACK_PYTHON if result.python_missing else plan.python
+
+
+# ---- for the console --------------------------------------------------------------------------------------------
+def mark_refused(fleet: Fleet, report: Report, started: Sequence[str] = ()) -> None:
+    """A refused start on the dashboard and in `status`: each host with a problem is failed with its first line
+    as the reason and every line in its log; the others are told why they did not start."""
+    by_host: dict[str, list[Problem]] = {}
+    for problem in report.problems:
+        by_host.setdefault(problem.host, []).append(problem)
+    for plan in report.plans:
+        name = plan.name
+        if name not in fleet.nodes:
+            continue
+        mine = by_host.get(name, [])
+        for problem in mine:
+            fleet.note(name, f"preflight: {problem.what}; fix: {problem.fix}")
+        if mine:
+            more = f" (+{len(mine) - 1} more in the log)" if len(mine) > 1 else ""
+            fleet.set_state(name, NodeState.FAILED, f"preflight: {mine[0].what}; fix: {mine[0].fix}{more}")
+        elif name in started or "engine" in plan.roles:
+            fleet.note(name, "not started: the preflight found problems on " + ", ".join(by_host))
+
+
+async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport]) -> Report:
+    """`zeroband-console PROFILE check`: the profile's engine settings, then every host (transports closed after)."""
+    from console.profile import ProfileError, check_engine_config
+
+    transports: dict[str, Transport] = {}
+
+    def transport_of(name: str) -> Transport:
+        if name not in transports:
+            transports[name] = make(profile.hosts[name])
+        return transports[name]
+    try:
+        report = await preflight(profile, transport_of, mode="check")
+    finally:
+        await asyncio.gather(*(t.close() for t in transports.values()), return_exceptions=True)
+    try:
+        check_engine_config(profile)
+    except ProfileError as e:
+        report.problems.insert(0, Problem("profile", "config", str(e), "fix the profile or the engine config"))
+    return report
