@@ -4,6 +4,11 @@
 # namespaces and packet loss, etcd-server for the etcd store backend and its tests), a virtual environment in .venv,
 # torch (the CPU build, pinned, where there is no NVIDIA driver), and the project with its extras.
 # Re-running it is cheap: each step is skipped when already done.
+#
+# Environment: PYTHON (the interpreter the venv is made from), VENV (default .venv), TORCH_SPEC, and BASE_SITE: a
+# site-packages folder on this machine that already has the project's packages (another venv of this project, a
+# shared image). The venv then sees them through a .pth file instead of downloading them again; `zeroband-console
+# PROFILE sync` passes the profile's [sync] setup_env here on each host (docs/operations.md, "Before the first run").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -32,7 +37,7 @@ fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   say "creating $VENV"
-  "$PYTHON" -m venv "$VENV"
+  "$PYTHON" -m venv ${BASE_SITE:+--without-pip} "$VENV"
 fi
 PY="$VENV/bin/python"
 
@@ -47,6 +52,31 @@ stamp="$VENV/.zeroband-setup"
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
+fi
+
+if [ -n "${BASE_SITE:-}" ]; then
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$BASE_SITE" > "$site/zeroband-base.pth"
+  # the distributions' metadata, not an import: importing torch takes seconds and proves no more here
+  if missing=$("$PY" - <<'PYEOF'
+import importlib.metadata as m
+need = ("torch", "transformers", "pydantic", "tomlkit", "numpy", "psutil", "tqdm", "textual", "asyncssh", "httpx")
+gone = []
+for name in need:
+    try:
+        m.version(name)
+    except m.PackageNotFoundError:
+        gone.append(name)
+print(" ".join(gone))
+PYEOF
+  ) && [ -z "$missing" ]; then
+    say "using the packages of $BASE_SITE"
+    echo "$want" > "$stamp"
+    say "done"
+    exit 0
+  fi
+  say "BASE_SITE=$BASE_SITE lacks: ${missing:-?} (unset BASE_SITE to install into $VENV from the registry)"
+  exit 1
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

@@ -72,6 +72,11 @@ class Transport(abc.ABC):
     async def connect(self) -> None:
         """Make sure the host can be reached (a no-op where there is nothing to connect)."""
 
+    async def put_files(self, root: str, files: Sequence[tuple[str, bytes, int]]) -> None:
+        """Write (relative path, content, mode) files under the absolute folder root, each to a temporary name then
+        renamed over the old one (a reader never sees half a file); folders are made as needed (console/sync.py)."""
+        raise TransportError(f"{self.kind} transport cannot send files")
+
     async def close(self) -> None:
         """Drop connections. Detached processes keep running."""
 

@@ -37,6 +37,7 @@ _WRAPPER = ('trap : TERM INT HUP USR1 USR2; rc=$1; envf=$2; shift 2; '
             'if [ -n "$envf" ]; then set -a; . "$envf"; set +a; rm -f "$envf"; fi; "$@"; echo $? > "$rc"')
 ENV_FILE = "env"
 TAG = "zeroband"  # the wrapper's $0: marks our processes, so a reused pid is not taken for an engine
+SYNC_SUFFIX = ".zb-sync"  # Transport.put_files writes a file here first, then renames it over the old one
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
 
 # preflight exit statuses -> what they mean

@@ -8,7 +8,9 @@ import os
 import signal
 from collections import deque
 from pathlib import Path
+from typing import Sequence
 
+from console.transport import commands as C
 from console.transport.base import Tail, Transport, TransportError, lines_of
 
 POLL_S = 0.1  # how often a quiet file is looked at again
@@ -39,6 +41,12 @@ class LocalTransport(Transport):
 
     def tail(self, path: str, from_offset: int = 0) -> Tail:
         return LocalTail(self.resolve(path), from_offset)
+
+    async def put_files(self, root: str, files: Sequence[tuple[str, bytes, int]]) -> None:
+        try:
+            await asyncio.to_thread(write_files, Path(root), files)
+        except OSError as e:
+            raise TransportError(f"cannot write under {root}: {e}") from None
 
     def resolve(self, path: str) -> Path:
         p = Path(os.path.expanduser(path))
@@ -102,6 +110,16 @@ class LocalTail(Tail):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def write_files(root: Path, files: Sequence[tuple[str, bytes, int]]) -> None:
+    for rel, data, mode in files:
+        dst = root / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + C.SYNC_SUFFIX)
+        tmp.write_bytes(data)
+        tmp.chmod(mode)
+        os.replace(tmp, dst)
 
 
 def _kill_group(pid: int) -> None:

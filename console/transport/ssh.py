@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import posixpath
 import socket
 import time
+from typing import Sequence
 
 import asyncssh
 
@@ -31,6 +33,7 @@ KEEPALIVE_COUNT = 3
 CLOSE_WAIT_S = 3.0
 CHANNEL_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+SFTP_PARALLEL = 16  # files in flight at once: a high-latency link is not paid once per file
 
 
 class _Client(asyncssh.SSHClient):
@@ -236,6 +239,29 @@ class SshTransport(Transport):
 
     def tail(self, path: str, from_offset: int = 0) -> Tail:
         return SshTail(self, path, from_offset)
+
+    async def put_files(self, root: str, files: Sequence[tuple[str, bytes, int]]) -> None:
+        """Over SFTP on this host's connection (one channel), SFTP_PARALLEL files in flight."""
+        conn = await self._connection()
+        async with self._channels:
+            try:
+                async with conn.start_sftp_client() as sftp:
+                    for folder in sorted({posixpath.dirname(f"{root}/{rel}") for rel, _, _ in files}):
+                        await sftp.makedirs(folder, exist_ok=True)
+                    slots = asyncio.Semaphore(SFTP_PARALLEL)
+
+                    async def put(rel: str, data: bytes, mode: int) -> None:
+                        dst = f"{root}/{rel}"
+                        async with slots:
+                            async with sftp.open(dst + C.SYNC_SUFFIX, "wb") as f:
+                                await f.write(data)
+                            await sftp.chmod(dst + C.SYNC_SUFFIX, mode)
+                            await sftp.posix_rename(dst + C.SYNC_SUFFIX, dst)
+                    await asyncio.gather(*(put(*f) for f in files))
+            except (OSError, asyncssh.Error) as e:
+                reason = getattr(e, "reason", None) or str(e)
+                raise TransportError(self.lost_reason or f"sftp to {self.host.name} failed: {reason}",
+                                     link=isinstance(e, (OSError, asyncssh.DisconnectError))) from None
 
 
 class SshTail(Tail):
