@@ -634,49 +634,69 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import torch
-    torch.set_num_threads(args.threads)
-    arms = sweep_arms(args) if args.sweep else h_sweep_arms(args) if args.sweep_h else default_arms(args)
-    if args.arms:
-        unknown = sorted(set(args.arms) - {a.name for a in arms})
-        if unknown:
-            raise SystemExit(f"learning: --arms {','.join(unknown)}: no such arm (arms: "
-                             f"{', '.join(a.name for a in arms)})")
-        arms = [a for a in arms if a.name in args.arms]
-    args.out.mkdir(parents=True, exist_ok=True)
-    kind = "-sweep" if args.sweep else "-sweep-h" if args.sweep_h else ""
-    kind += "-seeds" if len(args.seeds) > 1 else ""
-    stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}{kind}"
+def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
+    """Every arm once per seed; save(results so far) after each arm, so a long study keeps what it measured."""
     per_seed: list[list[Result]] = []
     with tempfile.TemporaryDirectory(prefix="zb-learning-") as tmp:
         for seed in args.seeds:
             run_args = argparse.Namespace(**{**vars(args), "seed": seed})
-            rs = []
+            rs: list[Result] = []
+            per_seed.append(rs)
             for arm in arms:
-                r = run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
+                try:
+                    r = run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
+                except ArmFailed as e:
+                    if arm.poison is None:
+                        raise SystemExit(f"learning: {e}") from None
+                    # a poisoned run without the sentinel may diverge: that is the damage it measures
+                    r = Result(arm, float("nan"), 0.0, 0, seed=seed, failed=str(e).splitlines()[-1][:200])
                 rs.append(r)
-                print(f"  {arm.name:<30} seed {seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
+                print(f"  {arm.name:<30} seed {seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s"
+                      + (f"  failed: {r.failed}" if r.failed else ""), flush=True)
+                save([r for rs_ in per_seed for r in rs_])
             by = {r.arm.name: r for r in rs}
             if len(args.seeds) > 1:
                 print(f"seed {seed}:")
             print(table(rs, by.get("ddp"), by.get("single")))
-            per_seed.append(rs)
+    return per_seed
+
+
+def worst(means: dict[str, float], names: list[str]) -> float:
+    """The largest of these arms' mean ratios; nan (a failed or diverged run) counts as the worst."""
+    import math
+    got = [means[n] for n in names if n in means]
+    return float("nan") if not got or any(math.isnan(x) for x in got) else max(got)
+
+
+def conclude(args, per_seed: list[list[Result]]) -> None:
+    """The closing lines: a study's ratios to its baselines, the sentinel's count, and the last line."""
+    by = {r.arm.name: r for r in per_seed[-1]}
     results = [r for rs in per_seed for r in rs]
     ratios = None
-    if len(args.seeds) > 1:
+    if len(args.seeds) > 1 and not (args.overlap or args.poison):
         text, ratios = spread(per_seed)
         print(f"over {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}):")
         print(text)
-    title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
-             f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
-             f"{', '.join(map(str, args.seeds))}")
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()},
-         "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
-    plot(results, args.out / f"{stem}.png", title)
-    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    means: dict[str, float] = {}
+    if args.overlap or args.poison:
+        text, means = paired(per_seed)
+        print(f"each arm's eval loss / its baseline's, same seed ({', '.join(map(str, args.seeds))}):")
+        print(text)
+    if args.engine == "mesh":
+        print(sentinel_report(results))
+    if args.overlap:
+        for h in args.overlap_h:
+            print(f"H = {h}: eager/sync {means.get(f'eager H{h}', float('nan')):.4f}, delayed/sync "
+                  f"{means.get(f'delayed H{h}', float('nan')):.4f}")
+        eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
+        delayed = worst(means, [f"delayed H{h}" for h in args.overlap_h])
+        print(f"overlap/sync eval-loss ratio {eager:.4f}; delayed {delayed:.4f}")
+        return
+    if args.poison:
+        on = worst(means, ["x100 sentinel on", "flip sentinel on"])
+        off = worst(means, ["x100 sentinel off", "flip sentinel off"])
+        print(f"poisoned/clean eval-loss ratio {on:.4f} with the sentinel; {off:.4f} without")
+        return
     d = by.get("diloco") or next((r for r in per_seed[-1] if r.arm.kind == "diloco"), None)
     if d and "ddp" in by and "single" in by:
         r1, r2 = ratios[d.arm.name] if ratios else (d.eval_loss / by["ddp"].eval_loss,
@@ -685,6 +705,38 @@ def main(argv=None) -> int:
             print("one seed: at CPU scale these ratios move by about 3% with the seed (docs/learning.md, \"Batch per "
                   "worker\"); --seeds 1337,7,11,23 gives their mean")
         print(f"diloco/ddp eval-loss ratio {r1:.3f}; diloco/single {r2:.3f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    study = {"sweep": sweep_arms, "sweep_h": h_sweep_arms, "overlap": overlap_arms, "poison": poison_arms}
+    chosen = next((name for name in study if getattr(args, name)), None)
+    arms = study[chosen](args) if chosen else default_arms(args)
+    if args.arms:
+        unknown = sorted(set(args.arms) - {a.name for a in arms})
+        if unknown:
+            raise SystemExit(f"learning: --arms {','.join(unknown)}: no such arm (arms: "
+                             f"{', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name in args.arms or a.name in {b.baseline for b in arms if b.name in args.arms}]
+    args.out.mkdir(parents=True, exist_ok=True)
+    kind = f"-{chosen.replace('_', '-')}" if chosen else ""
+    kind += "-seeds" if len(args.seeds) > 1 else ""
+    stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}{kind}"
+
+    def save(results: list[Result]) -> None:
+        (args.out / f"{stem}.json").write_text(json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()},
+             "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
+
+    per_seed = run_arms(args, arms, save)
+    title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
+             f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
+             f"{', '.join(map(str, args.seeds))}")
+    plot([r for rs in per_seed for r in rs if not r.failed], args.out / f"{stem}.png", title)
+    print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
+    conclude(args, per_seed)
     return 0
 
 

@@ -118,3 +118,27 @@ def test_seeds_and_arms_are_checked_before_anything_runs():
     args = learning.parse_args(["--seeds", "3, 5", "--arms", "single,ddp"])
     assert args.seeds == [3, 5] and args.arms == ["single", "ddp"]
     assert learning.parse_args([]).seeds == [1337]
+
+
+def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_same_seed():
+    """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
+    of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
+    over = learning.overlap_arms(learning.parse_args(["--overlap"]))
+    assert [a.name for a in over] == ["sync H5", "eager H5", "delayed H5", "sync H20", "eager H20", "delayed H20"]
+    assert over[1].overrides()["diloco.overlap_update"] == "eager" and over[1].baseline == "sync H5"
+    assert "diloco.overlap_update" not in over[0].overrides() and over[3].inner_steps == 20
+    poison = learning.poison_arms(learning.parse_args(["--poison", "--steps", "120", "--inner-steps", "5"]))
+    assert {a.poison for a in poison[1:]} == {learning.Poison(1, 100.0, 7, 18), learning.Poison(1, -1.0, 7, 18)}
+    assert [a.overrides().get("diloco.sentinel_ratio") for a in poison] == [None, None, None, 0.0, 0.0]
+    with pytest.raises(SystemExit):
+        learning.poison_arms(learning.parse_args(["--poison", "--poison-rounds", "20-30"]))
+
+    def run(name, loss, baseline=""):
+        return learning.Result(learning.Arm(name, "diloco", baseline=baseline), loss, 1.0, 1)
+
+    text, means = learning.paired([[run("sync", 2.0), run("eager", 2.02, "sync")],
+                                   [run("sync", 3.0), run("eager", 2.97, "sync")]])
+    assert means == {"eager": pytest.approx((1.01 + 0.99) / 2)}
+    assert learning.worst({"a": 1.01, "b": 0.99}, ["a", "b"]) == 1.01
+    assert str(learning.worst({"a": float("nan"), "b": 0.99}, ["a", "b"])) == "nan"
+    assert learning.steps_text([3, 4, 5, 9]) == "3-5, 9"
