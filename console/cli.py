@@ -5,6 +5,11 @@
     zeroband-console profiles/local.toml --readonly         # watch only: no add, drain, kill, restart or stop
     zeroband-console profiles/local.toml --headless         # no screen: a status line per interval, exit = outcome
     zeroband-console profiles/local.toml status | drain NODE | kill NODE | add HOST | stop
+    zeroband-console profiles/lab.toml check                # every host, before anything starts (exit 1: a problem)
+    zeroband-console profiles/lab.toml sync                 # this checkout (HEAD) and its set-up onto every host
+
+A start (the dashboard, --headless, add) runs the same check first and starts nothing when it finds a problem;
+--no-check skips it.
 
 Exit codes: 0 the run completed (every node completed or drained) or the command succeeded; 1 a node failed or
 died, or the command failed; 2 bad usage or a bad profile (one line naming file:line: key; nothing started);
@@ -22,12 +27,13 @@ import time
 from typing import Any, Callable, Sequence, TextIO
 
 from console.fleet import Fleet, Node, NodeState
+from console.preflight import PreflightFailed
 from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                              EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
 from console.widgets import cells
 from console.widgets.cells import summary_text  # pure: shells and --headless never import Textual
 
-COMMANDS = ("status", "drain", "kill", "add", "stop")
+COMMANDS = ("status", "drain", "kill", "add", "stop", "check", "sync")
 
 
 # ---- pure pieces (unit-tested) ------------------------------------------------------------------------------
@@ -90,12 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue the previous run from each node's checkpoints (default: a fresh run; the "
                              "previous run's folders move to RUN_DIR/_archive/)")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between headless status lines")
+    parser.add_argument("--no-check", action="store_true",
+                        help="start (or add) without the preflight of the hosts (`check`)")
     sub = parser.add_subparsers(dest="command", metavar="[COMMAND]", required=False)
     sub.add_parser("status", help="print every node of the running cluster")
     for name, what in (("drain", "finish the outer round and leave"), ("kill", "end the node's processes now")):
         sub.add_parser(name, help=what).add_argument("node")
     sub.add_parser("add", help="start a standby host (or a new address) and join it").add_argument("host")
     sub.add_parser("stop", help="stop training on every node")
+    sub.add_parser("check", help="check every host before a start: one line per problem and its fix")
+    sub.add_parser("sync", help="put this checkout (HEAD's tracked files) and its set-up on every host")
     return parser
 
 
@@ -138,6 +148,12 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
     try:
         try:
             await (cluster.attach() if attach else cluster.start())
+        except PreflightFailed as e:  # one line per problem, each naming its host; nothing was started
+            for line in e.lines:
+                print(f"zeroband-console: {line}", file=sys.stderr)
+            print("zeroband-console: nothing started (zeroband-console PROFILE check; --no-check skips it)",
+                  file=sys.stderr)
+            return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
@@ -216,10 +232,32 @@ async def _close(cluster: Any) -> None:
         await close()
 
 
-def make_cluster(profile: Any, fleet: Fleet, resume: bool = False) -> Any:
+def make_cluster(profile: Any, fleet: Fleet, resume: bool = False, check: bool = True) -> Any:
     from console.cluster import Cluster
 
-    return Cluster(profile, fleet, resume=resume)
+    return Cluster(profile, fleet, resume=resume, preflight=check)
+
+
+async def run_check(profile: Any, out: TextIO) -> int:
+    """`check`: a line per problem (exit 1), else the table of what every host has (exit 0)."""
+    from console.preflight.runner import check_profile
+    from console.transport import make_transport
+
+    report = await check_profile(profile, make_transport)
+    for line in report.lines() or report.table():
+        print(line, file=out, flush=True)
+    for note in report.notes:
+        print(f"({note})", file=out)
+    return EXIT_FAILED if report.problems else EXIT_OK
+
+
+async def run_sync(profile: Any, out: TextIO) -> int:
+    """`sync`: a progress line per host and step; exit 1 when a host could not be brought up to date."""
+    from console.sync import sync
+    from console.transport import make_transport
+
+    ok = await sync(profile, make_transport, say=lambda line: print(line, file=out, flush=True))
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
@@ -230,8 +268,14 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         profile = load(args.profile)
     except SystemExit as e:
         return int(e.code or 0)
+    if args.command in ("check", "sync"):  # before anything starts: no cluster, no fleet
+        try:
+            return asyncio.run((run_check if args.command == "check" else run_sync)(profile, out))
+        except BrokenPipeError:
+            return EXIT_OK
     fleet = Fleet(run=profile.run.name)
-    cluster = cluster_factory(profile, fleet, **({"resume": True} if args.resume else {}))
+    cluster = cluster_factory(profile, fleet, **({"resume": True} if args.resume else {}),
+                              **({"check": False} if args.no_check else {}))
     try:
         if args.command:
             return asyncio.run(run_command(cluster, fleet, args, out))

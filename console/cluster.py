@@ -69,8 +69,10 @@ class Outcome:
 
 class Cluster:
     def __init__(self, profile: Profile, fleet: Fleet,
-                 transports: Callable[[HostSpec], Transport] = make_transport, *, resume: bool = False):
+                 transports: Callable[[HostSpec], Transport] = make_transport, *, resume: bool = False,
+                 preflight: bool = False):
         self.resume = resume  # start() continues the previous run's checkpoints instead of archiving them
+        self.preflight = preflight  # start() and add() check their hosts first (console/preflight/)
         self.fleet = fleet
         self._hosts = Hosts(profile, fleet, transports)
         self._watchers = Watchers(self._hosts)
@@ -110,6 +112,8 @@ class Cluster:
             await self.attach()
             return
         await self._store.end_stale()
+        if self.preflight:
+            await self._check_before("start")  # a problem on any host: nothing starts anywhere
         blocked = set() if self.resume else await self._archive_previous()
         active = [h for h in self.profile.active_hosts() if h.name not in blocked]
         if not active:
@@ -121,6 +125,16 @@ class Cluster:
             return
         await self._hosts.gather(*(self._launch(h) for h in active))
         self._watchers.watch_others(self._attacher.retries)
+
+    async def _check_before(self, mode: str, host: str | None = None) -> None:
+        """The preflight of the hosts a start (or an add) uses; PreflightFailed, with each host's node failed and
+        its lines in the node's log, when anything is wrong (docs/operations.md, "Before the first run")."""
+        from console.preflight.runner import PreflightFailed, mark_refused, preflight
+
+        report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else None)
+        if report.problems:
+            mark_refused(self.fleet, report)
+            raise PreflightFailed(report.problems)
 
     async def _archive_previous(self) -> set[str]:
         """A fresh start: move every node's (and the store's) folder of an earlier run, with its checkpoints, to
@@ -251,6 +265,14 @@ class Cluster:
                 return Outcome(False, f"{target}: cannot add: {e}")
         if self._procs.get(target) and not self._procs[target].done.is_set():
             return Outcome(False, f"{target}: already running")
+        if self.preflight:
+            from console.preflight import PreflightFailed
+
+            try:
+                await self._check_before("add", target)  # it must reach the running store, among the rest
+            except PreflightFailed as e:
+                return Outcome(False, "\n".join([f"{target}: not added: the preflight found {len(e.lines)} "
+                                                  "problem(s)", *e.lines]))
         started = await self.restart(target)
         return Outcome(started.ok, started.message.replace("restarted", "added", 1))
 
