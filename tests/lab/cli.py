@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hosts", type=int, default=d.hosts, help="engine hosts (a store host is added)")
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout)
     p.add_argument("--inner-steps", type=int, default=d.inner_steps)
+    p.add_argument("--round-seconds", type=float, default=d.round_seconds,
+                   help="rounds by time of this many seconds (diloco.round = time); 0: rounds of --inner-steps steps")
     p.add_argument("--recovery", type=float, default=d.recovery_s, help="seconds each fault may take to heal")
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole lab")
     p.add_argument("--stall-limit", type=float, default=None, help="default: heartbeat timeout + 2 s")
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: --hosts must be in 2..20, got {args.hosts}", file=sys.stderr)
         return EXIT_LAB
     options = Options(seed=args.seed, faults=args.faults, hosts=args.hosts, heartbeat_timeout=args.heartbeat_timeout,
-                      inner_steps=args.inner_steps, recovery_s=args.recovery, deadline_s=args.deadline,
+                      inner_steps=args.inner_steps, round_seconds=args.round_seconds, recovery_s=args.recovery, deadline_s=args.deadline,
                       stall_limit=args.stall_limit, keep=args.keep, lock_wait_s=args.lock_wait,
                       kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     try:  # a bad --kinds or --faults is one line before anything is set up
