@@ -260,6 +260,23 @@ async def run_sync(profile: Any, out: TextIO) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def _refused(profile: Any, args: argparse.Namespace) -> str | None:
+    """What makes the command wrong before any host is reached: a missing identity file, or `add` of a name that
+    is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
+    from console.hosts import UnknownHost, new_host_target
+    from console.profile import ProfileError, check_identity_files
+
+    try:
+        check_identity_files(profile)
+        if args.command == "add" and args.host not in profile.hosts:
+            new_host_target(profile, args.host)
+    except (ProfileError, UnknownHost) as e:
+        return f"{args.command + ': ' if isinstance(e, UnknownHost) else ''}{e}"
+    except ValueError:
+        pass  # not even [user@]host[:port]: Cluster.add says so on the node it names
+    return None
+
+
 def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
          out: TextIO | None = None) -> int:
     args = parse_args(argv)
@@ -268,6 +285,11 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         profile = load(args.profile)
     except SystemExit as e:
         return int(e.code or 0)
+    if args.command not in ("check", "sync"):  # `check` lists every problem of every host its own way
+        refused = _refused(profile, args)
+        if refused is not None:
+            print(f"zeroband-console: {refused}", file=sys.stderr)
+            return EXIT_USAGE
     if args.command in ("check", "sync"):  # before anything starts: no cluster, no fleet
         try:
             return asyncio.run((run_check if args.command == "check" else run_sync)(profile, out))

@@ -42,10 +42,9 @@ from typing import Any, Callable
 from console import etcd as E
 from console.attach import Attacher
 from console.fleet import Fleet, NodeState
-from console.hosts import ARCHIVE, KILLED, STORE, Hosts, host_label, resting_state
+from console.hosts import ARCHIVE, KILLED, STORE, Hosts, UnknownHost, host_label, new_host_target, resting_state
 from console.launch import engine_argv, engine_env, store_argv
 from console.profile import HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides
-from console.sshconfig import split_target
 from console.store_host import StoreHost
 from console.transport import Transport, TransportError, make_transport
 from console.transport import commands as C
@@ -210,10 +209,14 @@ class Cluster:
 
     # ---- actions ---------------------------------------------------------------------------------------------
     async def drain(self, name: str) -> Outcome:
-        """Touch the node's drain file: the engine finishes its outer round and leaves."""
+        """Touch the node's drain file: the engine finishes its outer round and leaves. A node that does not run has
+        nothing to drain: that is said, like kill says it, and no file is left to drain its next start at once."""
         if name not in self.profile.hosts:
             return Outcome(False, f"no node named {name!r}")
+        proc = self._procs.get(name)
         try:
+            if (proc is None or proc.pid is None or proc.done.is_set()) and await self._hosts.running_pid(name) is None:
+                return Outcome(False, f"{name}: not running (nothing to drain)")
             await self.transport(name).touch(self._hosts.path(name, C.DRAIN))
         except TransportError as e:
             self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
@@ -259,6 +262,8 @@ class Cluster:
         if target not in self.profile.hosts:
             try:
                 target = self._add_to_profile(target)
+            except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
+                return Outcome(False, str(e))
             except (ProfileError, ValueError, OSError) as e:
                 self.fleet.add_node(target, target, NodeState.FAILED)
                 self.fleet.set_state(target, NodeState.FAILED, f"cannot add: {e}")
@@ -277,10 +282,7 @@ class Cluster:
         return Outcome(started.ok, started.message.replace("restarted", "added", 1))
 
     def _add_to_profile(self, target: str) -> str:
-        parts = split_target(target)
-        if parts is None:
-            raise ValueError(f"not a host name or [user@]address[:port]: {target!r}")
-        user, name, port = parts
+        user, name, port = new_host_target(self.profile, target)
         if name in self.profile.hosts:
             return name
         # a new address is another machine: reached over SSH, whatever [defaults] says for the others

@@ -4,6 +4,8 @@
     hosts.transport("node-a")                    one transport (one connection) per profile host, made on first use
     hosts.path("node-a", C.PID)                  RUN_DIR/node-a/pid on that host
     await hosts.live_pid(STORE, store_host)      the recorded pid, if that process still runs
+    await hosts.end_groups([(host, pgid)], 30)   wait for process groups to be empty, KILL them after 30 s
+    new_host_target(profile, "user@10.0.0.7")    what `add` of a name the profile lacks would write, or UnknownHost
     hosts.stopping, hosts.closed                 what every watcher asks before its next turn
 
 `profile` is replaced when `add` writes a new host into the profile file: the parts read it from here each time
@@ -13,7 +15,11 @@ and never keep their own copy.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+import difflib
+import ipaddress
+import time
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
 
 from console.fleet import Fleet, NodeState
 from console.profile import HostSpec, Profile
@@ -36,6 +42,43 @@ def resting_state(host: HostSpec) -> NodeState:
 
 def host_label(host: HostSpec) -> str:
     return "local" if host.transport == "local" else host.target
+
+
+class UnknownHost(ValueError):
+    """A name that is neither a host of the profile nor an address: `add` changes nothing (a typo, most likely)."""
+
+
+def new_host_target(profile: Profile, target: str) -> tuple[str | None, str, int | None]:
+    """`add TARGET` of a name the profile does not have: (user, address, port) of the new machine, or UnknownHost
+    naming the hosts it may have meant (a plain ValueError when it is not even `[user@]host[:port]`).
+
+    Only what is unmistakably a machine is new: an IP address, a dotted host name, `user@` or `:port` given, or an
+    alias an ssh config gives a HostName. A bare word is a typo until then: `add node-ee` wrote [hosts.node-ee]
+    into the profile and tried to SSH to it."""
+    from console.sshconfig import split_target, ssh_hostname  # reads the ssh config only for a bare word
+
+    parts = split_target(target)
+    if parts is None:
+        raise ValueError(f"not a host name or [user@]address[:port]: {target!r}")
+    user, name, port = parts
+    if user is not None or port is not None or "." in name or name == "localhost":
+        return parts
+    try:
+        ipaddress.ip_address(name)
+        return parts
+    except ValueError:
+        pass
+    configs = {h.ssh_config for h in profile.hosts.values()} | {None}  # the profile's, and ~/.ssh/config
+    if any(ssh_hostname(SimpleNamespace(ssh_config=c, target=name)) for c in configs):
+        return parts
+    names = list(profile.hosts)
+    ratio = {n: difflib.SequenceMatcher(None, name, n).ratio() for n in names}
+    best = max(ratio.values(), default=0.0)
+    close = [n for n in names if ratio[n] == best and best >= 0.6]  # the nearest, all of them when they tie
+    guess = f": did you mean {' or '.join(filter(None, [', '.join(close[:-1]), close[-1]]))}?" if close else ""
+    raise UnknownHost(f"{name} is not a host of {profile.path}{guess} (its hosts: {', '.join(names)}; a new "
+                      "machine is given by its address: 10.0.0.7, user@host:port, a full host name or an "
+                      "~/.ssh/config alias)")
 
 
 class Hosts:
@@ -61,13 +104,17 @@ class Hosts:
 
     async def live_pid(self, name: str, host: str | None = None) -> int | None:
         """The pid recorded for a node (or the store) if that process still runs; None otherwise."""
-        t = self.transport(host or name)
         try:
-            text = await t.read_text(self.path(name, C.PID))
-            pid = int(text.strip()) if text and text.strip().isdigit() else None
-            return pid if pid is not None and pid > 1 and await t.alive(pid, C.TAG) else None
+            return await self.running_pid(name, host)
         except TransportError:
             return None
+
+    async def running_pid(self, name: str, host: str | None = None) -> int | None:
+        """live_pid, but a host that cannot be asked raises TransportError instead of reading as "not running"."""
+        t = self.transport(host or name)
+        text = await t.read_text(self.path(name, C.PID))
+        pid = int(text.strip()) if text and text.strip().isdigit() else None
+        return pid if pid is not None and pid > 1 and await t.alive(pid, C.TAG) else None
 
     async def signal_quietly(self, name: str, pid: int, sig: str) -> bool:
         try:

@@ -445,6 +445,26 @@ def engine_overrides(profile: Profile, host: HostSpec) -> dict[str, Any]:
     return {**profile.engine.overrides, **host.overrides}
 
 
+def check_identity_files(profile: Profile) -> None:
+    """Every ssh host's identity_file exists on this machine (the console logs in with it); a ProfileError at its
+    line if not. Asked by the shell commands before they reach any host: a missing key read as "cannot reach
+    127.0.0.1: No such file or directory" on the node, and `status` exited 0."""
+    lines: dict[tuple[str, ...], int] | None = None
+    for host in profile.hosts.values():
+        if host.transport != "ssh" or not host.identity_file:
+            continue
+        if not os.path.exists(os.path.expanduser(host.identity_file)):
+            if lines is None:
+                lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
+            line = _line_of(("hosts", host.name, "identity_file"), lines, {})
+            raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.identity_file: {missing_key(host)}")
+
+
+def missing_key(host: HostSpec) -> str:
+    """What is wrong with a host whose identity_file is missing (the profile check and the transport say it)."""
+    return f"{host.identity_file} does not exist on this machine (the key this console logs in to {host.name} with)"
+
+
 def check_engine_config(profile: Profile) -> None:
     """Load the engine config with each local host's overrides, as the engine will; a ProfileError if it fails.
 

@@ -24,9 +24,9 @@ What each file is:
 
 Profiles are read by console/profile.py (one parser for the console and these recipes). Every value that
 reaches a shell script goes through shlex.quote. No secrets are written: identity files, ssh users and jump
-hosts never appear, and an environment variable whose name looks like a credential (TOKEN, SECRET, PASSWORD,
-KEY, ...) is required from the launching environment instead of being copied into the file. An existing output
-is never replaced unless --force.
+hosts never appear, and an environment variable whose name contains TOKEN, SECRET, PASSW, KEY, PRIVATE, CREDENTIAL
+or AUTH (in any case) is required from the launching environment instead of being copied into the file. An existing
+output is never replaced unless --force.
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE|CREDENTIAL|AUTH", re.IGNORECASE)
+# a name that contains one of these, in any case, is a credential (DB_KEY, SSH_KEYFILE, hf_token...); the docs say
+# exactly this list (docs/strategies.md, tests/test_console_inputs.py)
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSW", "KEY", "PRIVATE", "CREDENTIAL", "AUTH")
+SECRET_NAME = re.compile("|".join(SECRET_WORDS), re.IGNORECASE)
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}")
 HOSTFILE_LINE = re.compile(r"(\S+) slots=(\d+)")

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import asyncssh
 
-from console.profile import HostSpec
+from console.profile import HostSpec, missing_key
 from console.sshconfig import proxy_jump, split_target
 from console.transport import commands as C
 from console.transport.base import Tail, Transport, TransportError
@@ -104,6 +104,8 @@ class SshTransport(Transport):
             options["username"] = h.user
         if h.identity_file:
             options["client_keys"] = [os.path.expanduser(h.identity_file)]
+            if not os.path.exists(options["client_keys"][0]):  # else the reason is a bare ENOENT "cannot reach"
+                raise TransportError(f"hosts.{h.name}.identity_file: {missing_key(h)}", link=True)
         if h.ssh_config:
             options["config"] = [os.path.expanduser(h.ssh_config)]
         return options

@@ -1,0 +1,199 @@
+"""Bad inputs to the console's shell commands (issue 24): a typo given to `add`, a drain of a node that does not
+run, a missing identity file, and the recipes' rule for secrets. Each one either changes nothing or says exactly
+what is wrong, in one line, with a non-zero exit."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from console import cli
+from console.fleet import Fleet
+from console.profile import load_profile
+from procs import free_port
+from test_cluster import PROFILE, cleanup, make_profile, workdir  # noqa: F401 -- fixtures
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    return cli.main(argv, out=out), out.getvalue()
+
+
+# ---- item 1: `add` of a name the profile does not have ---------------------------------------------------------
+def _five_hosts(workdir: Path) -> Path:
+    path = workdir / "p.toml"
+    path.write_text(PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra="")
+                    + "\n[hosts.node-e]\nstandby = true\n")
+    return path
+
+
+def test_add_of_a_typo_changes_nothing_and_names_the_hosts(workdir, capsys):
+    """Defect: `add node-ee` wrote an active [hosts.node-ee] with transport = "ssh" into the profile, said
+    "retrying" and exited 1; the next start tried to SSH to it."""
+    path = _five_hosts(workdir)
+    before = path.read_bytes()
+    code, out = _cli([str(path), "add", "node-ee"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_USAGE and out == ""
+    assert path.read_bytes() == before  # byte-identical: nothing written
+    assert not (workdir / "runs").exists()  # nothing started, no folder made
+    assert len(err.strip().splitlines()) == 1, err
+    assert "node-ee is not a host of" in err and "node-a, node-b, node-c, node-e" in err
+    assert "did you mean node-e?" in err and "retrying" not in err
+    assert "user@host:port" in err  # how to give a new machine instead
+
+
+async def test_cluster_add_of_an_unknown_name_refuses_and_touches_nothing(workdir, cleanup):  # noqa: F811
+    """The dashboard's add goes through Cluster.add: the same refusal, no row added, the file untouched."""
+    from console.cluster import Cluster
+
+    path = _five_hosts(workdir)
+    before = path.read_bytes()
+    fleet = Fleet()
+    cluster = Cluster(load_profile(path), fleet)
+    try:
+        out = await cluster.add("nodee")
+        assert not out and "did you mean node-e?" in out.message
+        assert path.read_bytes() == before and set(fleet.nodes) == {"node-a", "node-b", "node-c", "node-e"}
+        assert set(cluster.profile.hosts) == set(fleet.nodes)
+    finally:
+        await cluster.close()
+
+
+def test_what_add_takes_for_a_new_machine(workdir):
+    """An address (IP, a dotted name, user@ or :port) or an alias the ssh config gives a HostName is a new machine;
+    a bare name that is none of these is refused with the hosts it may have meant."""
+    from console.hosts import UnknownHost, new_host_target
+
+    config = workdir / "ssh_config"
+    config.write_text("Host gpu7\n  HostName 10.0.0.7\n")
+    path = workdir / "p.toml"
+    path.write_text(PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra="")
+                    .replace('transport = "local"', f'transport = "local"\nssh_config = "{config}"'))
+    profile = load_profile(path)
+    assert new_host_target(profile, "10.0.0.9") == (None, "10.0.0.9", None)
+    assert new_host_target(profile, "box.example.org") == (None, "box.example.org", None)
+    assert new_host_target(profile, "bob@box") == ("bob", "box", None)
+    assert new_host_target(profile, "box:2222") == (None, "box", 2222)
+    assert new_host_target(profile, "gpu7") == (None, "gpu7", None)  # an ~/.ssh/config alias
+    with pytest.raises(UnknownHost, match=r"gpu8 is not a host of [^:]*p\.toml \(its hosts: node-a, node-b, node-c;"):
+        new_host_target(profile, "gpu8")
+    with pytest.raises(ValueError, match="node-x is not a host of .*did you mean node-a, node-b or node-c\\?"):
+        new_host_target(profile, "node-x")
+    with pytest.raises(ValueError, match="not a host name or"):
+        new_host_target(profile, "not a host!")
+
+
+# ---- item 4: drain of a node that does not run -----------------------------------------------------------------
+async def test_drain_of_a_node_that_does_not_run_says_so(workdir, cleanup):  # noqa: F811
+    """Defect: a stopped node whose folder exists answered "drain requested" (exit 0), one never started
+    "touch: cannot touch ..."; both now say the node is not running, like kill, and leave no drain file."""
+    from console.cluster import Cluster
+
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        never = await cluster.drain("node-b")
+        assert not never and never.message == "node-b: not running (nothing to drain)"
+        stopped = workdir / "runs" / "t" / "node-a"
+        stopped.mkdir(parents=True)
+        (stopped / "pid").write_text("999999999\n")  # the pid file of a process long gone
+        (stopped / "rc").write_text("0\n")
+        gone = await cluster.drain("node-a")
+        assert not gone and gone.message == "node-a: not running (nothing to drain)"
+        assert not (stopped / "drain").exists() and not (workdir / "runs" / "t" / "node-b").exists()
+    finally:
+        await cluster.close()
+
+
+def test_drain_from_the_shell_of_a_stopped_node_exits_1(workdir, capsys):
+    profile = make_profile(workdir)
+    code, out = _cli([profile.path, "drain", "node-b"])
+    err = capsys.readouterr().err
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert err.strip() == "zeroband-console: node-b: not running (nothing to drain)"
+
+
+# ---- item 6: a missing identity file ---------------------------------------------------------------------------
+SSH_PROFILE = """\
+[run]
+name = "keys"
+dir = "runs/keys"
+
+[store]
+host = "node-a"
+port = {port}
+
+[engine]
+config = "configs/fake.toml"
+
+[defaults]
+transport = "ssh"
+address = "127.0.0.1"
+port = 1
+{defaults}
+[hosts.node-a]
+{node_a}
+[hosts.node-b]
+"""
+
+
+def test_status_with_a_missing_identity_file_names_it(tmp_path, capsys):
+    """Defect: `unreachable (cannot reach 127.0.0.1: No such file or directory)` on the node, and exit 0."""
+    path = tmp_path / "keys.toml"
+    path.write_text(SSH_PROFILE.format(port=free_port(), defaults="", node_a=f'identity_file = "{tmp_path}/gone"'))
+    code, out = _cli([str(path), "status"])
+    err = capsys.readouterr().err.strip()
+    assert code == cli.EXIT_USAGE and out == ""
+    assert err == (f"zeroband-console: {path}:18: hosts.node-a.identity_file: {tmp_path}/gone does not exist on "
+                   "this machine (the key this console logs in to node-a with)")
+
+
+def test_a_missing_identity_file_from_defaults_points_at_defaults(tmp_path, capsys):
+    path = tmp_path / "keys.toml"
+    path.write_text(SSH_PROFILE.format(port=free_port(), defaults='identity_file = "~/no/such/key_zb"', node_a=""))
+    code, _ = _cli([str(path), "stop"])
+    err = capsys.readouterr().err.strip()
+    assert code == cli.EXIT_USAGE and len(err.splitlines()) == 1
+    assert err.startswith(f"zeroband-console: {path}:16: hosts.node-a.identity_file: ~/no/such/key_zb does not exist")
+
+
+async def test_the_ssh_transport_names_a_missing_identity_file(tmp_path):
+    """Where the key goes missing under a running dashboard: the node's reason names it, not ENOENT."""
+    from console.transport import TransportError, make_transport
+
+    path = tmp_path / "keys.toml"
+    path.write_text(SSH_PROFILE.format(port=free_port(), defaults="", node_a=f'identity_file = "{tmp_path}/gone"'))
+    t = make_transport(load_profile(path).hosts["node-a"])
+    with pytest.raises(TransportError) as caught:
+        await t.connect()
+    assert str(caught.value) == (f"hosts.node-a.identity_file: {tmp_path}/gone does not exist on this machine "
+                                 "(the key this console logs in to node-a with)")
+    assert caught.value.link
+    await t.close()
+
+
+# ---- item 13: the recipes never write a variable named like a credential ---------------------------------------
+def test_recipes_never_write_a_variable_named_like_a_credential():
+    """Defect: the docs say "KEY included", but DB_KEY was written into the script."""
+    from console.recipes import SECRET_WORDS, env_lines
+
+    env = {"DB_KEY": "k1", "SSH_KEYFILE": "k2", "hf_token": "k3", "MY_PASSWD": "k4", "OAUTH_X": "k5",
+           "GCP_CREDENTIALS": "k6", "PRIVATE_THING": "k7", "APP_SECRET": "k8", "NCCL_DEBUG": "INFO"}
+    text = "\n".join(env_lines(env, "p"))
+    assert all(f"k{i}" not in text for i in range(1, 9)), text
+    assert "export NCCL_DEBUG=INFO" in text
+    for key in env.keys() - {"NCCL_DEBUG"}:
+        assert f'"${{{key}:?{key} must be set in the environment' in text
+    # the docs say exactly the rule: the same words, in the same order
+    words = ", ".join(SECRET_WORDS[:-1]) + f" or {SECRET_WORDS[-1]}"
+    for doc in (ROOT / "docs" / "strategies.md", ROOT / "console" / "recipes.py"):
+        flat = re.sub(r"\s+", " ", doc.read_text())
+        assert f"whose name contains {words} (in any case" in flat, doc
