@@ -293,21 +293,30 @@ class Cluster:
         return name
 
     async def stop(self) -> Outcome:
-        """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store."""
+        """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and
+        its probe the same way. Returns when no process of the run is left on any host that answers: every process
+        group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
+        wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
         running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
         for proc in running.values():
             proc.stopping = True
         await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM")  # type: ignore[arg-type]
                                    for n, p in running.items()))
-        waits = [p.done.wait() for p in running.values()]
-        try:
-            await asyncio.wait_for(asyncio.gather(*waits), self.profile.console.stop_timeout)
+        timeout = self.profile.console.stop_timeout
+        started = time.monotonic()
+        try:  # the watchers settle each node ("stopped") as its engine ends
+            await asyncio.wait_for(asyncio.gather(*(p.done.wait() for p in running.values())), timeout)
         except asyncio.TimeoutError:
-            await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "KILL")  # type: ignore[arg-type]
-                                       for n, p in running.items() if not p.done.is_set()))
-        left = await self._store.stop()
-        return Outcome(True, f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(left)}" if left else ""))
+            pass
+        left = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
+                                            max(0.0, timeout - (time.monotonic() - started)))
+        store_left, etcd_said = await self._store.stop()
+        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + store_left
+        message = f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(etcd_said)}" if etcd_said else "")
+        if running_still:
+            return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
+        return Outcome(True, message)
 
     def running(self) -> list[str]:
         """The nodes whose process the console follows and has not seen end (a mesh "dead" label is not an end)."""

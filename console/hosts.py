@@ -27,11 +27,14 @@ from console.transport import Transport, TransportError
 from console.transport import commands as C
 
 KILLED = "killed"  # written by kill(): any console that settles the node later knows the operator did it
+STOPPED = "stopped"  # written into the store's folder by stop(): another console watching it does not restart it
 STORE = "_store"  # the store's directory under the run dir (not a valid-looking node name)
 PROBE = "_store_probe"  # its health probe's (engine/store/probe.py)
 HEALTH = "health.json"  # the probe's latest sample, replaced whole each time
 ARCHIVE = "_archive"  # earlier runs' folders, moved here by a fresh start
 SETTLE_S = 0.3  # after a process is gone: let its last lines land before reading them
+GONE_POLL_S = 0.2  # how often stop() looks whether a process group it ended is empty yet
+KILL_WAIT_S = 5.0  # how long a group KILLed by stop() may take to be gone (a process in uninterruptible I/O)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -122,6 +125,33 @@ class Hosts:
         except TransportError as e:
             self.fleet.note(name, f"{sig} failed: {e}")
             return False
+
+    async def end_groups(self, groups: Sequence[tuple[str, int]], timeout: float) -> list[tuple[str, int]]:
+        """Wait until no process is left in each (host, process group), which were asked to end; KILL the groups
+        still there after `timeout`, and wait KILL_WAIT_S more. What is left (a host that does not answer) is
+        returned: stop() says so rather than return while a process of the run may still run."""
+        left = await self._until_gone(groups, timeout)
+        if left:
+            await asyncio.gather(*(self.signal_quietly(host, pgid, "KILL") for host, pgid in left))
+            left = await self._until_gone(left, KILL_WAIT_S)
+        return left
+
+    async def _until_gone(self, groups: Sequence[tuple[str, int]], timeout: float) -> list[tuple[str, int]]:
+        deadline = time.monotonic() + timeout
+        left = list(groups)
+        while left:
+            alive = await asyncio.gather(*(self._group_alive(host, pgid) for host, pgid in left))
+            left = [group for group, live in zip(left, alive) if live]
+            if not left or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(GONE_POLL_S)
+        return left
+
+    async def _group_alive(self, host: str, pgid: int) -> bool:
+        try:
+            return await self.transport(host).group_alive(pgid)
+        except TransportError:
+            return True  # cannot tell: not gone as far as stop() knows
 
     async def gather(self, *coros: Any) -> list[Any]:
         """Fan out; a bug in one branch is reported, not raised, so the other nodes go on."""

@@ -3,7 +3,7 @@
     store = StoreHost(hosts, on_failed=watchers.fail_all)
     reason = await store.start()         # None, or why it could not start (then no node starts)
     await store.attach(steer=True, engines_running=...)   # a console that comes back to a running cluster
-    left = await store.stop()            # TERM the store (and stop the etcd members this console runs)
+    left, said = await store.stop()      # end the store and its probe, waited for (and the etcd members)
 
 The store runs detached under RUN_DIR/_store/ on the profile's store host; its health probe (engine/store/probe.py)
 runs beside it under RUN_DIR/_store_probe/ and writes one sample, health.json, which the watcher reads into the
@@ -18,7 +18,7 @@ import itertools
 from typing import Callable
 
 from console import etcd as E
-from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STORE, Hosts
+from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STOPPED, STORE, Hosts
 from console.launch import probe_argv, store_argv
 from console.profile import Profile
 from console.transport import TransportError
@@ -101,6 +101,7 @@ class StoreHost:
                 address = f"{self.profile.store_address}:{self.profile.store.port}"
                 self.fleet.set_store("starting", None, address=address,
                                      bind=None if bind == self.profile.store_address else bind)
+                await t.remove(self.hosts.path(STORE, STOPPED))  # a stop of an earlier run (resumed) is over
                 self.pid = await t.start_detached(store_argv(self.profile, bind), self.hosts.node_dir(STORE),
                                                   env=host.env)
                 self.bind_used = bind
@@ -137,6 +138,9 @@ class StoreHost:
                     return  # stop() ends it, and says so; close() leaves it running
                 if not await t.alive(self.pid, C.TAG):
                     await asyncio.sleep(SETTLE_S)
+                    if await t.read_text(self.hosts.path(STORE, STOPPED)) is not None:
+                        self.fleet.set_store("stopped", None)  # another console's stop(): it ends the run
+                        return
                     log = (await t.last_lines(self.hosts.path(STORE, C.LOG), 3)).strip().splitlines()
                     reason = f"store exited: {log[-1] if log else 'no output'}"
                     if not ever_ready:
@@ -210,14 +214,26 @@ class StoreHost:
         self.error = reason
         self._on_failed(reason)
 
-    async def stop(self) -> list[str]:
-        """End the store (stop() has ended the engines first) and the etcd members; what etcd left to say."""
-        store = self.pid or await self.hosts.live_pid(STORE, self.profile.store_host.name)
+    async def stop(self) -> tuple[list[str], list[str]]:
+        """End the store and its probe (stop() has ended the engines first): TERM, wait until their process groups
+        are empty, KILL after console.stop_timeout; then the etcd members. Returns what may still run (a host that
+        did not answer) and what etcd had to say."""
+        host = self.profile.store_host.name
+        store = await self.hosts.live_pid(STORE, host)
+        probe = await self.hosts.live_pid(PROBE, host)  # it ends with the store, but only at its next look
         if store is not None:
-            await self.hosts.signal_quietly(self.profile.store_host.name, store, "TERM")
+            try:  # first: a console watching the store must not take its end for a crash and start it again
+                await self.hosts.transport(host).touch(self.hosts.path(STORE, STOPPED))
+            except TransportError:
+                pass  # the signals below say whether the host answers
+        groups = [(host, pid) for pid in (store, probe) if pid is not None]
+        await asyncio.gather(*(self.hosts.signal_quietly(host, pid, "TERM") for _, pid in groups))
+        left = await self.hosts.end_groups(groups, self.profile.console.stop_timeout)
+        if store is not None:
             self.pid = None
             self.fleet.set_store("stopped", None)
-        return await self.etcd.stop() if self.etcd is not None else []
+        running = [f"{host}: the store's process group {pid} (no answer)" for host, pid in left]
+        return running, (await self.etcd.stop() if self.etcd is not None else [])
 
     def tasks(self) -> list[asyncio.Task]:
         return [t for t in (self.task, self.health_task) if t is not None]

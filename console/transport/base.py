@@ -104,6 +104,11 @@ class Transport(abc.ABC):
         rc, _, _ = await self.run(C.alive_command(pid, tag))
         return rc == 0
 
+    async def group_alive(self, pgid: int) -> bool:
+        """Whether any process of the process group pgid (a detached start's pid) still runs."""
+        rc, _, _ = await self.run(C.group_alive_command(pgid))
+        return rc == 0
+
     async def read_from(self, path: str, offset: int) -> tuple[list[bytes], int]:
         """The complete lines of a file from offset to its current end, and the offset after them."""
         rc, out, _ = await self.run_bytes(C.read_from_command(path, offset, self.workdir))

@@ -110,6 +110,16 @@ def alive_command(pid: int, tag: str | None = None) -> str:
             f"{check_tag}; else kill -0 {pid} 2>/dev/null; fi")
 
 
+def group_alive_command(pgid: int) -> str:
+    """Exit 0 while any live process (a zombie is not alive) is in process group pgid. A wrapper gone is not its
+    group gone: a launcher's workers, or anything else the engine forked, may live on in it."""
+    pgid = _pid(pgid)
+    # /proc/PID/stat: "pid (comm) state ppid pgrp ...", and comm may hold spaces and parentheses: cut at the last ") "
+    return ("if [ -d /proc/self ]; then for f in /proc/[0-9]*/stat; do read -r s 2>/dev/null < \"$f\" || continue; "
+            f"set -- ${{s##*) }}; [ \"$3\" = {pgid} ] && [ \"$1\" != Z ] && exit 0; done; exit 1; "
+            f"else kill -0 -- -{pgid} 2>/dev/null; fi")
+
+
 def tail_command(path: str, offset: int = 0) -> str:
     """Follow a file from a byte offset (waits for it to appear; follows it if it is replaced)."""
     if offset < 0:
