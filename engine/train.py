@@ -37,7 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -129,6 +129,25 @@ def warning_line(event: dict) -> None:
         human_line(event)
 
 
+def events_out(cfg: Config | None, node: str, rank: int, speaks: bool) -> TextIO | None:
+    """Where the JSON events go: stdout (the console's contract: it reads stdout redirected to a file), unless
+    stdout is a terminal, where a person wants the readable lines only: then into RUN_DIR/events-NODE.jsonl, said
+    once on stderr (before a config is read there is no run folder: the events of a bad command line go nowhere)."""
+    if not sys.stdout.isatty() or not speaks:
+        return None
+    if cfg is None:
+        return open(os.devnull, "w")
+    path = Path(cfg.run.dir) / f"events-{node}{f'-{rank}' if rank else ''}.jsonl"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(path, "a", buffering=1)
+    except OSError:
+        return None  # an unwritable run folder is reported later, once; the events stay on stdout meanwhile
+    print(f"[{node}:{rank}] JSON events -> {path} (stdout is a terminal; pipe stdout to get them there)",
+          file=sys.stderr, flush=True)
+    return out
+
+
 def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
     node = (cfg.mesh.node_id if cfg is not None else None) or world.default_node_id()
     speaks = world.rank == 0 or (cfg is not None and cfg.telemetry.all_ranks)
@@ -143,7 +162,8 @@ def make_telemetry(cfg: Config | None, world: World) -> Telemetry:
         from engine.metrics import metric_sinks  # imports torch's tensorboard writer only when asked for
         sinks += metric_sinks(cfg.telemetry, run_dir=cfg.run.dir, run_name=cfg.run.name, node=node,
                               rank=world.rank, all_ranks=cfg.telemetry.all_ranks, warn=notes.append)
-    telemetry = Telemetry(node, world.rank, enabled=speaks, extra_sinks=sinks, human_sinks=human_sinks)
+    telemetry = Telemetry(node, world.rank, enabled=speaks, extra_sinks=sinks, human_sinks=human_sinks,
+                          json_out=events_out(cfg, node, world.rank, speaks))
     for note in notes:
         telemetry.emit("warning", message=note)
     return telemetry
