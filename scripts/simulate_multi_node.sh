@@ -63,11 +63,12 @@ groups=()      # process group ids (= the setsid'd leader pids) of everything st
 node_pids=()
 stopping=0
 
-# run a command in its own session / process group, every output line prefixed with its name; the prefixing
-# sed ignores TERM/INT so that the engine's last lines (checkpoint, run_end) still come through on a stop
+# run a command in its own session / process group, every output line prefixed with its name (a line the engine
+# already prefixed with it, "[node-0:1] step ...", is left as it is); the prefixing sed ignores TERM/INT so that
+# the engine's last lines (checkpoint, run_end) still come through on a stop
 start_group() {
   local name=$1; shift
-  setsid bash -c 'name=$1; shift; "$@" 2>&1 | (trap "" TERM INT; exec sed -u "s/^/[$name] /"); exit "${PIPESTATUS[0]}"' \
+  setsid bash -c 'name=$1; shift; "$@" 2>&1 | (trap "" TERM INT; exec sed -u "/^\[$name[]:]/!s/^/[$name] /"); exit "${PIPESTATUS[0]}"' \
     _ "$name" "$@" &
   groups+=("$!")
 }
