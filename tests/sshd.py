@@ -90,7 +90,8 @@ class Sshd:
             "StrictModes no",  # the key files live under /tmp, which is world-writable
             "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
             "PermitRootLogin no", f"AllowUsers {self.user}", "MaxSessions 10",
-            "LogLevel VERBOSE", "UseDNS no", ""]))
+            "LogLevel VERBOSE", "UseDNS no",
+            "Subsystem sftp internal-sftp", ""]))  # console sync sends files over SFTP
         return config
 
     def start(self, new_host_key: bool = False) -> None:

@@ -44,7 +44,8 @@ class HostSshd:
             f"PidFile {self.root / 'sshd.pid'}", f"AuthorizedKeysFile {self.user_key}.pub",
             "StrictModes no", "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
             "PubkeyAuthentication yes", "PermitRootLogin no", f"AllowUsers {USER}", "MaxSessions 10",
-            "MaxStartups 50", "LogLevel INFO", "UseDNS no", ""]))
+            "MaxStartups 50", "LogLevel INFO", "UseDNS no",
+            "Subsystem sftp internal-sftp", ""]))  # console sync sends files over SFTP
         log = open(self.root / "sshd.log", "ab")  # noqa: SIM115 (handed to the child)
         self.proc = subprocess.Popen(self.host.exec_args(SSHD, "-D", "-e", "-f", str(config)), stdout=log,
                                      stderr=log, start_new_session=True)
