@@ -21,6 +21,7 @@ group, from torchrun's environment, or a one-member in-memory store when the pro
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from datetime import timedelta
 import torch
@@ -188,8 +189,12 @@ class DDPInner(Inner):
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [self.device.index] if self.device.type == "cuda" else None
-        # Llama's only buffer (rotary inv_freq) is identical everywhere: skip the per-forward broadcast
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
+        # Llama's only buffer (rotary inv_freq) is identical everywhere: skip the per-forward broadcast. torch 2.13
+        # deprecates broadcast_buffers (a warning per worker) for forward_sync_buffers (the one sync it still does
+        # at init is harmless here); older torch has only the first
+        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else {"broadcast_buffers": False})
+        return DDP(model, device_ids=ids, **no_sync)
 
     def grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.module.no_sync()
