@@ -6,7 +6,8 @@ without touching anything else. Layout (one /24 on a bridge in the root namespac
     root ns: zbc-br 10.213.77.1/24 ── zbcv-<name> ══ veth ══ eth0 10.213.77.<n>/24 in namespace zbc-<name>
 
 tc netem is not available in this kernel; nftables does the packet loss (`numgen random mod 100 < N drop`)
-and the blackhole (drop everything on eth0, both ways, while the link itself stays up).
+and the blackhole (drop everything on eth0, both ways, while the link itself stays up). A slow link is a token
+bucket (`tc ... tbf`) on eth0's egress: the host's uplink (bench/wan.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ def create_host(host: NetHost) -> None:
 
 def link(host: NetHost, up: bool) -> None:
     sh(host.exec_args("ip", "link", "set", "eth0", "up" if up else "down"))
+
+
+def shape(host: NetHost, rate: str, burst: str = "256kb", latency: str = "50ms") -> None:
+    """Limit what the host sends (eth0's egress, its uplink) to `rate` ("200mbit", tc's units) with a token bucket:
+    bursts of at most `burst` bytes, at most `latency` of packets queued. Replaces any earlier shaping."""
+    sh(host.exec_args("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", burst,
+                      "latency", latency))
 
 
 def drop(host: NetHost, percent: int) -> None:

@@ -1,0 +1,639 @@
+"""Slow-link lab: real engines on hosts joined by shaped links, DiLoCo's outer step against what the links allow.
+
+    python bench/wan.py --rate 200mbit                    # 15m, 2 hosts, none/bf16/int8: ~5 min on 2 cores (root)
+    python bench/wan.py --rate 1gbit --hosts 4 --inner-steps 10
+    python bench/wan.py --rate 200mbit --slow-start-after-idle 0 --compressions int8
+    python bench/wan.py --quick                           # CI: debug model, 2 hosts, a few seconds per run
+
+The lab (tests/lab/net.py, the chaos lab's namespaces, under its lock): 2 to 4 hosts, each a network namespace on
+one bridge, each host's uplink (eth0's egress) a token bucket, `tc qdisc ... tbf rate RATE burst B latency 50ms`;
+optional loss (--loss P: nftables drops P% of the packets in and out of every host, so a path loses ~2P%). Hosts
+reach each other only through the bridge, so every byte between them crosses two links and one bucket.
+
+What runs there, one run after another (nothing else shares the 2 cores):
+    DiLoCo sync   per compression: `python -m engine.store` on host a, `python -m engine.train` on every host
+                  (configs/debug-diloco.toml + the flags below: fake data, fp32, CPU, one thread each)
+    overlapped    the same with --diloco.overlap=true (per compression in --overlap)
+    no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all
+    bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
+                  engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
+                  of quiet ("idle": the gloo connections of an outer step have been idle for a round); and the
+                  compressed outer step's own pattern on the same bytes, all_to_all then all_gather ("a2a+ag",
+                  after --idle), with no codec between them
+
+Each run trains max_steps = H x (rounds + 2). Outer step 1 is the run's first: it carries the state hand-off (the
+source broadcasts its fp32 parameters to every member). Outer steps 2 on are the measured ones: medians over
+hosts and steps of the outer_step event's outer_s, wire_s, codec_s and other_s = outer_s - wire_s - codec_s
+(neither wire nor codec: the mesh's store round trips and their polling, the passes over the parameters, the
+commit, the checksum; --phases splits it). Tokens/s are the whole cluster's from the step events between the
+boundaries at steps 2H and the last (every round in the window pays one outer step).
+
+    link bound   bytes_sent of the event (what each host puts on its own uplink) x 8 / rate
+    wire rate    link bound / wire_s: the share of its link's rate the wire got (goal >= 90%)
+    hand-off     outer step 1's outer_s against (its all-reduce bytes + the state bytes) x 8 / rate, the least any
+                 broadcast from one source takes (goal <= 1.2x)
+
+Last line (R2 and R3 are int8's):
+    `slow link RATE Nx: int8/none outer step R1; outer step / link bound R2; overlapped / no-DiLoCo tokens/s R3`
+Goals (issue 21): R1 <= 0.3; every codec's wire >= 90% of its link; other_s <= 0.05 s; R3 >= 0.95; hand-off <=
+1.2x. Exit status 0 when every goal is met, 3 when one is not (the lines above say which), 2 when the lab failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the lab's namespace code lives beside the chaos tests
+
+from lab import net  # noqa: E402
+from lab.lab import LOCK  # noqa: E402 (one lab at a time: they share the names and the subnet)
+
+NAMES = "abcd"
+STORE_PORT = 29600
+RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's bit units are decimal
+LATENCY = "50ms"
+GOAL_R1, GOAL_WIRE, GOAL_OTHER, GOAL_R3, GOAL_HANDOFF = 0.3, 0.9, 0.05, 0.95, 1.2
+
+
+class LabFailed(RuntimeError):
+    """The lab itself could not measure (set-up, a process that failed or hung): one line and a log tail."""
+
+
+@dataclass
+class Arm:
+    compression: str  # "" for the run without DiLoCo
+    overlap: bool = False
+
+    @property
+    def name(self) -> str:
+        if not self.compression:
+            return "no-diloco"
+        return f"{self.compression}-{'overlap' if self.overlap else 'sync'}"
+
+
+@dataclass
+class ArmResult:
+    arm: Arm
+    events: dict[str, list[dict]]  # per host
+    seconds: float = 0.0
+    phases: list[dict] = field(default_factory=list)
+
+
+# ---- arguments ------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench/wan.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="exit: 0 every goal met, 3 a goal missed, 2 the lab failed (needs root)")
+    p.add_argument("--rate", default="200mbit", help="each host's uplink, tc units: 100mbit ... 10gbit")
+    p.add_argument("--hosts", type=int, default=2, help="engine hosts, 2..4 (the store runs on host a)")
+    p.add_argument("--loss", type=int, default=0, help="percent of packets dropped in and out of every host")
+    p.add_argument("--slow-start-after-idle", type=int, choices=(0, 1), default=None,
+                   help="net.ipv4.tcp_slow_start_after_idle in every namespace (default: the kernel's, 1)")
+    p.add_argument("--preset", default="15m", help="model preset (debug, 15m, 150m)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (= batch: no accumulation)")
+    p.add_argument("--inner-steps", type=int, default=5, help="H")
+    p.add_argument("--rounds", type=int, default=3, help="rounds in the tokens/s window (outer steps measured: +1)")
+    p.add_argument("--compressions", default="none,bf16,int8")
+    p.add_argument("--overlap", default=None, help="compressions also run overlapped (default: all of them)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    p.add_argument("--bare-reps", type=int, default=3, help="timed bare all-reduces per size and mode")
+    p.add_argument("--idle", type=float, default=1.0, help="seconds of quiet before each idle bare all-reduce")
+    p.add_argument("--phases", action="store_true",
+                   help="sync runs also print where other_s goes (wraps the mesh's and the outer step's calls)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine override for every run, e.g. --set mesh.polling_interval=0.01 (repeatable)")
+    p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
+    p.add_argument("--keep", action="store_true", help="keep the run dirs (events, logs) and print where")
+    p.add_argument("--json", default=None, help="also write every figure here")
+    p.add_argument("--quick", action="store_true", help="CI: debug model, seq 64 x 2, H 5, 1 round, none and "
+                   "int8, int8 overlapped, one bare repetition")
+    p.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)  # internal: one rank of the bare run
+    return p
+
+
+def parse_args(argv: list[str] | None):
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.preset, args.seq_len, args.micro_batch, args.inner_steps, args.rounds = "debug", 64, 2, 5, 1
+        args.compressions, args.overlap, args.bare_reps, args.idle = "none,int8", args.overlap or "int8", 1, 0.5
+        args.run_timeout = min(args.run_timeout, 120.0)
+    args.compressions = [c for c in args.compressions.split(",") if c]
+    args.overlap = args.compressions if args.overlap is None else [c for c in args.overlap.split(",") if c]
+    args.rate_bps = rate_bps(args.rate)
+    if not 2 <= args.hosts <= len(NAMES):
+        raise ValueError(f"--hosts must be in 2..{len(NAMES)}, got {args.hosts}")
+    if not 0 <= args.loss < 100:
+        raise ValueError(f"--loss must be in 0..99, got {args.loss}")
+    if "none" not in args.compressions or "int8" not in args.compressions:
+        raise ValueError("--compressions must include none and int8 (the last line compares them)")
+    if "int8" not in args.overlap:
+        raise ValueError("--overlap must include int8 (the last line's R3)")
+    return args
+
+
+def rate_bps(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(kbit|mbit|gbit)", text.strip().lower())
+    if not m:
+        raise ValueError(f"--rate: expected a number and kbit, mbit or gbit (tc's units), got {text!r}")
+    return float(m.group(1)) * RATE_UNITS[m.group(2)]
+
+
+def burst_for(rate: float) -> str:
+    """tbf needs a bucket of at least rate / HZ bytes to reach its rate: 5 ms of the rate, and never below 256 KiB."""
+    return f"{max(256 * 1024, int(rate / 8 * 0.005))}b"
+
+
+# ---- the lab --------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def lab(args):
+    """The shaped hosts, under the chaos lab's lock; everything of the lab's prefix is removed before and after."""
+    if os.geteuid() != 0:
+        raise LabFailed("needs root (network namespaces, tc, nftables)")
+    with open(LOCK, "a+") as lock:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LabFailed(f"another lab held {LOCK} for 10 minutes") from None
+                time.sleep(1)
+        net.cleanup_leftovers()
+        hosts = [net.NetHost(NAMES[i], 10 + i) for i in range(args.hosts)]
+        try:
+            net.create_bridge()
+            for host in hosts:
+                net.create_host(host)
+                net.shape(host, args.rate, burst=burst_for(args.rate_bps), latency=LATENCY)
+                if args.loss:
+                    net.drop(host, args.loss)
+                if args.slow_start_after_idle is not None:
+                    net.sh(host.exec_args("sysctl", "-qw",
+                                          f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"))
+            yield hosts
+        finally:
+            for host in hosts:
+                net.remove_host(host.netns)  # the engines and the store run in there: killed first
+            net.cleanup_leftovers()
+
+
+def slow_start_setting(host: net.NetHost) -> str:
+    return net.sh(host.exec_args("sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle")).strip()
+
+
+class Proc:
+    """A process in a host's namespace: stdout and stderr into files, its own process group, killed by that id."""
+
+    def __init__(self, host: net.NetHost, argv: list[str], out: Path, threads: int):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_BAND_", "GLOBAL_"))}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        self.out, self.err = out.with_suffix(".jsonl"), out.with_suffix(".log")
+        with open(self.out, "wb") as so, open(self.err, "wb") as se:
+            self.proc = subprocess.Popen(host.exec_args(*argv), cwd=ROOT, env=env, stdout=so, stderr=se,
+                                         start_new_session=True)
+
+    def lines(self) -> list[dict]:
+        out = []
+        for line in self.out.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+        return out
+
+    def tail(self) -> str:
+        return self.err.read_text(errors="replace")[-1500:]
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+
+
+def wait_all(procs: list[Proc], timeout: float, what: str) -> None:
+    """Until every process ended by itself with status 0; a failure or the timeout kills them all."""
+    deadline = time.monotonic() + timeout
+    while any(p.proc.poll() is None for p in procs):
+        failed = [p for p in procs if p.proc.poll() not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                p.stop()
+            bad = failed[0] if failed else next(p for p in procs if p.proc.returncode != 0)
+            why = f"exit {bad.proc.returncode}" if failed else f"timed out after {timeout:.0f}s"
+            raise LabFailed(f"{what}: {bad.out.stem} {why}\n{bad.tail()}")
+        time.sleep(0.2)
+    bad = [p for p in procs if p.proc.returncode != 0]
+    if bad:
+        raise LabFailed(f"{what}: {bad[0].out.stem} exit {bad[0].proc.returncode}\n{bad[0].tail()}")
+
+
+# ---- the engines ----------------------------------------------------------------------------------------------
+def engine_overrides(args, arm: Arm, host: net.NetHost, store: net.NetHost, port: int, run_dir: Path) -> list[str]:
+    h = args.inner_steps
+    over: dict[str, object] = {
+        "model.preset": args.preset, "data.fake": "true", "data.seq_len": args.seq_len,
+        "train.micro_batch_size": args.micro_batch, "train.batch_size": args.micro_batch, "train.precision": "fp32",
+        "train.max_steps": h * (args.rounds + 2), "train.log_interval": 1, "train.eval_interval": 0,
+        "inner.device": "cpu", "ckpt.interval": 0, "telemetry.human": "false", "telemetry.resource_interval": 600,
+        "run.dir": run_dir / host.name, "mesh.node_id": host.name,
+        "diloco.enabled": "true" if arm.compression else "false", "diloco.inner_steps": h,
+        # a slow link moves a 15m model's fp32 bytes in seconds; the defaults' 30 s would not do at 100mbit x 4
+        "diloco.allreduce_timeout": 300, "mesh.start_timeout": 300, "diloco.min_nodes": args.hosts,
+        "mesh.store_addr": store.address, "mesh.store_port": port}
+    if arm.compression:
+        over.update({"diloco.compression": arm.compression, "diloco.overlap": "true" if arm.overlap else "false"})
+    for item in args.set:
+        key, _, value = item.partition("=")
+        over[key] = value
+    return [f"--{k}={v}" for k, v in over.items()]
+
+
+def run_arm(args, arm: Arm, hosts: list[net.NetHost], work: Path, port: int) -> ArmResult:
+    """The store (DiLoCo only) on host a and one engine per host; every one must end with status 0."""
+    run_dir = work / arm.name
+    run_dir.mkdir(parents=True)
+    procs: list[Proc] = []
+    store: Proc | None = None
+    t0 = time.monotonic()
+    try:
+        if arm.compression:
+            store = Proc(hosts[0], [sys.executable, "-m", "engine.store", "--host", hosts[0].address, "--port",
+                                    str(port)], run_dir / "store", 1)
+        launch = ["-c", PHASES] if args.phases and arm.compression and not arm.overlap else ["-m", "engine.train"]
+        for host in hosts:
+            argv = [sys.executable, *launch, "configs/debug-diloco.toml",
+                    *engine_overrides(args, arm, host, hosts[0], port, run_dir)]
+            procs.append(Proc(host, argv, run_dir / host.name, args.threads))
+        wait_all(procs, args.run_timeout, arm.name)  # engines connect to the store as it comes up (store_timeout)
+        if store is not None:
+            store.stop(signal.SIGTERM)
+    finally:
+        for p in procs + ([store] if store is not None else []):
+            p.stop()
+    events = {h.name: [e for e in p.lines() if e.get("type") != "bench_phases"] for h, p in zip(hosts, procs)}
+    phases = [e for p in procs for e in p.lines() if e.get("type") == "bench_phases"]
+    return ArmResult(arm, events, time.monotonic() - t0, phases)
+
+
+# Where other_s goes: runs the engine with its mesh calls and the outer step's helpers timed from outside (every
+# wrapper is optional, so an engine whose internals moved still runs), and prints one "bench_phases" line per outer
+# step: the seconds of each wrapped call since the boundary, and the outer's own last_phases.
+PHASES = """import json, sys, time
+import engine.mesh.node as _node, engine.mesh.group as _group, engine.mesh as _mesh, engine.outer as _outer
+spent, outer = {}, []
+def _timed(name, fn):
+    def run(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+    return run
+for _name in ("boundary", "commit"):
+    if hasattr(_node.Mesh, _name):
+        setattr(_node.Mesh, _name, _timed("mesh_" + _name, getattr(_node.Mesh, _name)))
+for _mod in (_group, _mesh):
+    if hasattr(_mod, "make_group"):
+        _mod.make_group = _timed("make_group", _mod.make_group)
+_build = getattr(_outer, "build_outer", None)
+if _build is not None:
+    def _capture(*a, **k):
+        o = _build(*a, **k)
+        outer.append(o)
+        return o
+    _outer.build_outer = _capture
+import engine.telemetry as _tel
+_emit = _tel.Telemetry.emit
+def _emit_and_phases(self, type_, **fields):
+    event = _emit(self, type_, **fields)
+    if type_ == "outer_step":
+        own = dict(getattr(outer[0], "last_phases", {}) or {}) if outer else {}
+        row = {"type": "bench_phases", "outer_step": fields.get("outer_step"), "node": self.node,
+               "outer_s": fields.get("outer_s"), "calls": dict(spent), "phases": own}
+        spent.clear()
+        print(json.dumps(row), flush=True)
+    return event
+_tel.Telemetry.emit = _emit_and_phases
+import engine.train
+sys.argv = ["engine.train"] + sys.argv[1:]
+engine.train.cli()
+"""
+
+
+# ---- the bare all-reduce --------------------------------------------------------------------------------------
+def run_bare(args, hosts: list[net.NetHost], sizes: dict[str, int], work: Path, port: int) -> dict[str, dict]:
+    """One gloo all-reduce group over the hosts; per codec's size: seconds back to back and after --idle."""
+    spec = {"n": args.hosts, "addr": hosts[0].address, "port": port, "sizes": sizes, "reps": args.bare_reps,
+            "idle": args.idle, "timeout": args.run_timeout}
+    (work / "bare").mkdir()
+    procs = [Proc(host, [sys.executable, str(Path(__file__).resolve()), "--bare-worker",
+                         json.dumps({**spec, "rank": r})], work / "bare" / host.name, 1)
+             for r, host in enumerate(hosts)]
+    try:
+        wait_all(procs, args.run_timeout, "bare all-reduce")
+    finally:
+        for p in procs:
+            p.stop()
+    return {row["codec"]: row for row in procs[0].lines()}
+
+
+def bare_worker(spec: dict) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.mesh import make_group
+    from engine.mesh.protocol import Plan
+
+    torch.set_num_threads(1)
+    rank, n = spec["rank"], spec["n"]
+    store = dist.TCPStore(spec["addr"], spec["port"], n, rank == 0, timedelta(seconds=spec["timeout"]))
+    names = tuple(NAMES[:n])
+    plan = Plan(generation=1, outer_step=1, attempt=0, members=names, source=names[0], contributors=names)
+    pg = make_group(store, plan, names[rank], 0, spec["timeout"])
+    tick, slowest = torch.zeros(1), dist.AllreduceOptions()
+    slowest.reduceOp = dist.ReduceOp.MAX
+
+    def timed(gap: float, collective) -> tuple[float, int]:
+        """The slowest rank's seconds of one collective after `gap` seconds of quiet, and this rank's bytes."""
+        time.sleep(gap)
+        pg.allreduce([tick]).wait()  # line the ranks up: no one waits for a late peer inside the timing
+        w0, t0 = _wchar(), time.perf_counter()
+        collective()
+        took = torch.tensor([time.perf_counter() - t0])
+        wrote = _wchar() - w0
+        pg.allreduce([took], slowest).wait()
+        return float(took), wrote
+
+    for codec, nbytes in spec["sizes"].items():
+        x = torch.zeros(max(1, nbytes // 4))
+        # the engine's compressed pattern on the same bytes: all_to_all of n rows, then all_gather of one row
+        rows, mine = torch.zeros(n, x.numel() * 4 // n, dtype=torch.uint8), torch.zeros(x.numel() * 4 // n,
+                                                                                        dtype=torch.uint8)
+        got = torch.empty_like(rows)
+        gathered = [torch.empty_like(mine) for _ in range(n)]
+
+        def ring() -> None:
+            pg.allreduce([x]).wait()
+
+        def pattern() -> None:
+            pg.alltoall_base(got, rows, [], [], dist.AllToAllOptions()).wait()
+            pg.allgather([gathered], [mine]).wait()
+        ring(), pattern()  # the first ones connect and allocate
+        row: dict = {"codec": codec, "bytes": x.numel() * 4}
+        for name, collective, gap in (("warm", ring, 0.0), ("idle", ring, spec["idle"]),
+                                      ("pattern_idle", pattern, spec["idle"])):
+            runs = [timed(gap, collective) for _ in range(spec["reps"])]
+            row[f"{name}_s"] = statistics.median(t for t, _ in runs)
+            row[f"{name}_wrote"] = statistics.median(w for _, w in runs)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+    pg.allreduce([tick]).wait()  # rank 0 serves the store: it leaves last
+
+
+def _wchar() -> int:
+    """Bytes this process wrote through write/writev, sockets included (gloo's tcp transport, framing counted)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+# ---- the figures ----------------------------------------------------------------------------------------------
+def outer_events(result: ArmResult) -> list[dict]:
+    return [e for ev in result.events.values() for e in ev if e.get("type") == "outer_step"]
+
+
+def median_of(events: list[dict], key: str) -> float:
+    return statistics.median(float(e[key]) for e in events)
+
+
+def tokens_per_s(result: ArmResult, h: int) -> float:
+    """The cluster's tokens/s between the boundaries at step 2H and the last one: whole rounds, each paying one
+    outer step (the step event of a boundary step comes before its outer step), the hand-off round left out."""
+    total = 0.0
+    for events in result.events.values():
+        steps = {e["step"]: e for e in events if e.get("type") == "step"}
+        last = max(s for s in steps if s % h == 0)
+        a, b = steps[2 * h], steps[last]
+        total += (b["tokens"] - a["tokens"]) / (b["ts"] - a["ts"])
+    return total
+
+
+def params_of(result: ArmResult) -> int:
+    return next(int(e["params"]) for ev in result.events.values() for e in ev
+                if e.get("type") == "state" and e.get("state") == "training" and "params" in e)
+
+
+def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dict:
+    h, rate = args.inner_steps, args.rate_bps
+    rows: dict[str, dict] = {}
+    for codec in args.compressions:
+        sync = results[f"{codec}-sync"]
+        events = outer_events(sync)
+        steady = [e for e in events if e["outer_step"] >= 2]
+        first = [e for e in events if e["outer_step"] == 1]
+        if not steady or not first:
+            raise LabFailed(f"{codec}-sync: no outer step after the hand-off (outer steps: "
+                            f"{sorted({e['outer_step'] for e in events})})")
+        sent = median_of(steady, "bytes_sent")
+        row = {"outer_s": median_of(steady, "outer_s"), "wire_s": median_of(steady, "wire_s"),
+               "codec_s": median_of(steady, "codec_s"), "bytes_sent": sent, "link_bound_s": sent * 8 / rate,
+               "other_s": statistics.median(e["outer_s"] - e["wire_s"] - e["codec_s"] for e in steady),
+               "compute_s": median_of(steady, "compute_s"), "tokens_per_s_sync": tokens_per_s(sync, h),
+               "samples": len(steady)}
+        row["wire_rate"] = row["link_bound_s"] / row["wire_s"] if row["wire_s"] > 0 else None
+        state = params_of(sync) * 4 * (2 if keeps_momentum(args) else 1)
+        handoff_bytes = median_of(first, "bytes_sent") + state
+        row["handoff"] = {"outer_s": max(float(e["outer_s"]) for e in first), "wire_s": median_of(first, "wire_s"),
+                          "bytes": handoff_bytes, "state_bytes": state, "link_bound_s": handoff_bytes * 8 / rate}
+        row["handoff"]["ratio"] = row["handoff"]["outer_s"] / row["handoff"]["link_bound_s"]
+        overlapped = results.get(f"{codec}-overlap")
+        row["tokens_per_s_overlap"] = tokens_per_s(overlapped, h) if overlapped else None
+        row["bare"] = bare.get(codec)
+        rows[codec] = row
+    base = tokens_per_s(results["no-diloco"], h)
+    r1 = rows["int8"]["outer_s"] / rows["none"]["outer_s"]
+    r2 = rows["int8"]["outer_s"] / rows["int8"]["link_bound_s"]
+    r3 = rows["int8"]["tokens_per_s_overlap"] / base
+    return {"rate": args.rate, "hosts": args.hosts, "rows": rows, "tokens_per_s_no_diloco": base,
+            "params": params_of(results["none-sync"]), "r1": r1, "r2": r2, "r3": r3,
+            "phases": phase_table(results, args.compressions) if args.phases else None}
+
+
+def keeps_momentum(args) -> bool:
+    """The hand-off carries the outer momentum too when the outer optimizer keeps one (debug-diloco.toml: none)."""
+    sets = dict(item.partition("=")[::2] for item in args.set)
+    return float(sets.get("diloco.outer_momentum", 0.0)) > 0 and sets.get("diloco.outer_optimizer") != "average"
+
+
+def phase_table(results: dict[str, ArmResult], codecs: list[str]) -> dict[str, dict[str, float]]:
+    """Per codec, the median seconds of each timed call and phase over the outer steps after the hand-off."""
+    out: dict[str, dict[str, float]] = {}
+    for codec in codecs:
+        rows = [r for r in results[f"{codec}-sync"].phases if (r.get("outer_step") or 0) >= 2]
+        for r in rows:  # what no wrapper and no phase of the outer's own covers (the checksum, the local stats)
+            r["calls"]["rest"] = r["outer_s"] - sum(r["phases"].values()) - sum(r["calls"].values())
+        names = sorted({k for r in rows for k in (*r["calls"], *r["phases"])}, key=lambda k: (k == "rest", k))
+        out[codec] = {k: statistics.median({**r["phases"], **r["calls"]}.get(k, 0.0) for r in rows)
+                      for k in names} if rows else {}
+    return out
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+def mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def report(args, s: dict, slow_start: str) -> list[str]:
+    rows, base = s["rows"], s["tokens_per_s_no_diloco"]
+    lines = [f"slow-link lab: {args.hosts} hosts on a bridge, each uplink tbf {args.rate} (burst "
+             f"{burst_for(args.rate_bps)}, latency {LATENCY}), loss {args.loss}% in and out of each host, "
+             f"tcp_slow_start_after_idle {slow_start}",
+             f"engines: {args.preset} ({s['params'] / 1e6:.1f}M params), seq {args.seq_len} x {args.micro_batch}, "
+             f"fp32, CPU, {args.threads} thread(s) each, H {args.inner_steps}, medians of "
+             f"{rows['none']['samples']} host-steps after the hand-off; store on host a"
+             + (f"; overrides {' '.join(args.set)}" if args.set else ""),
+             f"machine: {os.cpu_count()} cores; 1-min load average {s['load'][0]:.1f} before the lab, "
+             f"{s['load'][1]:.1f} at its end (its own engines add about {args.hosts})",
+             "",
+             f"{'codec':6} {'outer_s':>8} {'wire_s':>7} {'codec_s':>8} {'other_s':>8} {'bytes/host':>11} "
+             f"{'link bound':>10} {'wire rate':>9} {'bare warm':>9} {'bare idle':>9} {'a2a+ag':>7} {'compute_s':>9} "
+             f"{'tok/s sync':>10} {'tok/s overlap':>13}"]
+    for codec, r in rows.items():
+        bare = r["bare"] or {}
+        ovl = f"{r['tokens_per_s_overlap']:13.0f}" if r["tokens_per_s_overlap"] is not None else f"{'-':>13}"
+        lines.append(f"{codec:6} {r['outer_s']:8.2f} {r['wire_s']:7.2f} {r['codec_s']:8.3f} {r['other_s']:8.3f} "
+                     f"{mb(r['bytes_sent']):>11} {r['link_bound_s']:9.2f}s {pct(r['wire_rate']):>9} "
+                     f"{secs(bare.get('warm_s')):>9} {secs(bare.get('idle_s')):>9} "
+                     f"{secs(bare.get('pattern_idle_s')):>7} {r['compute_s']:9.2f} "
+                     f"{r['tokens_per_s_sync']:10.0f} {ovl}")
+    lines += [f"no DiLoCo: {base:.0f} tokens/s ({args.hosts} hosts together); sync/no-DiLoCo "
+              + ", ".join(f"{c} {r['tokens_per_s_sync'] / base:.2f}" for c, r in rows.items())
+              + "; overlapped/no-DiLoCo "
+              + ", ".join(f"{c} {r['tokens_per_s_overlap'] / base:.2f}" for c, r in rows.items()
+                          if r["tokens_per_s_overlap"] is not None), ""]
+    lines.append("hand-off (the run's first outer step: its all-reduce, then the source broadcasts the fp32 state):")
+    for codec, r in rows.items():
+        ho = r["handoff"]
+        lines.append(f"  {codec:6} outer_s {ho['outer_s']:.2f} (all-reduce wire {ho['wire_s']:.2f}); moves "
+                     f"{mb(ho['bytes'] - ho['state_bytes'])} + {mb(ho['state_bytes'])} state; link bound "
+                     f"{ho['link_bound_s']:.2f} s; {ho['ratio']:.2f}x")
+    if s["phases"]:
+        lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
+                  "waits, make_group = gloo rendezvous):"]
+        for codec, table in s["phases"].items():
+            lines.append(f"  {codec:6} " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
+    return lines
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}s"
+
+
+def goals(s: dict) -> tuple[list[str], bool]:
+    rows = s["rows"]
+    worst_wire = min(rows, key=lambda c: rows[c]["wire_rate"] or 0.0)
+    worst_other = max(rows, key=lambda c: rows[c]["other_s"])
+    worst_ho = max(rows, key=lambda c: rows[c]["handoff"]["ratio"])
+    checks = [
+        (f"int8/none outer step {s['r1']:.2f} <= {GOAL_R1}", s["r1"] <= GOAL_R1),
+        (f"every codec's wire >= {GOAL_WIRE:.0%} of the link: worst {worst_wire} "
+         f"{pct(rows[worst_wire]['wire_rate'])} ("
+         + ", ".join(f"{c} {pct(r['wire_rate'])}" for c, r in rows.items()) + ")",
+         all((r["wire_rate"] or 0.0) >= GOAL_WIRE for r in rows.values())),
+        (f"neither wire nor codec <= {GOAL_OTHER} s: worst {worst_other} {rows[worst_other]['other_s']:.3f} s",
+         all(r["other_s"] <= GOAL_OTHER for r in rows.values())),
+        (f"overlapped / no-DiLoCo tokens/s (int8) {s['r3']:.2f} >= {GOAL_R3}", s["r3"] >= GOAL_R3),
+        (f"hand-off <= {GOAL_HANDOFF}x its link bound: worst {worst_ho} {rows[worst_ho]['handoff']['ratio']:.2f}x",
+         all(r["handoff"]["ratio"] <= GOAL_HANDOFF for r in rows.values())),
+    ]
+    lines = ["goals (issue 21):"] + [f"  {'met    ' if ok else 'NOT MET'}  {text}" for text, ok in checks]
+    return lines, all(ok for _, ok in checks)
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+def arms(args) -> list[Arm]:
+    return ([Arm(c) for c in args.compressions] + [Arm(c, overlap=True) for c in args.overlap] + [Arm("")])
+
+
+def measure(args, work: Path) -> tuple[dict, str]:
+    load = os.getloadavg()[0]
+    with lab(args) as hosts:
+        slow_start = slow_start_setting(hosts[0])
+        results: dict[str, ArmResult] = {}
+        for i, arm in enumerate(arms(args)):
+            results[arm.name] = run_arm(args, arm, hosts, work, STORE_PORT + i)
+            print(f"[wan] {arm.name}: {results[arm.name].seconds:.0f} s", file=sys.stderr, flush=True)
+        sizes = {}
+        for codec in args.compressions:  # a ring all-reduce of B bytes sends 2 (n-1)/n B per host
+            sent = median_of(outer_events(results[f"{codec}-sync"]), "bytes_sent")
+            sizes[codec] = int(sent * args.hosts / (2 * (args.hosts - 1))) // 4 * 4
+        bare = run_bare(args, hosts, sizes, work, STORE_PORT + 99)
+        summary = summarize(args, results, bare)
+        # on a shared machine other processes take cores from the engines: tokens/s and codec_s say so first
+        summary["load"] = (load, os.getloadavg()[0])
+        return summary, slow_start
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"wan: {e}", file=sys.stderr)
+        return 2
+    if args.bare_worker is not None:
+        bare_worker(json.loads(args.bare_worker))
+        return 0
+    work = Path(tempfile.mkdtemp(prefix="zb-wan-"))
+    work.chmod(0o755)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through lab()'s finally: no namespace is left behind
+        signal.signal(sig, _raise_exit)
+    try:
+        summary, slow_start = measure(args, work)
+    except (LabFailed, net.NetError) as e:
+        print(f"wan: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.keep:
+            print(f"[wan] run dirs kept in {work}", file=sys.stderr)
+        else:
+            import shutil
+            shutil.rmtree(work, ignore_errors=True)
+    lines = report(args, summary, slow_start)
+    goal_lines, met = goals(summary)
+    for line in lines + [""] + goal_lines:
+        print(line)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(f"slow link {args.rate} {args.hosts}x: int8/none outer step {summary['r1']:.2f}; outer step / link bound "
+          f"{summary['r2']:.2f}; overlapped / no-DiLoCo tokens/s {summary['r3']:.2f}", flush=True)
+    return 0 if met else 3
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
