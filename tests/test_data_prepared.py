@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import DataConfig
-from engine.data import Permutation, build_data, dataset_name
+from engine.data import Permutation, build_data, dataset_name, load_tokenizer
 from engine.data.prepare import main as prepare_main
 from engine.world import World
 from procs import PYTHON, ROOT, kill_group
@@ -198,6 +198,29 @@ def test_tokenizer_mismatch_is_one_error_line(tmp_path, repo_root, capsys, monke
                  f"--run.dir={tmp_path / 'run'}", "--train.max_steps=1", "--data.seq_len=8"])
     err = capsys.readouterr().err
     assert code == 2 and "error: model: vocab_size 5 is smaller than the tokenizer's 11" in err, err
+
+
+def test_a_different_tokenizer_of_the_same_size_is_refused(tmp_path):
+    """A tokenizer with as many ids as the folder's (other words, or the same words under other ids) would read its
+    tokens as other text: the check compares the vocabulary itself, not its size. A copy of the folder's own
+    tokenizer elsewhere is the same tokenizer."""
+    text = "the quick brown fox jumps over the lazy dog "
+    (tmp_path / "c.txt").write_text(text * 50)
+    tok = tiny_tokenizer(tmp_path / "tok", text)
+    out = tmp_path / "words"
+    assert prepare(tmp_path / "c.txt", "--out", out, "--tokenizer", tok, "--eval-percent=0") == 0
+    others = [tiny_tokenizer(tmp_path / "other-words", "one slow green cat walks under one sleepy cow "),
+              tiny_tokenizer(tmp_path / "other-ids", "dog dog dog lazy lazy over over jumps jumps fox fox brown "
+                                                     "brown quick quick the ")]
+    mine = load_tokenizer(str(tok))
+    for other in others:
+        theirs = load_tokenizer(str(other))
+        assert theirs.vocab_size == mine.vocab_size == 11 and theirs.tok.get_vocab() != mine.tok.get_vocab()
+        with pytest.raises(ValueError, match=rf"prepared with tokenizer tok \(vocab 11, \w+\), this run uses "
+                                             rf"tokenizer {other.name} \(vocab 11, \w+\)"):
+            build_data(DataConfig(path=str(out), tokenizer=str(other), seq_len=8), world(), 0)
+    copy = shutil.copytree(tok, tmp_path / "elsewhere" / "tok-copy")
+    assert build_data(DataConfig(path=str(out), tokenizer=str(copy), seq_len=8), world(), 0).vocab_size == 11
 
 
 def test_disjoint_across_2_nodes_x_2_workers_and_after_a_layout_change(prepared):

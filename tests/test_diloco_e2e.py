@@ -146,9 +146,24 @@ def checksums_agree(nodes: list[Node]) -> dict[int, set[str]]:
 
 
 def assert_identical(nodes: list[Node]) -> None:
+    """Every outer step's checksum is the same on every node that reported it, and no two outer steps share one.
+    Agreement alone says nothing: a checksum that never changes agrees everywhere (a constant fingerprint passed
+    every end-to-end test but one). Every committed outer step moves the weights, so its checksum is new."""
     seen = checksums_agree(nodes)
     bad = {k: v for k, v in seen.items() if len(v) != 1}
     assert seen and not bad, f"checksums differ at outer steps {bad}\n" + "\n".join(n.report() for n in nodes)
+    assert_checksums_move(nodes)
+
+
+def assert_checksums_move(nodes: list[Node]) -> None:
+    """No checksum is reported for two different outer steps: the weights moved at every one."""
+    steps_of: dict[str, set[int]] = defaultdict(set)
+    for n in nodes:
+        for k, e in n.outer().items():
+            steps_of[e["checksum"]].add(k)
+    repeated = {c: sorted(ks) for c, ks in steps_of.items() if len(ks) > 1}
+    assert not repeated, f"one checksum for several outer steps (the fingerprint does not follow the weights): " \
+                         f"{repeated}\n" + "\n".join(n.report() for n in nodes)
 
 
 def primed(node: Node) -> None:
@@ -369,8 +384,11 @@ def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path):
 def test_resume_from_mid_round_checkpoint_continues_the_uninterrupted_run(procs, tmp_path):
     """One node, H=3, a checkpoint at step 4 (mid-round: snapshot != parameters, momentum set). The run resumed
     from it reports the same checksums at outer steps 2..4 as the uninterrupted run: the outer state (snapshot and
-    Nesterov momentum) was saved and restored with the inner state."""
-    steps = ["--train.max_steps=12", "--diloco.min_nodes=1", "--ckpt.interval=4", "--ckpt.keep=5"]
+    Nesterov momentum) was saved and restored with the inner state. The momentum is on here (configs/debug-diloco.toml
+    keeps none): a momentum left out of the checkpoint passed this test when it ran with 0. The last checksum is the
+    fingerprint of the weights the final checkpoint holds."""
+    steps = ["--train.max_steps=12", "--diloco.min_nodes=1", "--ckpt.interval=4", "--ckpt.keep=5",
+             "--diloco.outer_lr=0.7", "--diloco.outer_momentum=0.9"]
     port = free_port()
     start_store(procs, port)
     full = start_node(procs, port, "solo", tmp_path / "full", *steps)
@@ -384,6 +402,14 @@ def test_resume_from_mid_round_checkpoint_continues_the_uninterrupted_run(procs,
     want = {k: e["checksum"] for k, e in full.outer().items()}
     got = {k: e["checksum"] for k, e in resumed.outer().items()}
     assert sorted(got) == [2, 3, 4] and all(got[k] == want[k] for k in got), (want, got)
+    assert_checksums_move([full])
+    import torch  # here only: the other tests of this module read nothing but the engines' output
+
+    from engine.outer.buffers import fingerprint
+    last = torch.load(tmp_path / "resumed" / "solo" / "checkpoints" / "step-00000012" / "rank-0.pt",
+                      weights_only=False, map_location="cpu")
+    assert last["outer"]["outer_optimizer"]["momentum"] is not None  # the momentum was on, and is kept
+    assert fingerprint(last["outer"]["snapshot"]) == got[4], (fingerprint(last["outer"]["snapshot"]), got)
 
 
 # ------------------------------------------------------------------------------------------ a node that stalls

@@ -1,0 +1,107 @@
+"""One non-finite element is enough to leave a node's round out of the mean (engine/outer/diloco.py).
+
+The end-to-end test (tests/test_diverged.py) fills a whole parameter with NaN and trains on, by which time every
+element is NaN: a check that looked at only part of the pseudo-gradient, or only asked whether any element is
+finite, passed it. Here two nodes run one outer step over a real gloo group (two threads of this process, the mesh
+scripted) and b's pseudo-gradient has a single NaN: b must send weight 0, the mean must be a's alone, and both
+must end with a's finite weights (b with fresh optimizer state).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.outer import Progress
+from test_diloco_math import FakeMesh, TinyInner, make_outer, make_plan
+
+POISONED = (2, 5)  # one element inside the weight matrix: neither the first nor the last of the flat vector
+
+
+class Inner(TinyInner):
+    def __init__(self, seed: int):
+        super().__init__(seed)
+        self.resets = 0
+
+    def reset_optimizer_state(self) -> None:
+        self.resets += 1
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+def _gloo(store, rank: int, size: int) -> dist.ProcessGroup:
+    pg = dist.ProcessGroup(store, rank, size)
+    backend = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=20))
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
+
+
+def _flat(inner) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in inner.outer_params()])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_single_nan_element_gives_the_round_weight_zero(overlap):
+    store = dist.HashStore()
+    plan = make_plan(1, 1, 0, ["a", "b"], source="a")
+    nodes, events, errors = {}, {"a": [], "b": []}, []
+    for name in "ab":
+        inner = Inner(0)  # one start, as after the run's formation
+        mesh = FakeMesh([plan], [True])
+        outer = make_outer(inner, mesh, node=name, events=events[name], inner_steps=1, outer_optimizer="sgd",
+                           outer_lr=1.0, outer_momentum=0.0, overlap=overlap,
+                           group_factory=lambda p, n, r: _gloo(dist.PrefixStore(f"g{p.generation}/", store),
+                                                               p.rank_of(n), p.size))
+        progress = Progress()
+        outer.start(progress)  # the snapshot: the weights every member starts the round from
+        nodes[name] = (inner, outer, progress)
+    start = _flat(nodes["a"][0])
+    a_inner = nodes["a"][0]
+    a_inner.train_step(1)
+    a_trained = _flat(a_inner)
+    b_inner = nodes["b"][0]
+    b_inner.train_step(2)
+    with torch.no_grad():
+        b_inner.model.weight[POISONED] = float("nan")
+    assert int((~torch.isfinite(_flat(b_inner))).sum()) == 1
+
+    def node(name: str) -> None:
+        inner, outer, progress = nodes[name]
+        try:
+            progress.step = 1
+            assert outer.after_inner_step(progress) is False
+            outer.flush()  # overlap: the outer step in flight lands
+            assert progress.outer_step == 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread below
+            errors.append((name, e))
+        finally:
+            outer.close("completed")
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "an outer step hung"
+    assert not errors, errors
+
+    for name in "ab":
+        steps = [e for e in events[name] if e["type"] == "outer_step"]
+        assert len(steps) == 1, events[name]
+        # the weights as they came off the wire: a's alone (> 0), b's 0 is not listed
+        assert steps[0]["contributors"] == ["a"] and len(steps[0]["weights"]) == 1 and steps[0]["weights"][0] > 0, \
+            steps[0]
+        assert math.isfinite(steps[0]["pgrad_norm"])
+        got = _flat(nodes[name][0])
+        assert bool(torch.isfinite(got).all()), f"{name}'s weights are not finite"
+        # lr 1, no momentum, b's weight 0: the new weights are a's own, whatever b trained
+        torch.testing.assert_close(got, start - (start - a_trained), rtol=0, atol=1e-6)
+    said = [e["message"] for e in events["b"] if e["type"] == "warning"]
+    assert len(said) == 1 and "not finite" in said[0], said
+    assert (nodes["a"][0].resets, nodes["b"][0].resets) == (0, 1)
+    assert events["a"][-1]["checksum"] == events["b"][-1]["checksum"]
