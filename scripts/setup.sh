@@ -81,12 +81,23 @@ fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH_SPEC=${TORCH_SPEC:-torch}
+  say "installing $TORCH_SPEC"
+  "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 else
-  # the CPU build; an unpinned torch would pull a multi-GB CUDA build
-  TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+  # The CPU build, named by its local label: PyPI's plain torch==2.13.0 is the CUDA build on Linux (GBs of nvidia-*
+  # wheels). Asked first of what pip is configured with (a local wheel folder, a mirror), then of the PyTorch CPU
+  # index, which holds CPU builds only (and their dependencies).
+  TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
+  TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
+  say "installing $TORCH_SPEC"
+  if ! first=$("$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1); then
+    say "pip's configured indexes do not offer $TORCH_SPEC: trying the PyTorch CPU index $TORCH_CPU_INDEX"
+    if ! "$PY" -m pip install -q --disable-pip-version-check --index-url "$TORCH_CPU_INDEX" "$TORCH_SPEC"; then
+      say "the first try said: $first"
+      exit 1
+    fi
+  fi
 fi
-say "installing $TORCH_SPEC"
-"$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 say "installing the project and its extras (dev, deepspeed)"
 "$PY" -m pip install -q --disable-pip-version-check -e ".[dev,deepspeed]"
 echo "$want" > "$stamp"
