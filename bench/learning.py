@@ -409,8 +409,11 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             over = {**engine_overrides(args, arm), "run.dir": str(run_dir / f"node-{i}"),
                     "ckpt.export_dir": str(run_dir / f"node-{i}" / "export")}
             if port is not None:
+                # generous waits: on a loaded machine a node may reach a boundary minutes after the others, and a
+                # node left out (the boundary waits mesh.store_timeout for it) would change what the arm measures
                 over.update({"mesh.store_port": port, "mesh.node_id": f"node-{i}", "mesh.heartbeat_timeout": 30.0,
-                             "mesh.start_timeout": 300.0, "diloco.allreduce_timeout": 300.0})
+                             "mesh.start_timeout": 300.0, "mesh.store_timeout": 300.0,
+                             "diloco.allreduce_timeout": 300.0})
             cmd = [sys.executable, "-m", "engine.train"]
             if arm.poison is not None and arm.poison.node == i:
                 p_ = arm.poison
@@ -429,7 +432,10 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             except subprocess.TimeoutExpired:
                 raise ArmFailed(f"arm {arm.name} ran past --arm-timeout {args.arm_timeout}s") from None
             if p.returncode != 0:
-                raise ArmFailed(f"arm {arm.name}: an engine exited {p.returncode}:\n{err[-3000:]}")
+                said = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+                warned = [e.get("message", "") for e in said if e.get("type") == "warning"]
+                raise ArmFailed(f"arm {arm.name}: an engine exited {p.returncode}; its last warnings:\n"
+                                + "\n".join(warned[-5:]) + f"\n{err[-3000:]}")
             outs.append(out)
         wall = time.perf_counter() - start
     finally:
@@ -443,6 +449,12 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
     nbytes = sum(e["bytes_sent"] for e in outer)
     # the sentinel's verdict is the same on every member: node 0's events name every node it left out
     left_out = [(e["outer_step"], m) for e in outer for m in e.get("left_out", [])]
+    # every outer step has all k nodes as members: otherwise a node was left out of the mesh (late or lost) and the
+    # arm measured something else than it says
+    short = [e["outer_step"] for e in outer if len(e["members"]) < k]
+    if short:
+        raise ArmFailed(f"arm {arm.name}: outer steps {steps_text(short)} had fewer than {k} members (a node was "
+                        f"left out of the mesh: a loaded machine?)")
     model = AutoModelForCausalLM.from_pretrained(run_dir / "node-0" / "export", local_files_only=True,
                                                  dtype=torch.float32).to(args.device)
     loss = eval_model(model, held_out(args).eval, args)
