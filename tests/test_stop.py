@@ -103,16 +103,36 @@ def _live(pid: int) -> tuple[str, int] | None:
     return None if fields[0] in "ZX" else (fields[0], int(fields[2]))
 
 
-def leftovers(work: Path, run_dir: Path) -> list[str]:
-    """Every live process of the run: in a process group a pid file of the run names, or working in its workdir."""
+def _below(roots: set[int]) -> set[int]:
+    """Every process descending from one of roots, the roots included."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(roots), list(roots)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def leftovers(work: Path, run_dir: Path, consoles: tuple[int, ...] = ()) -> list[str]:
+    """Every live process of the run: in a process group a pid file of the run names, or working in its workdir.
+    The consoles' own short commands (`cd WORKDIR && cat ...`, below this test or below sshd) are not the run's:
+    the run's processes are detached, their parent long gone."""
     groups = set()
     for pid_file in run_dir.glob("*/pid"):
         text = pid_file.read_text().strip()
         if text.isdigit():
             groups.add(int(text))
+    consoles_own = _below({os.getpid(), *consoles})
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in consoles_own:
             continue
         live = _live(int(entry))
         if live is None:
@@ -274,19 +294,19 @@ def test_stop_from_a_shell_over_ssh_leaves_nothing_on_any_host(sshd, procs, repo
                    and _probe_runs(run_dir)):
             assert headless.poll() is None and time.monotonic() < deadline, headless.communicate(timeout=10)
             time.sleep(0.2)
-        assert len(leftovers(work, run_dir)) >= 9  # 2 engines + a worker, the store, the probe, and 4 wrappers
+        assert len(leftovers(work, run_dir, (sshd.proc.pid,))) >= 9  # engines, a worker, store, probe, 4 wrappers
         store_pid = (run_dir / "_store" / "pid").read_text()
 
         stop = procs.run([sys.executable, "-m", "console", str(profile), "stop"], timeout=90, env=env,
                          cwd=str(repo_root))
         assert stop.returncode == 0, (stop.stdout, stop.stderr)
-        assert leftovers(work, run_dir) == [], stop.stdout  # the moment it returned
+        assert leftovers(work, run_dir, (sshd.proc.pid,)) == [], stop.stdout  # the moment it returned
 
         out, err = headless.communicate(timeout=60)
         assert headless.returncode == 3, (out, err)  # the run was stopped
         final = [line for line in out.splitlines() if line.startswith(("  h1 ", "  h2 "))]
         assert len(final) == 2 and all(line.endswith("(stopped)") for line in final), out
         assert (run_dir / "_store" / "pid").read_text() == store_pid  # never started again
-        assert leftovers(work, run_dir) == []
+        assert leftovers(work, run_dir, (sshd.proc.pid,)) == []
     finally:
         kill_groups(run_dir)
