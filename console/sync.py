@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 from console.checkout import Checkout, CheckoutError, TrackedFile
-from console.preflight.rules import PACKAGES
-from console.preflight.runner import FALLBACK_PYTHON, identity_missing, run_probe
+from console.preflight.rules import PACKAGES, same_torch
+from console.preflight.runner import FALLBACK_PYTHON, console_torch, identity_missing, run_probe
 from console.profile import HostSpec, Profile
 from console.transport import Transport, TransportError
 from console.transport import commands as C
@@ -225,8 +225,6 @@ async def _setup(profile: Profile, t: Transport, host: HostSpec, say: Callable[[
 
 async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     """Why the host's python needs scripts/setup.sh, or None when it is up to date."""
-    from importlib import metadata
-
     args = {"mode": "venv", "workdir": host.workdir, "venv": host.venv or ".", "packages": list(PACKAGES),
             "pythonpath": host.env.get("PYTHONPATH")}
     rc, answer, error = await run_probe(t, host.workdir, host.python_path, args, 60)
@@ -237,12 +235,8 @@ async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     missing = [name for name, v in answer["packages"].items() if v is None]
     if missing:
         return f"lacks {', '.join(missing)}"
-    try:
-        ours = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        ours = None
-    theirs = answer["packages"]["torch"]
-    if ours and theirs.split("+")[0] != ours.split("+")[0]:
+    ours, theirs = console_torch(), answer["packages"]["torch"]
+    if ours and not same_torch(theirs, ours):
         return f"has torch {theirs}, the console {ours}"
     if host.venv and answer["stamp"] != answer["stamp_want"]:
         return "was set up from another pyproject.toml or setup.sh" if answer["stamp"] else "was not made by setup"

@@ -287,11 +287,9 @@ def test_check_names_each_planted_problem_on_this_machine(tmp_path):
 
 
 def test_a_start_with_a_problem_starts_nothing(tmp_path):
-    """--headless: one line per problem, exit 1, no process started anywhere; --no-check starts anyway (the
-    planted problem, a disk fuller than the profile allows, does not stop the engines)."""
-    profile = write_profile(tmp_path, extra='"train.max_steps" = 3\n"diloco.min_nodes" = 2\n"data.seq_len" = 32\n'
-                                            '"train.micro_batch_size" = 2\n"train.batch_size" = 2\n'
-                                            '"diloco.inner_steps" = 3\n')
+    """--headless: one line per problem, exit 1, no process started anywhere (a disk fuller than the profile
+    allows: the engines would not mind, the check does); --no-check builds the cluster without it."""
+    profile = write_profile(tmp_path)
     profile.write_text(profile.read_text().replace("link_timeout = 2.0", "link_timeout = 2.0\nmin_free_gb = 1e9"))
     done = run_console(str(profile), "--headless", "--interval", "0.5")
     assert done.returncode == 1, done.stdout + done.stderr
@@ -300,14 +298,16 @@ def test_a_start_with_a_problem_starts_nothing(tmp_path):
                     "space there, or point run.dir at a larger disk" for node in ("node-a", "node-b")] + [
         "zeroband-console: nothing started (zeroband-console PROFILE check; --no-check skips it)"]
     assert not list((tmp_path / "runs").glob("*/pid"))  # not even the store
-    try:
-        ran = run_console(str(profile), "--headless", "--interval", "1", "--no-check", timeout=240)
-        assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-        assert "left 2" in ran.stdout.splitlines()[-3]
-    finally:
-        for pid_file in (tmp_path / "runs").glob("*/pid"):
-            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+    built = []
+
+    def factory(profile, fleet, **kw):
+        built.append(kw)
+        raise SystemExit(0)  # built is all this test wants to see
+    for argv in (["--headless"], ["--headless", "--no-check"], ["--no-check", "add", "node-b"]):
+        with pytest.raises(SystemExit):
+            cli.main([str(profile), *argv], cluster_factory=factory, out=io.StringIO())
+    assert built == [{}, {"check": False}, {"check": False}]
+    assert cli.make_cluster(load_profile(profile), Fleet(run="pf")).preflight is True  # the CLI's default: on
 
 
 async def test_a_refused_start_shows_on_each_nodes_row(tmp_path):

@@ -19,7 +19,8 @@ PACKAGES = ("torch", "transformers", "pydantic", "numpy")  # what the engine imp
 @dataclass(frozen=True)
 class Problem:
     host: str
-    kind: str  # reach, python, workdir, version, packages, torch, devices, disk, data, manifest, iface, clock, bind, link
+    # reach, python, workdir, version, packages, torch, devices, disk, data, manifest, iface, clock, bind, link
+    kind: str
     what: str
     fix: str
 
@@ -133,7 +134,8 @@ def _unreachable(plan: HostPlan, reason: str) -> Problem:
 def _python_missing(plan: HostPlan, expect: Expect) -> Problem:
     if plan.venv:
         return Problem(plan.name, "python", f"the venv {plan.venv} does not exist (no {plan.python})",
-                       f"zeroband-console {expect.profile} sync (scripts/setup.sh makes it), or fix hosts.{plan.name}.venv")
+                       f"zeroband-console {expect.profile} sync (scripts/setup.sh makes it), or fix "
+                       f"hosts.{plan.name}.venv")
     return Problem(plan.name, "python", f"python {plan.python} not found",
                    f"install Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]}+ there or set hosts.{plan.name}.python / venv")
 
@@ -150,7 +152,7 @@ def _python(plan: HostPlan, f: dict[str, Any], expect: Expect, torch: str | None
     if missing:
         return [Problem(plan.name, "packages", f"{', '.join(missing)} not installed for {plan.python}", fix)]
     theirs = f["packages"].get("torch")
-    if torch and theirs and _public(theirs) != _public(torch):
+    if torch and theirs and not same_torch(theirs, torch):
         whose = "the console's" if expect.torch else "most hosts'"
         return [Problem(plan.name, "torch", f"torch {theirs} for {plan.python}, {whose} is {torch}", fix)]
     return []
@@ -289,8 +291,8 @@ def ifname_matches(var: str, value: str, names: Sequence[str]) -> list[str]:
     return [n for n in names if hit(n)]
 
 
-def _public(version: str) -> str:
-    return version.split("+", 1)[0]  # 2.13.0+cu128 and 2.13.0+cpu are the same torch
+def same_torch(a: str, b: str) -> bool:
+    return a.split("+", 1)[0] == b.split("+", 1)[0]  # 2.13.0+cu128 and 2.13.0+cpu are the same torch
 
 
 def _torch(result: HostResult) -> str | None:

@@ -25,6 +25,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -39,7 +40,6 @@ from console.profile import HostSpec, Profile, engine_overrides
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
-PROBE_SOURCE = Path(P.__file__).read_text()
 IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 FAKE_GPUS = "ZEROBAND_FAKE_GPUS"  # in a host's env: replaces NVML's count (tests on machines without a GPU)
 FALLBACK_PYTHON = "python3"
@@ -165,15 +165,19 @@ def _store_bind(profile: Profile) -> str:
     return "0.0.0.0"
 
 
-def make_expect(profile: Profile, checkout: Checkout | None) -> Expect:
+def console_torch() -> str | None:
+    """The torch installed beside the console (its metadata only: the console never imports torch), if any."""
     from importlib import metadata
 
     try:
-        torch = metadata.version("torch")  # the installed metadata only: the console never imports torch
+        return metadata.version("torch")
     except metadata.PackageNotFoundError:
-        torch = None
+        return None
+
+
+def make_expect(profile: Profile, checkout: Checkout | None) -> Expect:
     return Expect(profile=profile.path, engine=checkout.engine if checkout else None,
-                  label=checkout.label() if checkout else "no checkout", torch=torch,
+                  label=checkout.label() if checkout else "no checkout", torch=console_torch(),
                   min_free_gb=profile.check.min_free_gb, max_clock_skew=profile.check.max_clock_skew,
                   machine=checkout.machine if checkout else None,
                   root=os.path.realpath(checkout.root) if checkout else None)
@@ -223,7 +227,7 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
                                                                                                    str | None]:
     """Run probe.py on the host with `python` (a relative path is the workdir's, as for the engine); (exit status,
     its JSON answer or None, why not)."""
-    program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{PROBE_SOURCE}".encode()
+    program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{_probe_source()}".encode()
     try:
         rc, out, err = await t.run(f"cd {C.qpath(workdir)} 2>/dev/null; exec {C.qpath(python)} -", timeout=timeout,
                                    stdin=program)
@@ -236,6 +240,11 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
         return rc, json.loads(out.strip().splitlines()[-1]), None
     except (ValueError, IndexError):
         return rc, None, f"unreadable answer: {out.strip()[-200:]!r}"
+
+
+@cache
+def _probe_source() -> str:
+    return Path(P.__file__).read_text()
 
 
 async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]) -> bool:
