@@ -147,6 +147,9 @@ def overlap_arms(args) -> list[Arm]:
         sync = Arm(f"sync H{h}", "diloco", k=args.k, **{**shipped_outer(), **args.outer, "inner_steps": h})
         arms += [sync, replace(sync, name=f"eager H{h}", overlap=True, overlap_update="eager", baseline=sync.name),
                  replace(sync, name=f"delayed H{h}", overlap=True, overlap_update="delayed", baseline=sync.name)]
+        # eager at other outer lrs, against the same synchronous run (does eager overshoot with the plain mean?)
+        arms += [replace(sync, name=f"eager H{h} lr{lr:g}", overlap=True, outer_lr=lr, baseline=sync.name)
+                 for lr in args.eager_lrs]
     return arms
 
 
@@ -390,7 +393,7 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
         raise SystemExit(f"learning: arm {arm.name}: an outer-lr warm-up is measured with --engine sim only (the "
                          f"engine ships none: docs/learning.md)")
     k = arm.k if arm.kind == "diloco" else 1
-    run_dir = workdir / arm.name.replace(" ", "_").replace("/", "-")
+    run_dir = workdir / f"{arm.name.replace(' ', '_').replace('/', '-')}-seed{args.seed}"  # --seeds: one each
     env = {k_: v for k_, v in os.environ.items() if not k_.startswith(("ZERO_BAND_", "GLOBAL_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
@@ -611,6 +614,8 @@ def parse_args(argv=None):
     sweeps.add_argument("--poison", action="store_true",
                         help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
     ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
+    ap.add_argument("--eager-lrs", default="", help="--overlap: also eager overlap at these outer lrs (against the "
+                                                    "synchronous run at the default one)")
     ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
     ap.add_argument("--poison-rounds", help="--poison: its rounds FIRST-LAST (default: the middle half of the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
@@ -638,6 +643,7 @@ def parse_args(argv=None):
         ap.error("--poison needs --engine mesh: the sentinel and the poisoned node are the engine's")
     try:
         args.overlap_h = [int(x) for x in args.overlap_h.split(",") if x.strip()]
+        args.eager_lrs = [float(x) for x in args.eager_lrs.split(",") if x.strip()]
         first, _, last = (args.poison_rounds or "").partition("-")
         args.poison_rounds = (int(first), int(last or first)) if args.poison_rounds else None
     except ValueError:
