@@ -384,6 +384,26 @@ def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_
     assert once.returncode == 0 and f"node-a+node-b: {work} is up to date" in once.stdout, once.stdout
 
 
+def test_sync_writes_a_shared_folder_once_and_every_other_host_apart():
+    from console.sync import destinations
+
+    text = textwrap.dedent("""\
+        [engine]
+        config = "configs/debug-diloco.toml"
+        [sync]
+        shared_fs = SHARED
+        [defaults]
+        workdir = "/nfs/zeroband"
+        [hosts.a]
+        [hosts.b]
+        [hosts.c]
+        """)
+    shared = destinations(parse_profile(text.replace("SHARED", "true")))
+    assert [(d.label, [h.name for h in d.hosts]) for d in shared] == [("a+b+c", ["a", "b", "c"])]
+    apart = destinations(parse_profile(text.replace("SHARED", "false")))
+    assert [d.label for d in apart] == ["a", "b", "c"]
+
+
 # ---- in the lab: network namespaces, a real sshd in each --------------------------------------------------------
 LAB_HOSTS = ("a", "b", "c", "d", "store")
 LAB_PROFILE = """\
