@@ -1,6 +1,6 @@
 """Mixed speeds: rounds by time and a mean weighted by tokens, with one engine slowed to half speed (issue 22).
 
-    python bench/mixed.py                          # 2 and 4 engines, 3 seeds each: ~30 min on 2 cores
+    python bench/mixed.py                          # 2 and 4 engines, 3 seeds each: ~50 min on 2 busy cores
     python bench/mixed.py --sizes 2 --seeds 5      # more seeds for the held-out ratio
     python bench/mixed.py --quick                  # CI: 2 engines, 3 rounds of 3 s, one seed (~2 min)
     python bench/mixed.py --grace 5                # diloco.straggler_grace of the time runs (default: S / 4)
@@ -61,6 +61,11 @@ when both are met, 3 when one is not (the lines above say which), 2 when the ben
 is shared (2 cores, other work comes and goes): the tokens/s move from run to run (a solo sum of 2144 tok/s, then
 766 two minutes later, once), so read R1 and R0 with the load averages printed beside them and the busy-time
 figures, and R2 with its spread over the seeds.
+
+Measured here (2 shared cores at load 5 to 32, cgroup v1; --sizes 2,4 --seeds 2 --rounds 5, 35 min): R1 0.894
+(seeds 0.583 and 1.205: noise) and R0 0.714 at 2 engines, 0.903 and 0.635 at 4; from the busy time R1 0.938 / 0.883
+and R0 0.610 / 0.548; R2 0.976 (2 engines) and 0.996 (4) at token ratios of 1.007 and 0.931; the slow node's share
+of a time round 0.322 and 0.142, its speed's share of the total being 0.333 and 0.143.
 """
 
 from __future__ import annotations
