@@ -278,6 +278,7 @@ def run_sim(args, arm: Arm) -> Result:
     flat = lambda ps: torch.cat([p.detach().reshape(-1) for p in ps])  # noqa: E731
     snapshot = flat(params[0]).clone()
     outer = OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
+    overlap = SimOverlap(arm, outer, snapshot, k) if arm.overlap else None
     tokens_per_step = args.micro_batch * args.seq_len * accum * k
     start, curve, nbytes = time.perf_counter(), [], 0
     for step in range(1, args.steps + 1):
@@ -289,7 +290,10 @@ def run_sim(args, arm: Arm) -> Result:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
-        if outer is not None and step % arm.inner_steps == 0:
+        if overlap is not None and step % arm.inner_steps == 0:
+            nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
+            overlap.boundary(params, flat, last=step == args.steps)
+        elif outer is not None and step % arm.inner_steps == 0:
             pgrads = [snapshot - flat(ps) for ps in params]
             mean = sim_weighted_mean(pgrads, arm.compression)
             nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
@@ -307,6 +311,41 @@ def run_sim(args, arm: Arm) -> Result:
     loss = eval_model(workers[0][1], evals, args)
     curve.append((args.steps * tokens_per_step, wall, loss))
     return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed)
+
+
+class SimOverlap:
+    """diloco.overlap in one process (engine/outer/overlap.py): at boundary t each worker's pseudo-gradient is taken
+    against its own anchor, round t-1's mean (in flight meanwhile) lands into the agreed weights through the outer
+    optimizer, round t's mean goes in flight, and each worker trains on from the agreed weights minus u: the outer
+    optimizer's step for its own pseudo-gradient / k (eager) or that whole pseudo-gradient (delayed). The run's last
+    boundary lands at once (the engine's flush before its export)."""
+
+    def __init__(self, arm: Arm, outer, snapshot, k: int):
+        self.arm, self.outer, self.snapshot, self.k = arm, outer, snapshot, k
+        self.anchors = [snapshot.clone() for _ in range(k)]
+        self.in_flight = None
+
+    def _land(self) -> None:
+        if self.in_flight is not None:
+            proposal = self.outer.propose(self.snapshot, self.in_flight)
+            self.outer.commit(proposal)
+            self.snapshot, self.in_flight = proposal.params.clone(), None
+
+    def boundary(self, params, flat, *, last: bool) -> None:
+        import torch
+        pgrads = [a - flat(ps) for a, ps in zip(self.anchors, params)]
+        self._land()
+        self.in_flight = sim_weighted_mean(pgrads, self.arm.compression)
+        if last:
+            self._land()
+        for i, (g, ps) in enumerate(zip(pgrads, params)):
+            if last:  # nothing trains after the flush: every worker holds the agreed weights
+                self.anchors[i] = self.snapshot.clone()
+            elif self.arm.overlap_update == "eager":
+                self.anchors[i] = self.snapshot - self.outer.preview(g / self.k, out=torch.empty_like(g))
+            else:
+                self.anchors[i] = self.snapshot - g
+            torch.nn.utils.vector_to_parameters(self.anchors[i].clone(), ps)
 
 
 def sim_weighted_mean(xs, compression: str):
@@ -637,8 +676,6 @@ def parse_args(argv=None):
     if not args.seeds:
         ap.error("--seeds: no seed given")
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    if args.overlap and args.engine != "mesh":
-        ap.error("--overlap needs --engine mesh: the in-process engine does not model the overlapped step")
     if args.poison and args.engine != "mesh":
         ap.error("--poison needs --engine mesh: the sentinel and the poisoned node are the engine's")
     try:

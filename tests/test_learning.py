@@ -77,6 +77,21 @@ def test_in_process_study_engine_reproduces_the_real_mesh(tmp_path):
     assert abs(single.eval_loss - replica.eval_loss) > 1e-2
 
 
+@pytest.mark.slow
+def test_in_process_overlap_reproduces_the_engines_eager_overlap(tmp_path):
+    """The in-process engine's overlap (bench/learning.py SimOverlap) computes what diloco.overlap with eager updates
+    computes: the anchors, the late landing and the node's own share through the outer optimizer."""
+    args = learning.parse_args(["--steps", "8", "--seq-len", "32", "--micro-batch", "4", "--warmup", "2",
+                                "--eval-batches", "4", "--eval-interval", "0", "--arm-timeout", "240"])
+    sync = learning.Arm("diloco", "diloco", k=2, inner_steps=2, outer_lr=0.8, outer_momentum=0.5)
+    eager = learning.replace(sync, overlap=True, overlap_update="eager")
+    real = learning.run_mesh(args, eager, tmp_path)
+    replica = learning.run_sim(args, eager)
+    assert abs(real.eval_loss - replica.eval_loss) < 2e-3, (real.eval_loss, replica.eval_loss)
+    # and not trivially: the late update moved the model away from the synchronous run's
+    assert abs(learning.run_sim(args, sync).eval_loss - replica.eval_loss) > 2e-3
+
+
 def test_outer_momentum_in_a_short_run_is_warned_about_once_configs_say_so():
     from engine.config import load_config
     from engine.outer.protocol import SHORT_RUN_OUTER_STEPS, short_run_note
