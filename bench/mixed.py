@@ -351,6 +351,10 @@ def release(args, stage: list[Primed], h: int) -> None:
         if not stage[0].run.diloco:
             wait_until(lambda: all(pr.training() for pr in stage), 120, "training", procs)
             time.sleep(args.solo_seconds)
+            # on a loaded machine a slow engine may take seconds a step: the window needs a few of each
+            nodes = {p.name: p.events for pr in stage for p in pr.nodes}
+            wait_until(lambda: min(steps_together(nodes).values()) >= SOLO_STEPS, 300,
+                       f"{SOLO_STEPS} steps of every engine while all train", procs)
         else:
             limit = 120 + args.rounds * args.round_seconds * 4  # a time run lasts about rounds x S
             names = " and ".join(pr.run.arm for pr in stage)
@@ -432,10 +436,22 @@ def of(events: list[dict], type_: str) -> list[dict]:
     return [e for e in events if e["type"] == type_]
 
 
-def solo_rates(run: Run, warm_s: float = 1.0) -> dict[str, float]:
+SOLO_STEPS, WARM_S = 5, 1.0  # a solo rate needs this many steps of every engine, from WARM_S after the last start
+
+
+def steps_together(events: dict[str, list[dict]]) -> dict[str, int]:
+    """Each engine's step events since every engine trains (plus WARM_S): 0 for all before that."""
+    starts = [e["ts"] for ev in events.values() for e in ev if e["type"] == "state" and e["state"] == "training"]
+    if len(starts) < len(events):
+        return {node: 0 for node in events}
+    start = max(starts) + WARM_S
+    return {node: sum(1 for e in ev if e["type"] == "step" and e["ts"] >= start) for node, ev in events.items()}
+
+
+def solo_rates(run: Run) -> dict[str, float]:
     """Each engine's tokens/s while all of them trained: from its step events between the last engine's start
-    (plus warm_s) and the first engine's last step."""
-    start = max(e["ts"] for ev in run.events.values() for e in of(ev, "state") if e["state"] == "training") + warm_s
+    (plus WARM_S) and the first engine's last step."""
+    start = max(e["ts"] for ev in run.events.values() for e in of(ev, "state") if e["state"] == "training") + WARM_S
     end = min(of(ev, "step")[-1]["ts"] for ev in run.events.values())
     rates = {}
     for node, ev in run.events.items():

@@ -43,6 +43,8 @@ def test_solo_rates_count_only_while_every_engine_trains():
         "node-1": [training(2.0), *steps([(3.5, 500), (4.5, 1000), (5.5, 1500), (9.0, 5000)])]})
     rates = mixed.solo_rates(run)  # until the first engine's last step (6.0)
     assert rates == {"node-0": pytest.approx(1000.0), "node-1": pytest.approx(500.0)}
+    assert mixed.steps_together(run.events) == {"node-0": 4, "node-1": 4}  # the solo run waits for enough of them
+    assert mixed.steps_together({"node-0": run.events["node-0"], "node-2": []}) == {"node-0": 0, "node-2": 0}
     run.events["node-1"] = run.events["node-1"][:2]
     with pytest.raises(mixed.BenchFailed, match="raise --solo-seconds"):
         mixed.solo_rates(run)
