@@ -249,6 +249,8 @@ async def _registry_blocked(t: Transport, host: HostSpec, env: dict[str, str]) -
     address, port = REGISTRY
     if url:
         parts = urlsplit(url if "//" in url else f"//{url}")
+        if parts.scheme == "file":
+            return None  # a mirror on the host's own disk: nothing to reach
         address, port = parts.hostname or address, parts.port or (80 if parts.scheme == "http" else 443)
     args = {"mode": "connect", "targets": [[address, port]], "seconds": REGISTRY_TIMEOUT_S}
     _, answer, error = await run_probe(t, host.workdir, FALLBACK_PYTHON, args, REGISTRY_TIMEOUT_S + 20)
