@@ -152,3 +152,20 @@ def test_the_mean_weighs_each_node_by_the_tokens_of_its_round():
         assert got[rank]["weights"] == [300.0, 100.0]
         torch.testing.assert_close(got[rank]["after"], expected, rtol=0, atol=1e-6)
     assert torch.equal(got[0]["after"], got[1]["after"])  # identical on every member
+
+
+def test_a_slow_node_does_not_start_a_step_that_would_end_well_past_the_deadline():
+    """Steps of 3 s against a deadline 10 s away: the round ends after the step ending at 9 s (the next would end
+    at 12 s, two seconds late), not after the one that ends late at 12 s."""
+    clock = Clock()
+    r = timed(seconds=10.0, clock=clock)
+    r.begin(Progress(), SimpleNamespace(deadline=clock.t + 10.0))
+    p, ended = Progress(), None
+    r.due(p)  # the round's first step starts now
+    for step in range(1, 6):
+        clock.t += 3.0
+        p.step = step
+        if r.due(p):
+            ended = clock.t - 1000.0
+            break
+    assert ended == 9.0

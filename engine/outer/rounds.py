@@ -33,6 +33,7 @@ class RoundClock:
         self.clock = clock
         self.deadline: float | None = None  # time rounds: when this round ends
         self._tokens0: int | None = None  # progress.tokens when this round began
+        self._last_step_at: float | None = None  # when due() was last asked: the length of an inner step
 
     @property
     def timed(self) -> bool:
@@ -44,6 +45,7 @@ class RoundClock:
         or the last one's plus a round."""
         if not keep_tokens:
             self._tokens0 = progress.tokens
+        self._last_step_at = None  # the outer step between two rounds is no inner step
         if not self.timed:
             return
         deadline = getattr(plan, "deadline", None)
@@ -54,10 +56,14 @@ class RoundClock:
         self.deadline = deadline
 
     def due(self, progress: Progress) -> bool:
-        """This node's round is over (after an inner step). Time rounds: local ranks must agree (the caller)."""
+        """This node's round is over (after an inner step). Time rounds: local ranks must agree (the caller). A node
+        ends its round at the step that ends nearest the deadline: it does not start a step that would end more than
+        half a step past it, so a slow node's last step does not make it late for the planner's grace."""
         if not self.timed:
             return progress.step % self.h == 0
-        return self.deadline is not None and self.clock() >= self.deadline
+        now = self.clock()
+        step_s, self._last_step_at = (now - self._last_step_at if self._last_step_at is not None else 0.0), now
+        return self.deadline is not None and now + step_s / 2 >= self.deadline
 
     def close(self, progress: Progress) -> int:
         """The tokens of the round that ends now (the next round counts from its begin(): after the commit, so a
