@@ -220,6 +220,8 @@ def parse_profile(text: str, source: str = "<profile>") -> Profile:
         doc = tomlkit.parse(text).unwrap()
     except tomlkit.exceptions.ParseError as e:
         raise ProfileError(f"{source}:{e.line}: not valid TOML: {_parse_message(e)}") from None
+    except tomlkit.exceptions.TOMLKitError as e:  # a key written twice in one table: tomlkit says which, not where
+        raise ProfileError(f"{source}:{_repeat_line(text, str(e))}: not valid TOML: {e}") from None
     lines = key_lines(text)
     tree = _merge_defaults(doc, source, lines)
     try:
@@ -279,6 +281,16 @@ def _check_etcd(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
     if s.etcd_endpoints and not (s.etcd_ca and s.etcd_cert and s.etcd_key):
         raise ProfileError(f"{where}: etcd_endpoints needs etcd_ca, etcd_cert and etcd_key (paths on every "
                            f"host): etcd must refuse clients without the run's certificate")
+
+
+def _repeat_line(text: str, message: str) -> int:
+    """The line that writes a key tomlkit found twice ('Key "env" already exists.'): its second writing."""
+    m = re.search(r'Key "(.+?)" already exists', message)
+    if not m:
+        return 0
+    pattern = re.compile(rf"^\s*{re.escape(m.group(1))}\s*=|^\s*\[[^\]]*\b{re.escape(m.group(1))}\]")
+    seen = [i for i, line in enumerate(text.splitlines(), 1) if pattern.search(line)]
+    return seen[1] if len(seen) > 1 else (seen[0] if seen else 0)
 
 
 def _parse_message(err: tomlkit.exceptions.ParseError) -> str:

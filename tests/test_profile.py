@@ -184,3 +184,12 @@ def test_store_on_an_ssh_alias_host_is_dialled_at_its_hostname(tmp_path):
     assert (pinned.store_address, pinned.store_bind) == ("10.9.9.9", "10.9.9.9")  # what the profile says wins
     no_config = parse_profile(text.replace(f'ssh_config = "{config}"', f'ssh_config = "{tmp_path}/none"'), "p.toml")
     assert no_config.store_address == "zbl-1"  # nothing to resolve it with: the name as given
+
+
+def test_a_key_written_twice_is_one_line_naming_the_second_writing():
+    """tomlkit raises KeyAlreadyPresent (not a ParseError, and without a line): it was a traceback."""
+    from console.profile import ProfileError, parse_profile
+    text = '[hosts.a]\naddress = "10.0.0.1"\nenv = { A = "1" }\nworkers = 1\nenv = { B = "2" }\n'
+    with pytest.raises(ProfileError) as err:
+        parse_profile(text, "p.toml")
+    assert str(err.value) == 'p.toml:5: not valid TOML: Key "env" already exists.'
