@@ -452,10 +452,12 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
                     "ckpt.export_dir": str(run_dir / f"node-{i}" / "export")}
             if port is not None:
                 # generous waits: on a loaded machine a node may reach a boundary minutes after the others, and a
-                # node left out (the boundary waits mesh.store_timeout for it) would change what the arm measures
+                # node left out would change what the arm measures: the boundary waits mesh.store_timeout for it, and
+                # a node whose heartbeat ticks run late (a starved CPU looks like a lossy link) steps out of a
+                # collective overdue by diloco.straggler_timeout, waiting for a peer still training
                 over.update({"mesh.store_port": port, "mesh.node_id": f"node-{i}", "mesh.heartbeat_timeout": 30.0,
                              "mesh.start_timeout": 300.0, "mesh.store_timeout": 300.0,
-                             "diloco.allreduce_timeout": 300.0})
+                             "diloco.allreduce_timeout": 300.0, "diloco.straggler_timeout": 300.0})
             cmd = [sys.executable, "-m", "engine.train"]
             if arm.poison is not None and arm.poison.node == i:
                 p_ = arm.poison
@@ -468,7 +470,7 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
                                             stderr=subprocess.PIPE, text=True, start_new_session=True))
         procs += engines
         outs = []
-        for p in engines:
+        for i, p in enumerate(engines):
             try:
                 out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -476,8 +478,10 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             if p.returncode != 0:
                 said = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
                 warned = [e.get("message", "") for e in said if e.get("type") == "warning"]
-                raise ArmFailed(f"arm {arm.name}: an engine exited {p.returncode}; its last warnings:\n"
-                                + "\n".join(warned[-5:]) + f"\n{err[-3000:]}")
+                log = args.out / f"failed-{run_dir.name}-node-{i}.log"  # its events and stderr, to read later
+                log.write_text(out + "\n--- stderr\n" + err)
+                raise ArmFailed(f"arm {arm.name}: node-{i} exited {p.returncode} (its output: {log}); its last "
+                                f"warnings:\n" + "\n".join(warned[-5:]) + f"\n{err[-3000:]}")
             outs.append(out)
         wall = time.perf_counter() - start
     finally:
@@ -704,6 +708,7 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
                     if arm.poison is None:
                         raise SystemExit(f"learning: {e}") from None
                     # a poisoned run without the sentinel may diverge: that is the damage it measures
+                    print(f"learning: {e}", file=sys.stderr, flush=True)
                     r = Result(arm, float("nan"), 0.0, 0, seed=seed, failed=str(e).splitlines()[-1][:200])
                 rs.append(r)
                 print(f"  {arm.name:<30} seed {seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s"
