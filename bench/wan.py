@@ -22,11 +22,12 @@ What runs there, one run after another (nothing else shares the 2 cores):
                   after --idle), with no codec between them
 
 Each run trains max_steps = H x (rounds + 2). Outer step 1 is the run's first: it carries the state hand-off (the
-source broadcasts its fp32 parameters to every member). Outer steps 2 on are the measured ones: medians over
-hosts and steps of the outer_step event's outer_s, wire_s, codec_s and other_s = outer_s - wire_s - codec_s
-(neither wire nor codec: the mesh's store round trips and their polling, the passes over the parameters, the
-commit, the checksum; --phases splits it). Tokens/s are the whole cluster's from the step events between the
-boundaries at steps 2H and the last (every round in the window pays one outer step).
+source broadcasts its fp32 parameters to every member). Outer steps 2 on are the measured ones: of each, the event
+of the host that arrived last at the boundary (it waited for no peer), and the medians over those steps of
+outer_s, wire_s, codec_s and other_s = outer_s - wire_s - codec_s (neither wire nor codec: the mesh's store round
+trips and their polling, the passes over the parameters, the commit, the checksum; --phases splits it). Tokens/s
+are the whole cluster's from the step events between the boundaries at steps 2H and the last (every round in the
+window pays one outer step).
 
     link bound   bytes_sent of the event (what each host puts on its own uplink) x 8 / rate
     wire rate    link bound / wire_s: the share of its link's rate the wire got (goal >= 90%)
@@ -296,7 +297,7 @@ def run_arm(args, arm: Arm, hosts: list[net.NetHost], work: Path, port: int) -> 
 # wrapper is optional, so an engine whose internals moved still runs), and prints one "bench_phases" line per outer
 # step: the seconds of each wrapped call since the boundary, and the outer's own last_phases.
 PHASES = """import json, sys, time
-import engine.mesh.node as _node, engine.mesh.group as _group, engine.mesh as _mesh, engine.outer as _outer
+import engine.mesh.node as _node, engine.outer as _outer
 spent, outer = {}, []
 def _timed(name, fn):
     def run(*a, **k):
@@ -309,14 +310,19 @@ def _timed(name, fn):
 for _name in ("boundary", "commit"):
     if hasattr(_node.Mesh, _name):
         setattr(_node.Mesh, _name, _timed("mesh_" + _name, getattr(_node.Mesh, _name)))
-for _mod in (_group, _mesh):
-    if hasattr(_mod, "make_group"):
-        _mod.make_group = _timed("make_group", _mod.make_group)
 _build = getattr(_outer, "build_outer", None)
 if _build is not None:
     def _capture(*a, **k):
         o = _build(*a, **k)
         outer.append(o)
+        for _path, _label in (("_checksum", "checksum"), ("links.group", "group"), ("local.stats", "local_stats"),
+                              ("links.bounded", "bounded"), ("_not_finite", "not_finite")):
+            _owner, _, _attr = ("." + _path).rpartition(".")
+            _obj = o
+            for _part in filter(None, _owner.split(".")):
+                _obj = getattr(_obj, _part, None)
+            if _obj is not None and hasattr(_obj, _attr):
+                setattr(_obj, _attr, _timed(_label, getattr(_obj, _attr)))
         return o
     _outer.build_outer = _capture
 import engine.telemetry as _tel
@@ -394,13 +400,19 @@ def bare_worker(spec: dict) -> None:
         def ring() -> None:
             pg.allreduce([x]).wait()
 
-        def pattern() -> None:
+        def a2a() -> None:
             pg.alltoall_base(got, rows, [], [], dist.AllToAllOptions()).wait()
+
+        def ag() -> None:
             pg.allgather([gathered], [mine]).wait()
+
+        def pattern() -> None:
+            a2a(), ag()
         ring(), pattern()  # the first ones connect and allocate
         row: dict = {"codec": codec, "bytes": x.numel() * 4}
-        for name, collective, gap in (("warm", ring, 0.0), ("idle", ring, spec["idle"]),
-                                      ("pattern_idle", pattern, spec["idle"])):
+        idle = spec["idle"]
+        for name, collective, gap in (("warm", ring, 0.0), ("idle", ring, idle), ("pattern_idle", pattern, idle),
+                                      ("a2a_idle", a2a, idle), ("ag_idle", ag, idle)):
             runs = [timed(gap, collective) for _ in range(spec["reps"])]
             row[f"{name}_s"] = statistics.median(t for t, _ in runs)
             row[f"{name}_wrote"] = statistics.median(w for _, w in runs)
@@ -418,6 +430,17 @@ def _wchar() -> int:
 # ---- the figures ----------------------------------------------------------------------------------------------
 def outer_events(result: ArmResult) -> list[dict]:
     return [e for ev in result.events.values() for e in ev if e.get("type") == "outer_step"]
+
+
+def last_arrivals(result: ArmResult) -> dict[int, dict]:
+    """Per outer step, the event of the host that reached the boundary last (the least outer_s): it waited for
+    no peer's compute, so its seconds are the outer step's own, whatever the skew between the hosts' rounds."""
+    out: dict[int, dict] = {}
+    for e in outer_events(result):
+        k = int(e["outer_step"])
+        if k not in out or e["outer_s"] < out[k]["outer_s"]:
+            out[k] = e
+    return out
 
 
 def median_of(events: list[dict], key: str) -> float:
@@ -446,12 +469,11 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
     rows: dict[str, dict] = {}
     for codec in args.compressions:
         sync = results[f"{codec}-sync"]
-        events = outer_events(sync)
-        steady = [e for e in events if e["outer_step"] >= 2]
-        first = [e for e in events if e["outer_step"] == 1]
-        if not steady or not first:
-            raise LabFailed(f"{codec}-sync: no outer step after the hand-off (outer steps: "
-                            f"{sorted({e['outer_step'] for e in events})})")
+        last = last_arrivals(sync)
+        steady = [e for k, e in sorted(last.items()) if k >= 2]
+        if not steady or 1 not in last:
+            raise LabFailed(f"{codec}-sync: no outer step after the hand-off (outer steps: {sorted(last)})")
+        first = [last[1]]
         sent = median_of(steady, "bytes_sent")
         row = {"outer_s": median_of(steady, "outer_s"), "wire_s": median_of(steady, "wire_s"),
                "codec_s": median_of(steady, "codec_s"), "bytes_sent": sent, "link_bound_s": sent * 8 / rate,
@@ -461,7 +483,7 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
         row["wire_rate"] = row["link_bound_s"] / row["wire_s"] if row["wire_s"] > 0 else None
         state = params_of(sync) * 4 * (2 if keeps_momentum(args) else 1)
         handoff_bytes = median_of(first, "bytes_sent") + state
-        row["handoff"] = {"outer_s": max(float(e["outer_s"]) for e in first), "wire_s": median_of(first, "wire_s"),
+        row["handoff"] = {"outer_s": median_of(first, "outer_s"), "wire_s": median_of(first, "wire_s"),
                           "bytes": handoff_bytes, "state_bytes": state, "link_bound_s": handoff_bytes * 8 / rate}
         row["handoff"]["ratio"] = row["handoff"]["outer_s"] / row["handoff"]["link_bound_s"]
         overlapped = results.get(f"{codec}-overlap")
@@ -487,9 +509,13 @@ def phase_table(results: dict[str, ArmResult], codecs: list[str]) -> dict[str, d
     """Per codec, the median seconds of each timed call and phase over the outer steps after the hand-off."""
     out: dict[str, dict[str, float]] = {}
     for codec in codecs:
-        rows = [r for r in results[f"{codec}-sync"].phases if (r.get("outer_step") or 0) >= 2]
-        for r in rows:  # what no wrapper and no phase of the outer's own covers (the checksum, the local stats)
-            r["calls"]["rest"] = r["outer_s"] - sum(r["phases"].values()) - sum(r["calls"].values())
+        chosen = {(k, e["node"]) for k, e in last_arrivals(results[f"{codec}-sync"]).items() if k >= 2}
+        rows = [r for r in results[f"{codec}-sync"].phases if (r.get("outer_step"), r.get("node")) in chosen]
+        for r in rows:
+            calls, own = r["calls"], r["phases"]
+            if "bounded" in calls:  # the collective in its watchdog thread: wire and codec, plus the waiting around it
+                calls["bounded_extra"] = calls.pop("bounded") - own.get("wire", 0.0) - own.get("codec", 0.0)
+            calls["rest"] = r["outer_s"] - sum(own.values()) - sum(calls.values())  # what nothing timed covers
         names = sorted({k for r in rows for k in (*r["calls"], *r["phases"])}, key=lambda k: (k == "rest", k))
         out[codec] = {k: statistics.median({**r["phases"], **r["calls"]}.get(k, 0.0) for r in rows)
                       for k in names} if rows else {}
@@ -508,7 +534,7 @@ def report(args, s: dict, slow_start: str) -> list[str]:
              f"tcp_slow_start_after_idle {slow_start}",
              f"engines: {args.preset} ({s['params'] / 1e6:.1f}M params), seq {args.seq_len} x {args.micro_batch}, "
              f"fp32, CPU, {args.threads} thread(s) each, H {args.inner_steps}, medians of "
-             f"{rows['none']['samples']} host-steps after the hand-off; store on host a"
+             f"{rows['none']['samples']} outer steps after the hand-off (the last host to arrive); store on host a"
              + (f"; overrides {' '.join(args.set)}" if args.set else ""),
              f"machine: {os.cpu_count()} cores; 1-min load average {s['load'][0]:.1f} before the lab, "
              f"{s['load'][1]:.1f} at its end (its own engines add about {args.hosts})",
@@ -529,6 +555,9 @@ def report(args, s: dict, slow_start: str) -> list[str]:
               + "; overlapped/no-DiLoCo "
               + ", ".join(f"{c} {r['tokens_per_s_overlap'] / base:.2f}" for c, r in rows.items()
                           if r["tokens_per_s_overlap"] is not None), ""]
+    lines.append("bare a2a+ag in parts (each moves (n-1)/n of the bytes per host: half the link bound alone): "
+                 + ", ".join(f"{c} all_to_all {secs(r['bare'].get('a2a_idle_s'))}, all_gather "
+                             f"{secs(r['bare'].get('ag_idle_s'))}" for c, r in rows.items() if r["bare"]))
     lines.append("hand-off (the run's first outer step: its all-reduce, then the source broadcasts the fp32 state):")
     for codec, r in rows.items():
         ho = r["handoff"]
@@ -537,7 +566,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                      f"{ho['link_bound_s']:.2f} s; {ho['ratio']:.2f}x")
     if s["phases"]:
         lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
-                  "waits, make_group = gloo rendezvous):"]
+                  "waits, group = fetching the generation's gloo group, bounded_extra = the all-reduce's watchdog "
+                  "thread beyond wire and codec, rest = what nothing timed covers):"]
         for codec, table in s["phases"].items():
             lines.append(f"  {codec:6} " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
     return lines

@@ -1,6 +1,6 @@
-"""bench/wan.py, the slow-link lab: its rate arithmetic, and its CI size end to end (--quick: the debug model on two
-namespace hosts behind 200mbit token buckets, a few seconds of training per run), so the lab cannot rot. Needs root
-and `ip netns` (CI runs as root); it takes the chaos lab's lock, as tests/test_chaos.py does."""
+"""bench/wan.py, the slow-link lab: its rate arithmetic, and its CI size end to end (--quick --phases: the debug model
+on two namespace hosts behind 200mbit token buckets, a few seconds of training per run), so the lab cannot rot. Needs
+root and `ip netns` (CI runs as root); it takes the chaos lab's lock, as tests/test_chaos.py does."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_bad_arguments_are_one_line(capsys):
 def test_quick_lab_prints_every_figure_and_the_last_line(tmp_path):
     out = tmp_path / "wan.json"
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "bench/wan.py", "--quick", "--json", str(out)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "bench/wan.py", "--quick", "--phases", "--json", str(out)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=800)
@@ -79,4 +79,6 @@ def test_quick_lab_prints_every_figure_and_the_last_line(tmp_path):
         assert row["handoff"]["state_bytes"] == 4 * s["params"]
         assert row["tokens_per_s_sync"] > 0
     assert int8["tokens_per_s_overlap"] > 0 and s["tokens_per_s_no_diloco"] > 0
+    for codec in ("none", "int8"):  # --phases: the mesh's waits timed from outside the engine
+        assert s["phases"][codec]["mesh_boundary"] > 0 and s["phases"][codec]["mesh_commit"] > 0, s["phases"]
     print(f"bench/wan.py --quick: {took:.0f} s")
