@@ -451,13 +451,11 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             over = {**engine_overrides(args, arm), "run.dir": str(run_dir / f"node-{i}"),
                     "ckpt.export_dir": str(run_dir / f"node-{i}" / "export")}
             if port is not None:
-                # generous waits: on a loaded machine a node may reach a boundary minutes after the others, and a
-                # node left out would change what the arm measures: the boundary waits mesh.store_timeout for it, and
-                # a node whose heartbeat ticks run late (a starved CPU looks like a lossy link) steps out of a
-                # collective overdue by diloco.straggler_timeout, waiting for a peer still training
+                # generous waits: on a loaded machine a node may reach a boundary long after the others, and a node
+                # left out (the boundary waits mesh.store_timeout for it) would change what the arm measures
                 over.update({"mesh.store_port": port, "mesh.node_id": f"node-{i}", "mesh.heartbeat_timeout": 30.0,
                              "mesh.start_timeout": 300.0, "mesh.store_timeout": 300.0,
-                             "diloco.allreduce_timeout": 300.0, "diloco.straggler_timeout": 300.0})
+                             "diloco.allreduce_timeout": 300.0})
             cmd = [sys.executable, "-m", "engine.train"]
             if arm.poison is not None and arm.poison.node == i:
                 p_ = arm.poison
@@ -466,15 +464,21 @@ def run_mesh(args, arm: Arm, workdir: Path) -> Result:
             cmd += [f"--{key}={json.dumps(v) if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else v}"
                     for key, v in over.items()]
             node_env = {**env, "GLOBAL_RANK": str(i), "GLOBAL_WORLD_SIZE": str(k)}
-            engines.append(subprocess.Popen(cmd, env=node_env, cwd=ROOT, stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, start_new_session=True))
-        procs += engines
+            # into files, not pipes: an engine whose pipe nobody reads (this loop waits on node-0 first) blocks on
+            # its next event once ~64 KiB of them have piled up, misses its boundary and is left out of the run
+            logs = (run_dir / f"node-{i}.out", run_dir / f"node-{i}.err")
+            logs[0].parent.mkdir(parents=True, exist_ok=True)
+            with open(logs[0], "w") as out_f, open(logs[1], "w") as err_f:
+                engines.append((subprocess.Popen(cmd, env=node_env, cwd=ROOT, stdout=out_f, stderr=err_f,
+                                                 text=True, start_new_session=True), logs))
+        procs += [p for p, _ in engines]
         outs = []
-        for i, p in enumerate(engines):
+        for i, (p, logs) in enumerate(engines):
             try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise ArmFailed(f"arm {arm.name} ran past --arm-timeout {args.arm_timeout}s") from None
+            out, err = logs[0].read_text(), logs[1].read_text()
             if p.returncode != 0:
                 said = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
                 warned = [e.get("message", "") for e in said if e.get("type") == "warning"]
