@@ -58,7 +58,7 @@ class AlwaysMesh:
     def start(self) -> bool:
         return False
 
-    def boundary(self, outer_step, attempt, *, contributing, draining):
+    def boundary(self, outer_step, attempt, *, contributing, draining, budget=None):
         from engine.mesh.protocol import Plan
         return Plan(generation=1, outer_step=outer_step, attempt=attempt, members=self.names, source=self.names[0],
                     contributors=self.names)

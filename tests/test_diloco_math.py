@@ -107,7 +107,7 @@ class FakeMesh:
     def wait_admission(self) -> make_plan:
         return self.plans.pop(0)
 
-    def boundary(self, outer_step, attempt, *, contributing, draining) -> make_plan:
+    def boundary(self, outer_step, attempt, *, contributing, draining, budget=None) -> make_plan:
         plan = self.plans.pop(0)
         assert (plan.outer_step, plan.attempt) == (outer_step, attempt)
         return plan

@@ -26,7 +26,7 @@ CFG = MeshConfig(heartbeat_interval=0.2, heartbeat_timeout=1.5, store_timeout=3.
 # ---- pure rules -----------------------------------------------------------------------------------------------
 
 def test_liveness_counts_silence_on_the_observers_clock():
-    live = Liveness(timeout=1.5)
+    live = Liveness(timeout=1.5, slack=1.5)  # sparse looks here count in full (see the blind-spell test)
 
     def see(counter: int, now: float, **kw) -> None:
         live.look(now)
@@ -54,7 +54,7 @@ def test_liveness_counts_silence_on_the_observers_clock():
 
 def test_a_stale_observer_declares_no_one_dead_and_regrants_grace():
     """An observer frozen for 2x the timeout must not judge from its old table (it would plan healthy nodes out)."""
-    live = Liveness(timeout=1.5)
+    live = Liveness(timeout=1.5, slack=1.5)  # sparse looks here count in full (see the blind-spell test)
     live.look(100.0)
     live.observe("a", 7, 100.0)
     assert not live.is_dead("a", 103.0)  # 3 s since the observer last looked: its table says nothing
@@ -63,6 +63,37 @@ def test_a_stale_observer_declares_no_one_dead_and_regrants_grace():
     live.look(104.0)
     live.observe("a", 7, 104.0)
     assert not live.is_dead("a", 104.4) and live.is_dead("a", 104.6)  # a fresh timeout of grace from 103.0
+
+
+def test_a_blind_spell_shorter_than_the_timeout_is_not_counted_against_the_peers():
+    """An etcd leader election: every node's writes fail for a few seconds. The observer's first tick that gets
+    through sees the peers' counters unchanged since before the election (their writes are still in a retry
+    pause); counting its own blind spell as their silence, it called both peers dead (the leader-kill e2e test,
+    2 of 16 runs). Their silence is counted on the time it watched; a peer that stays silent is still dead."""
+    live = Liveness(timeout=4.0, slack=1.5)
+
+    def see(counter: int, now: float) -> None:
+        live.look(now)
+        live.observe("a", counter, now)
+    see(1, 100.0)
+    see(2, 100.5)  # the last beat before the election
+    see(2, 101.0)
+    see(2, 104.4)  # 3.4 s blind (under the timeout): a's counter has not moved yet
+    assert not live.is_dead("a", 104.4)
+    see(2, 104.9)
+    assert not live.is_dead("a", 104.9) and live.age("a", 104.9) == pytest.approx(2.5)  # 4.4 - 1.9 blind
+    see(2, 106.2)  # looks within the slack again: every second of silence counts
+    assert not live.is_dead("a", 106.2)
+    see(2, 106.7)
+    assert live.is_dead("a", 106.7)  # 4.3 s of watched silence: a stays silent, it is dead
+    calm = Liveness(timeout=4.0, slack=1.5)  # looks within the slack: every second counts, as before
+    for t, counter in ((100.0, 7), (100.5, 8)):
+        calm.look(t)
+        calm.observe("a", counter, t)
+    for t in (101.5, 102.9, 104.3):
+        calm.look(t)
+        calm.observe("a", 8, t)
+    assert calm.is_dead("a", 104.6) and not calm.is_dead("a", 104.4)
 
 
 def test_decision_rule():
@@ -603,6 +634,67 @@ def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
     assert not mesh.link_slow()  # one late tick is not a slow link
     sim.sleep(CFG.heartbeat_interval)
     assert len(mesh._ticks) < 8 and mesh.link_slow()
+
+
+class SlowLink:
+    """One node's view of a shared store over a link whose every round trip costs slow["s"] of simulated time."""
+
+    def __init__(self, sim: Sim, inner, slow: dict[str, float]) -> None:
+        self._sim, self._inner, self._slow = sim, inner, slow
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr) or name.startswith("_"):
+            return attr
+
+        def op(*a, **kw):
+            self._sim.t += self._slow["s"]
+            return attr(*a, **kw)
+        return op
+
+
+@pytest.mark.parametrize("plan_out", [True, False], ids=["plan-out", "no-plan-yet"])
+def test_a_member_whose_link_turns_slow_at_the_boundary_steps_out_before_it_reaches_the_collective(plan_out):
+    """c's link turns lossy as it arrives (the chaos lab's seed-21 residual: reading the plan, writing its state and
+    the rendezvous each crawled through retransmissions, and its peers sat in the collective for 4.5 s). Once its
+    straggler budget, counted from its arrival, is spent on a slow link, c steps out at the boundary: the plan that
+    lists it is aborted (or, before there is one, it is planned without c), and a and b re-plan without it at once."""
+    sim = Sim()
+    slow = {"s": 0.0}
+    c = sim.node("c", store=SlowLink(sim, sim.store, slow))
+    sim.start("a", "b")
+    c.start()
+    sim.alive.add("c")
+    sim.advance(1.0)  # c's baseline of ticks on time
+    _run_committed(sim, 0, ["a", "b", "c"])
+    budget = 0.5
+    if plan_out:
+        for n in "abc":
+            sim.nodes[n].arrive(1, 0)
+        plan = None
+        while plan is None:
+            plan = sim.nodes[sim.leader()].poll_plan(1, 0)
+            sim.sleep(CFG.polling_interval)
+        assert plan.members == ("a", "b", "c")
+    else:
+        c.arrive(1, 0)
+    slow["s"] = 0.3  # every round trip retransmitted once: a tick of three takes ~0.9 s
+    while not c.link_slow():
+        sim.sleep(CFG.heartbeat_interval)
+    assert sim.clock() - c._arrived_at > budget
+    with pytest.raises(Excluded, match="stepped out"):
+        c.poll_plan(1, 0, budget=budget)
+    slow["s"] = 0.0
+    assert c.state == "standby"
+    assert any("stepped out of outer step 1 attempt 0" in e.get("message", "") for e in sim.events if e["node"] == "c")
+    if plan_out:
+        assert sim.commit(plan, {"a": True, "b": True})["a"] == ABORT  # c's abort ended its peers' wait
+        attempt = 1
+    else:
+        attempt = 0
+    began = sim.t
+    retry = sim.boundary(1, attempt, ["a", "b"])["a"]
+    assert retry.members == ("a", "b") and sim.t - began < 1.0  # not held for mesh.store_timeout (3 s)
 
 
 def test_joiner_stays_a_joiner_across_an_aborted_attempt(store):

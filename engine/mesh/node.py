@@ -55,7 +55,10 @@ class Mesh:
         self.sleep = sleep
         self.interrupt = interrupt  # polled by every wait: "stopped" / "drained" ends the wait (Stopped)
         self.keys = k = Keys()
-        self._m = m = Membership(store, NodeState("starting", self.info["token"]), Liveness(cfg.heartbeat_timeout))
+        # a gap between looks longer than a tick plus a quarter timeout (the observer's own store calls failed or
+        # crawled) is not counted against the peers (Liveness.look)
+        liveness = Liveness(cfg.heartbeat_timeout, slack=cfg.heartbeat_interval + cfg.heartbeat_timeout / 4)
+        self._m = m = Membership(store, NodeState("starting", self.info["token"]), liveness)
         leased = bool(getattr(store, "has_leases", lambda: False)())  # etcd: a dead node's heartbeat key vanishes
         # time rounds (diloco.round = "time"): plans carry the next round's deadline, and the planner waits for a
         # member at most `grace` past the deadline of the round that ended (diloco.straggler_grace)
@@ -109,11 +112,15 @@ class Mesh:
             self._m.ready = True
             return joiner
 
-    def boundary(self, outer_step: int, attempt: int, *, contributing: bool = True, draining: bool = False) -> Plan:
+    def boundary(self, outer_step: int, attempt: int, *, contributing: bool = True, draining: bool = False,
+                 budget: float | None = None) -> Plan:
         """Arrive at (outer_step, attempt) and wait for its plan. Raises Excluded if the plan left this node out.
-        A formation may answer with a plan of a newer outer step that lists this node as a joiner."""
+        A formation may answer with a plan of a newer outer step that lists this node as a joiner. `budget`: the
+        straggler budget (diloco.straggler_timeout), counted from the arrival: once it is spent while this node's
+        own link is slow, the node steps out here (see poll_plan) instead of crawling on to the collective."""
         what = f"outer step {outer_step} attempt {attempt}"
-        return self.polling.resilient(what, lambda: self._boundary(outer_step, attempt, contributing, draining, what))
+        return self.polling.resilient(
+            what, lambda: self._boundary(outer_step, attempt, contributing, draining, what, budget))
 
     def wait_admission(self) -> Plan:
         """A joiner (or an excluded node) asks to be admitted and waits for a plan that lists it in `joiners`."""
@@ -132,18 +139,23 @@ class Mesh:
         the abort it writes (the attempt cannot commit without this node's ok anyway) ends its peers' wait at their
         next poll, and they re-plan without it. Its pseudo-gradient of this round is not counted. Its next
         boundary raises Excluded; wait_admission asks to join again once the link is healthy."""
+        self._step_out(plan.epoch, plan.outer_step, plan.attempt, why)
+
+    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str) -> None:
         self._stepped_out = True
         try:
             self._set_state("standby")  # first: the re-plan the abort starts must find it out already
             latest = self.planner.latest()[1]
-            if latest is not None and latest.epoch == plan.epoch and not moved_past(plan, latest):
-                # (a run that moved on decided this attempt already, and may have collected its decision)
-                self.store.compare_set(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt), "", ABORT)
+            if latest is not None and latest.epoch == epoch and (latest.outer_step, latest.attempt) == (
+                    outer_step, attempt) and self.node_id in latest.members:
+                # the attempt's plan (with this node in it) is out: abort it. (A run that moved on decided this
+                # attempt already, and may have collected its decision; a plan without this node is not its own.)
+                self.store.compare_set(self.keys.decision(epoch, outer_step, attempt), "", ABORT)
             self._release_lease()
         except STORE_ERRORS as e:  # cut off for good: its peers see its heartbeat stop instead
             why += f" (the store did not answer: {first_line(e)})"
-        self.emit("warning", message=f"node {self.node_id}: stepped out of outer step {plan.outer_step} attempt "
-                                     f"{plan.attempt}: {why}; it asks to join again once its link is healthy")
+        self.emit("warning", message=f"node {self.node_id}: stepped out of outer step {outer_step} attempt "
+                                     f"{attempt}: {why}; it asks to join again once its link is healthy")
 
     def leave(self, reason: str) -> None:
         """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
@@ -203,9 +215,22 @@ class Mesh:
         self.registration.write_state(st, self.store)
         self._arrived_at = self.clock()
 
-    def poll_plan(self, outer_step: int, attempt: int) -> Plan | None:
-        """The plan of (outer_step, attempt) if there is one (writing it when this node leads), else None."""
-        self.polling.check(f"outer step {outer_step} attempt {attempt}")
+    def poll_plan(self, outer_step: int, attempt: int, *, budget: float | None = None) -> Plan | None:
+        """The plan of (outer_step, attempt) if there is one (writing it when this node leads), else None.
+
+        With a straggler `budget`: a node whose own link is slow (link_slow) and that arrived more than `budget`
+        seconds ago steps out now (state standby; the attempt's plan, if out with this node in it, aborted) and
+        raises Excluded. Its peers were held from its arrival; over a lossy link its reading of the plan, its
+        state write and its rendezvous each take a retransmission back-off, and it would reach the collective,
+        where the same rule holds (engine/outer/groups.py), seconds later (the chaos lab's seed-21 residual)."""
+        what = f"outer step {outer_step} attempt {attempt}"
+        self.polling.check(what)
+        if budget is not None and not self._m.forming and self.clock() - self._arrived_at > budget \
+                and self.link_slow():
+            self._step_out(self._m.epoch, outer_step, attempt,
+                           f"no plan read within its straggler budget ({budget:.1f}s from its arrival, "
+                           f"diloco.straggler_timeout) on a slow link (mesh.slow_tick)")
+            raise Excluded(f"node {self.node_id}: stepped out at {what} (its link is slow): re-join as a joiner")
         raw, latest = self.planner.latest()
         plan = self._plan_for(latest, outer_step, attempt)
         if plan is None and self._may_plan():
@@ -236,7 +261,8 @@ class Mesh:
 
     # ---- the waits ----------------------------------------------------------------------------------------------
 
-    def _boundary(self, outer_step: int, attempt: int, contributing: bool, draining: bool, what: str) -> Plan:
+    def _boundary(self, outer_step: int, attempt: int, contributing: bool, draining: bool, what: str,
+                  budget: float | None = None) -> Plan:
         if self._m.reset:  # the store restarted while this node trained: this boundary forms the run anew
             self._m.forget_run()
         if self._stepped_out:
@@ -245,7 +271,7 @@ class Mesh:
         wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
         limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
         while True:
-            plan = self.poll_plan(outer_step, attempt)
+            plan = self.poll_plan(outer_step, attempt, budget=budget)
             if plan is not None:
                 return plan
             if self.clock() > limit:

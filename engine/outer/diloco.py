@@ -270,8 +270,11 @@ class DilocoOuter:
         """The plan of (index, attempt) from the mesh, or, when this node was left out, its admission."""
         self.links.arrived = (index, attempt, time.monotonic())
         try:
+            # the straggler budget counts from the arrival here too: a node on a slow link steps out before it
+            # crawls on to the collective (Mesh.poll_plan)
             return self.local.on_leader("mesh boundary", lambda: self.mesh.boundary(
-                index, attempt, contributing=not joining and not self._discard, draining=draining)), rejoined
+                index, attempt, contributing=not joining and not self._discard, draining=draining,
+                budget=self.links.straggler_timeout())), rejoined
         except Excluded as e:
             self._emit("warning", message=f"{e}")
             self._emit("state", state="joining")
