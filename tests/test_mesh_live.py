@@ -441,11 +441,11 @@ comp._all_gather = _slow_gather
 """
 
 
-def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_as_soon_as_it_reaches_the_collective(
-        procs, port, tmp_path):
+def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_at_the_boundary(procs, port, tmp_path):
     """c's link turns lossy as it arrives at outer step 2: the arrival takes 1.5 s, and a and b wait for it. Its
-    straggler budget counts from its arrival (its peers were held since then), so it steps out at its first poll in
-    the collective instead of waiting out diloco.straggler_timeout there too; a and b commit step 2 without it."""
+    straggler budget counts from the start of its arrival (its peers were held since then), so it steps out at the
+    boundary, before it reads the plan, instead of crawling on through the plan's read, its state write and the
+    rendezvous into the collective (the chaos lab's seed-21 residual: 4.5 s); a and b commit step 2 without it."""
     e2e = _engine()
     e2e.start_store(procs, port)
     slow_s, late_s, k = 5.0, 1.5, 2
@@ -454,16 +454,19 @@ def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_as_soon_as_it_
     fault = SLOW_LINK_AT_ARRIVAL.format(n=k, slow_s=slow_s, late_s=late_s)
     a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, fault, steps)
     nodes = [a, b, c]
-    e2e.wait_for(lambda: "GATHER" in c.err, 180, "c in the all-reduce of outer step 2 after a slow arrival", nodes)
-    gather = float(c.err.split("GATHER ")[1].split()[0])
+    e2e.wait_for(lambda: "SLOW" in c.err, 180, "c's slow arrival at outer step 2", nodes)
+    slow = float(c.err.split("SLOW ")[1].split()[0])
     e2e.wait_for(lambda: all(k in n.outer() for n in (a, b)), 40, f"the others' outer step {k}", nodes)
     assert all(n.outer()[k]["members"] == ["a", "b"] for n in (a, b))
     out = [w for w in c.of("warning") if "stepped out of outer step 2" in w["message"]]
-    assert out, c.report()
-    # from its own entry into the collective: one poll (0.05 s here) and the step-out's store writes, where the
-    # collective alone would have cost diloco.straggler_timeout (half the heartbeat timeout: 0.75 s) on top
-    print(f"stepped out {out[0]['ts'] - gather:.2f}s after entering the collective")
-    assert out[0]["ts"] - gather < 0.5, (out[0]["ts"] - gather, out[0]["message"])
+    assert out and "no plan read within its straggler budget" in out[0]["message"], c.report()
+    assert "GATHER" not in c.err  # it never went on to the collective
+    # from the start of c's arrival: the arrival's 1.5 s and the step-out's store writes, then a and b's re-plan;
+    # going on to the collective cost a rendezvous and a gather's poll more (and over a real lossy link each of
+    # them crawls through retransmissions)
+    stall = max(n.outer()[k]["ts"] for n in (a, b)) - slow
+    print(f"a and b committed step {k} {stall:.2f}s after c's arrival began")
+    assert stall < late_s + 1.5, stall
     assert all(e2e.finish(n, 180, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
     e2e.assert_identical(nodes)
 
