@@ -29,14 +29,21 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
              sentinel: Sentinel, bufs: OuterBuffers, compression: str) -> Exchanged:
     """A contributor sends pgrad with its weight; a joiner, a diverged node and one the sentinel leaves out send
     zeros with weight 0 (out of the mean buffer: pgrad stays intact for a retry that counts it). A failed collective
-    is reported, not raised (the attempt aborts at the commit); allreduce.NothingToAverage is raised."""
+    is reported, not raised (the attempt aborts at the commit); allreduce.NothingToAverage is raised.
+
+    The buffers are this attempt's, taken before the collective starts: an abandoned attempt's thread goes on (gloo
+    cannot cancel a collective) and must write into them, never into the fresh ones renew_scratch gives the next
+    attempt. (Read inside run(), a thread given up in the sentinel's gather read bufs.mean only when it went on to
+    the mean, after the renewal, and wrote its old mean into an outer step in progress: the seed-44 soak.)"""
+    mean, wire = bufs.mean, bufs.exchange
+
     def run() -> Exchanged:
         w = weight
-        left_out = sentinel.screen(plan, group, pgrad if w else None, bufs.mean)
+        left_out = sentinel.screen(plan, group, pgrad if w else None, mean)
         if node_id in left_out:
             w = 0.0
-        send = pgrad if w else bufs.mean.zero_()
-        _, stats = allreduce.weighted_mean(send, w, group, compression, out=bufs.mean, exchange=bufs.exchange)
+        send = pgrad if w else mean.zero_()
+        _, stats = allreduce.weighted_mean(send, w, group, compression, out=mean, exchange=wire)
         return Exchanged(stats, left_out)
     try:
         group = links.group(plan)
