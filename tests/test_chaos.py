@@ -281,3 +281,12 @@ def test_cleanup_removes_what_a_killed_lab_left():
                 proc.kill()
                 proc.wait(timeout=10)
         net.cleanup_leftovers()
+
+
+def test_with_time_rounds_the_stall_limit_is_one_round_longer():
+    """A commit comes once a round with diloco.round = "time": a gap of a round is the run's pace, not a stall."""
+    from lab.lab import Options
+
+    assert Options().limit == 4.0
+    assert Options(round_seconds=1.5).limit == 5.5
+    assert Options(round_seconds=1.5, stall_limit=12.0).limit == 12.0

@@ -50,14 +50,18 @@ class Options:
     recovery_s: float = 60.0  # per fault: from the heal until every node commits again
     startup_s: float = 300.0  # until every node committed its first outer step
     deadline_s: float = 1800.0  # the whole lab, set-up to teardown
-    stall_limit: float | None = None  # default heartbeat_timeout + 2 s (the issue's soak goal)
+    stall_limit: float | None = None  # default heartbeat_timeout + 2 s (the issue's soak goal), + a time round
     kinds: tuple[str, ...] = KINDS  # the fault kinds to draw from
     lock_wait_s: float = 0.0  # how long to wait for another lab to end
     keep: bool = False  # keep the lab's temp dir (profile, keys, run dirs) for a post-mortem
 
     @property
     def limit(self) -> float:
-        return self.stall_limit if self.stall_limit is not None else self.heartbeat_timeout + 2.0
+        """The longest gap between commits the lab accepts. With time rounds a commit comes once a round by design,
+        so the limit is one round longer: the fault may hold the run heartbeat_timeout + 2 s past that."""
+        if self.stall_limit is not None:
+            return self.stall_limit
+        return self.heartbeat_timeout + 2.0 + self.round_seconds
 
     def overrides(self) -> dict[str, object]:
         """The engine settings: tests/procs.py FAST_LOCAL's quick debug run, with this lab's heartbeat timeout."""
