@@ -2,7 +2,7 @@
 
     python bench/mixed.py                          # 2 and 4 engines, 3 seeds each: ~50 min on 2 busy cores
     python bench/mixed.py --sizes 2 --seeds 5      # more seeds for the held-out ratio
-    python bench/mixed.py --quick                  # CI: 2 engines, 3 rounds of 3 s, one seed (~2 min)
+    python bench/mixed.py --quick                  # CI: 2 engines, 2 rounds of 3 s, one seed (~2 min)
     python bench/mixed.py --grace 5                # diloco.straggler_grace of the time runs (default: S / 4)
 
 Real `python -m engine.train configs/debug-diloco.toml` engines (the debug corpus, fp32, CPU, one torch thread each)
@@ -660,12 +660,12 @@ def parse_args(argv=None):
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--eval-batches", type=int, default=64, help="at most this many held-out batches of 16")
     ap.add_argument("--throttle", choices=("auto", "cgroup2", "cgroup1", "signals"), default="auto")
-    ap.add_argument("--quick", action="store_true", help="CI size: 2 engines, 3 rounds of 3 s, one seed, 6 "
+    ap.add_argument("--quick", action="store_true", help="CI size: 2 engines, 2 rounds of 3 s, one seed, 6 "
                     "held-out batches")
     ap.add_argument("--json", type=Path, help="also write every figure here")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.seeds, args.rounds, args.round_seconds, args.solo_seconds = "2", 1, 3, 3.0, 5.0
+        args.sizes, args.seeds, args.rounds, args.round_seconds, args.solo_seconds = "2", 1, 2, 3.0, 4.0
         args.grace = args.round_seconds if args.grace is None else args.grace
         args.eval_batches = min(args.eval_batches, 6)
     try:

@@ -1,9 +1,10 @@
 """The README's commands, as written: every one parses against this checkout, and the engine examples run in order,
-twice, on a fresh folder (configs/ and corpus/ copied; nothing else of the checkout is there).
+then the first again, on a fresh folder (configs/ and corpus/ copied; nothing else of the checkout is there).
 
     test_every_readme_command_parses          configs load with the overrides and the worker count of the line,
                                               profiles load, subcommands exist, named hosts are in the profile
-    test_readme_engine_examples_run_twice     the one-host lines, in order, then again: each exits 0
+    test_readme_engine_examples_run_in_order_and_again
+                                              the one-host lines in order, then the first again: each exits 0
 """
 
 from __future__ import annotations
@@ -137,9 +138,10 @@ def test_the_checker_refuses_what_used_to_be_in_the_readme():
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_readme_engine_examples_run_twice(tmp_path, procs):
+def test_readme_engine_examples_run_in_order_and_again(tmp_path, procs):
     """Defect: the README's second line stopped with "already holds checkpoints", and the torchrun line with
-    "batch_size (8) is not divisible". Each one-host line now runs as written, in order, and again."""
+    "batch_size (8) is not divisible". Each one-host line now runs as written, in order, then the first again (a
+    re-run of a finished run's folder: the second and third lines already run over the run before them)."""
     for folder in ("configs", "corpus"):
         shutil.copytree(ROOT / folder, tmp_path / folder)
     lines = [(line, words) for line, words in readme_commands()
@@ -147,12 +149,11 @@ def test_readme_engine_examples_run_twice(tmp_path, procs):
              and "-diloco.toml" not in line]  # DiLoCo lines need the several-hosts set-up (a store, etcd)
     assert len(lines) == 3
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    for attempt in (1, 2):
-        for line, words in lines:
-            argv = [sys.executable, *words[1:]] if words[0] == "python" else [torchrun, *words[1:]]
-            done = procs.run(argv, cwd=tmp_path, env=engine_env(), timeout=240)
-            assert done.returncode == 0, f"run {attempt}: {line}\n{done.stderr[-2000:]}"
-            assert done.stderr.rstrip().endswith(("completed at step 50", "completed at step 60")), done.stderr
+    for attempt, (line, words) in enumerate([*lines, lines[0]], 1):
+        argv = [sys.executable, *words[1:]] if words[0] == "python" else [torchrun, *words[1:]]
+        done = procs.run(argv, cwd=tmp_path, env=engine_env(), timeout=240)
+        assert done.returncode == 0, f"run {attempt}: {line}\n{done.stderr[-2000:]}"
+        assert done.stderr.rstrip().endswith(("completed at step 50", "completed at step 60")), done.stderr
     archived = sorted((tmp_path / "runs" / "debug" / "_archive").glob("*/checkpoints/latest"))
     assert len(archived) == 3  # every fresh run after the first moved the older checkpoints aside, nothing lost
 
