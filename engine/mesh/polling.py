@@ -8,8 +8,13 @@ not fatal: the wait pauses until the heartbeat has the store back (bounded by me
 heartbeat, and interruptible) and starts over. Outside such a wait, `guard` turns a store error into one MeshError
 line naming the node and what it was doing.
 
+A wait's first polls come soon: 5 ms after it began, then twice as late each time up to mesh.polling_interval
+(`idle`). A plan or a decision usually lands within a few milliseconds of the last arrival or post (one store
+round trip of the leader), and a fixed interval made every boundary and every commit wait up to a whole interval
+(100 ms) for it: about 0.2 s of each outer step on any link (issue 21). A long wait still polls once an interval.
+
 Without a heartbeat thread (tests, the scale bench) `idle` and the pause beat the heart themselves, so a single
-thread can drive several nodes deterministically.
+thread can drive several nodes deterministically; they poll at the fixed interval.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from engine.errors import first_line
 from engine.mesh.heartbeat import Heartbeat
 from engine.mesh.membership import STORE_ERRORS, Membership
 from engine.mesh.protocol import Excluded, Keys, MeshError, Reformed, Stopped
+
+
+FIRST_POLL_S = 0.005  # a wait's first pause; each next one twice as long, up to mesh.polling_interval
 
 
 class _StoreDown(Exception):
@@ -41,6 +49,8 @@ class Polling:
         self.sleep = sleep
         self.interrupt = interrupt  # "stopped" / "drained" ends the wait (Stopped)
         self.can_resume = can_resume  # the heartbeat can reconnect: a wait may outlive a lost store
+        self._waiting: str | None = None  # the wait `idle` last paused in, and its next pause
+        self._pause = 0.0
 
     def check(self, what: str) -> None:
         """What every wait checks at every poll: the heartbeat's fate, a restarted store, a stop or drain."""
@@ -53,12 +63,21 @@ class Polling:
             raise Stopped(reason, what)
 
     def idle(self, what: str) -> None:
-        """One poll interval. Without a heartbeat thread the wait loops beat themselves (tests)."""
+        """One pause of the wait `what`: 5 ms at its first poll, doubling up to mesh.polling_interval. Without a
+        heartbeat thread the wait loops beat themselves (tests) and pause a whole interval each time."""
         self.check(what)
-        if not self.heartbeat.use_thread and self.m.state != "left":
-            self.heartbeat.beat()
-            self.check_heartbeat()
-        self.sleep(self.cfg.polling_interval)
+        interval = self.cfg.polling_interval
+        if not self.heartbeat.use_thread:
+            if self.m.state != "left":
+                self.heartbeat.beat()
+                self.check_heartbeat()
+            self.sleep(interval)
+            return
+        if what != self._waiting:
+            self._waiting, self._pause = what, min(FIRST_POLL_S, interval)
+        else:
+            self._pause = min(interval, self._pause * 2)
+        self.sleep(self._pause)
 
     def check_heartbeat(self) -> None:
         if self.heartbeat.error is not None:
