@@ -173,3 +173,15 @@ def test_gpu_buffers_live_beside_the_parameters():
     bufs.capture(params)
     params[0].add_(1.0)
     assert float(bufs.pseudo_gradient(params)[:16].sum()) == pytest.approx(-16.0)
+
+
+def test_finite_finds_one_nan_or_inf_anywhere_in_one_pass():
+    from engine.outer.buffers import finite
+
+    x = torch.randn(100_003)
+    assert finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[77_777] = bad
+        assert not finite(y), bad
+    assert not finite(torch.full((4,), 3e19))  # squares past fp32: a round that far gone counts as diverged

@@ -109,6 +109,14 @@ class OuterBuffers:
 
 
 @torch.no_grad()
+def finite(flat: torch.Tensor) -> bool:
+    """No NaN or inf in flat: its norm is finite. One pass without a mask (isfinite().all() made a bool tensor of
+    the model's size: 81 ms of every outer step for 14M parameters on one core, against 3 ms). Values so large that
+    their squares overflow fp32 (above ~1e19) read as not finite too: a round that far gone has diverged as well."""
+    return bool(torch.isfinite(torch.linalg.vector_norm(flat)))
+
+
+@torch.no_grad()
 def fingerprint(flat: torch.Tensor) -> str:
     """A 12-hex-digit fingerprint of a flat fp32 tensor: equal tensors give equal fingerprints on any device."""
     bits = flat.view(torch.int32)

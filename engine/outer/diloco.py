@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from engine.mesh.protocol import Excluded, MeshError, Reformed
 from engine.outer import allreduce
-from engine.outer.buffers import OuterBuffers, fingerprint
+from engine.outer.buffers import OuterBuffers, finite, fingerprint
 from engine.outer.exchange import exchange
 from engine.outer.groups import MeshLinks
 from engine.outer.handoff import StateHandoff
@@ -335,7 +335,7 @@ class DilocoOuter:
         """A node whose round diverged (NaN or inf in its weights) must not poison the run's: its pseudo-gradient
         is left out of the mean (it arrives as not contributing and sends weight 0), and at the commit it takes the
         run's new weights like every member, with fresh optimizer state. Agreed across the node's local ranks."""
-        bad = self.local.any(not bool(torch.isfinite(pgrad).all()))
+        bad = self.local.any(not finite(pgrad))
         if bad:
             self._emit("warning", message=f"node {self.node_id}: its pseudo-gradient of outer step {index} is not "
                                           f"finite (its round diverged): not counted; it takes the run's weights")

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from engine.outer.buffers import finite
 from engine.outer.diloco import DilocoOuter
 from engine.outer.progress import Progress
 
@@ -60,7 +61,7 @@ class OverlappedDiloco(DilocoOuter):
     def _boundary(self, progress: Progress, draining: bool, tokens: int) -> bool:
         with self.watch.phase("pseudo_gradient"):
             self._rebase(self._settle(), eager=self._eager)
-            if not bool(torch.isfinite(self.bufs.pgrad).all()):
+            if not finite(self.bufs.pgrad):
                 # the round just ended diverged: its progress would carry NaN into the next one. Restart from the
                 # agreed weights with fresh optimizer state (here, on the training thread), and send nothing of it
                 self._emit("warning", message=f"node {self.node_id}: its last round diverged (not finite): not "
