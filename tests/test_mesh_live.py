@@ -418,25 +418,25 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
 SLOW_LINK_AT_ARRIVAL = """import sys, time
 import engine.outer.allreduce as comp
 import engine.mesh.heartbeat as hb
-import engine.mesh.node as node
-_gather, _tick, _arrive, _until = comp._all_gather, hb.Heartbeat.tick, node.Mesh.arrive, [0.0]
+import engine.mesh.registration as reg
+_gather, _tick, _write, _until = comp._all_gather, hb.Heartbeat.tick, reg.Registration.write_state, [0.0]
 def _slow_tick(self):
     if time.monotonic() < _until[0]:
         time.sleep(0.45)
     return _tick(self)
-def _slow_arrive(self, outer_step, attempt, **kw):
-    if outer_step == {n} and attempt == 0:
+def _slow_write(self, st, store):
+    if not _until[0] and st.at is not None and tuple(st.at[1:]) == ({n}, 0):  # the arrival's write crawls
         _until[0] = time.monotonic() + {slow_s}
         print(f"SLOW {{time.time()}}", file=sys.stderr, flush=True)
         time.sleep({late_s})
-    return _arrive(self, outer_step, attempt, **kw)
+    return _write(self, st, store)
 def _slow_gather(pg, mine):
     if time.monotonic() < _until[0]:
         print(f"GATHER {{time.time()}}", file=sys.stderr, flush=True)
         time.sleep(max(0.0, _until[0] - time.monotonic()))
     return _gather(pg, mine)
 hb.Heartbeat.tick = _slow_tick
-node.Mesh.arrive = _slow_arrive
+reg.Registration.write_state = _slow_write
 comp._all_gather = _slow_gather
 """
 

@@ -72,7 +72,7 @@ class Mesh:
         self.polling = Polling(m, self.heartbeat, node_id, k, cfg, sleep=sleep, interrupt=interrupt,
                                can_resume=reconnect is not None)
         self._arrived_at = 0.0
-        self._arriving_at = 0.0  # when its last boundary began (before the arrival's write): the straggler budget
+        self._arriving_at = 0.0  # when its last arrival began (before its write): the straggler budget
         self._posted_at = 0.0
         self._stepped_out = False  # step_out(): the next boundary excludes this node; it re-joins when healthy
 
@@ -211,7 +211,7 @@ class Mesh:
         m = self._m
         if draining and m.state == "training":
             m.state = "draining"
-        self._arriving_at = self.clock()
+        self._arriving_at = self.clock()  # before its write, which crawls on a slow link too: the straggler budget
         st = NodeState(m.state, self.info["token"], (m.epoch, outer_step, attempt), contributing, draining, None,
                        m.node_state.group)
         self.registration.write_state(st, self.store)
@@ -269,9 +269,7 @@ class Mesh:
             self._m.forget_run()
         if self._stepped_out:
             raise Excluded(f"node {self.node_id}: stepped out at {what} (its link is slow): re-join as a joiner")
-        began = self.clock()
         self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
-        self._arriving_at = began  # a slow link crawls through the arrival's write too: the budget counts it
         wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
         limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
         while True:

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds by time of this many seconds (diloco.round = time); 0: rounds of --inner-steps steps")
     p.add_argument("--recovery", type=float, default=d.recovery_s, help="seconds each fault may take to heal")
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole lab")
-    p.add_argument("--stall-limit", type=float, default=None, help="default: heartbeat timeout + 2 s (+ --round-seconds: a commit comes once a round)")
+    p.add_argument("--stall-limit", type=float, default=None,
+                   help="default: heartbeat timeout + 2 s (+ --round-seconds: a commit comes once a round)")
     p.add_argument("--kinds", default=",".join(KINDS),
                    help=f"fault kinds to draw from (default all: {','.join(KINDS)})")
     p.add_argument("--out", default="chaos-out", help="report.txt, timeline.png and logs/ go here")
