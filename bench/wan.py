@@ -17,9 +17,10 @@ What runs there, one run after another (nothing else shares the 2 cores):
     no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all
     bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
                   engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
-                  of quiet ("idle": the gloo connections of an outer step have been idle for a round); and the
-                  compressed outer step's own pattern on the same bytes, all_to_all then all_gather ("a2a+ag",
-                  after --idle), with no codec between them
+                  of quiet ("idle": the gloo connections of an outer step have been idle for a round); the
+                  compressed outer step's own pattern on the same bytes ("pieces", after --idle: its reduce-scatter
+                  and all-gather as send/recv of PIECE_BYTES pieces, no codec between them); and the pattern before
+                  the pieces, one all_to_all and one all_gather (their seconds on a line of their own)
 
 Each run trains max_steps = H x (rounds + 2). Outer step 1 is the run's first: it carries the state hand-off (the
 source broadcasts its fp32 parameters to every member). Outer steps 2 on are the measured ones: of each, the event
@@ -368,6 +369,7 @@ def bare_worker(spec: dict) -> None:
 
     from engine.mesh import make_group
     from engine.mesh.protocol import Plan
+    from engine.outer import allreduce
 
     torch.set_num_threads(1)
     rank, n = spec["rank"], spec["n"]
@@ -406,12 +408,25 @@ def bare_worker(spec: dict) -> None:
         def ag() -> None:
             pg.allgather([gathered], [mine]).wait()
 
-        def pattern() -> None:
-            a2a(), ag()
-        ring(), pattern()  # the first ones connect and allocate
+        # the engine's compressed pattern (engine/outer/allreduce.py): the rows as pieces, every receive posted
+        # before the sends, once for the reduce-scatter and once for the all-gather
+        per = rows.shape[1]
+        count = max(1, min(allreduce.MAX_PIECES, -(-per // allreduce.PIECE_BYTES)))
+        out_pieces = torch.zeros(n, count, -(-per // count), dtype=torch.uint8)
+        in_pieces = torch.empty_like(out_pieces)
+        peers = [(rank + i) % n for i in range(1, n)]
+
+        def pieces() -> None:
+            for step in range(2):
+                works = [pg.recv([in_pieces[j, c]], j, step * count + c) for j in peers for c in range(count)]
+                works += [pg.send([out_pieces[j, c]], j, step * count + c) for c in range(count) for j in peers]
+                for w in works:
+                    w.wait()
+
+        ring(), pieces(), a2a(), ag()  # the first ones connect and allocate
         row: dict = {"codec": codec, "bytes": x.numel() * 4}
         idle = spec["idle"]
-        for name, collective, gap in (("warm", ring, 0.0), ("idle", ring, idle), ("pattern_idle", pattern, idle),
+        for name, collective, gap in (("warm", ring, 0.0), ("idle", ring, idle), ("pattern_idle", pieces, idle),
                                       ("a2a_idle", a2a, idle), ("ag_idle", ag, idle)):
             runs = [timed(gap, collective) for _ in range(spec["reps"])]
             row[f"{name}_s"] = statistics.median(t for t, _ in runs)
@@ -542,7 +557,7 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                 if s["load"][0] > (os.cpu_count() or 1) else ""),
              "",
              f"{'codec':6} {'outer_s':>8} {'wire_s':>7} {'codec_s':>8} {'other_s':>8} {'bytes/host':>11} "
-             f"{'link bound':>10} {'wire rate':>9} {'bare warm':>9} {'bare idle':>9} {'a2a+ag':>7} {'compute_s':>9} "
+             f"{'link bound':>10} {'wire rate':>9} {'bare warm':>9} {'bare idle':>9} {'pieces':>7} {'compute_s':>9} "
              f"{'tok/s sync':>10} {'tok/s overlap':>13}"]
     for codec, r in rows.items():
         bare = r["bare"] or {}
@@ -557,7 +572,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
               + "; overlapped/no-DiLoCo "
               + ", ".join(f"{c} {r['tokens_per_s_overlap'] / base:.2f}" for c, r in rows.items()
                           if r["tokens_per_s_overlap"] is not None), ""]
-    lines.append("bare a2a+ag in parts (each moves (n-1)/n of the bytes per host: half the link bound alone): "
+    lines.append("bare all_to_all and all_gather, the pattern before the pieces (each moves (n-1)/n of the bytes per "
+                 "host: half the link bound alone): "
                  + ", ".join(f"{c} all_to_all {secs(r['bare'].get('a2a_idle_s'))}, all_gather "
                              f"{secs(r['bare'].get('ag_idle_s'))}" for c, r in rows.items() if r["bare"]))
     lines.append("hand-off (the run's first outer step: its all-reduce, then the source broadcasts the fp32 state):")

@@ -4,29 +4,40 @@
 
 One algorithm for every compression, so the bytes counted are the bytes sent (INTELLECT-1's int8 all-reduce):
 
-    1. every rank scales its tensor by its weight and cuts it into `size` equal chunks (padded);
-    2. reduce-scatter by all_to_all: chunk j goes, encoded, to rank j;
-    3. rank j decodes what it received and sums it in fp32 (accumulation is never compressed), divides by the
-       total weight and encodes its reduced chunk once more;
-    4. all_gather of the encoded reduced chunks; every rank decodes all of them, the owner its own as well.
+    1. every rank scales its tensor by its weight and cuts it into `size` equal chunks, each of equal pieces
+       (padded; a piece is one message of about PIECE_BYTES);
+    2. reduce-scatter: piece c of chunk j goes, encoded, to rank j; the codec encodes a batch of pieces while the
+       batches before it are on the wire;
+    3. rank j sums the pieces of its chunk as they arrive, in fp32 (accumulation is never compressed; its own part
+       exactly, the others' decoded in rank order), divides by the total weight and encodes each reduced piece
+       once more;
+    4. all-gather: every rank sends its reduced pieces to every other; every rank decodes all of them as they
+       arrive, the owner its own as well.
+
+The messages are gloo send/recv of the pieces, every receive posted before the first send. Two collectives
+(all_to_all, then all_gather) moved the same bytes at 50-60 % of a shaped link's rate: one large message each way
+between two hosts leaves the link half idle over gloo's TCP pairs, and pieces keep both directions busy
+(docs/performance.md, "Pieces").
 
 For "none" on the host the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight
-appended (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce.
+appended (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already
+runs at the link's rate).
 
-Step 4 makes the result bit-identical on every rank: each chunk is reduced once, by one owner, and all ranks
+Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
-all-reduce would: 4 bytes for "none", 2 for bf16/fp16, 1 (+ 8 per chunk of scale/offset) for int8, plus the
-sender's weight (4 bytes per peer, packed into the all_to_all rows: there are no other messages).
+all-reduce would: 4 bytes for "none", 2 for bf16/fp16, 1 (+ 8 per piece of scale/offset) for int8, plus the
+sender's weight (4 bytes on each of its reduce-scatter pieces: there are no other messages).
 
-int8 is uniform 256-bin quantization per chunk: q = round((x - lo) / scale), scale = (hi - lo) / 255. Its
-absolute error per element is at most scale / 2 for each of the two quantizations.
+int8 is uniform 256-bin quantization per piece: q = round((x - lo) / scale), scale = (hi - lo) / 255. Its
+absolute error per element is at most scale / 2 for each of the two quantizations (the owner's own part is not
+quantized on its way in).
 
 Where the work happens: the codec runs on the device of `flat` (on a GPU for CUDA runs), so only the encoded
 bytes cross to the host, through pinned host buffers; gloo moves host bytes. Every buffer comes from an
 `Exchange`, allocated on first use and reused while the group size and codec stay the same, so an outer step
 allocates nothing of the model's size. The result is written into `out` (which may be `flat` itself).
 
-The process group is used through its own methods (`pg.alltoall_base(...).wait()`), which works for the
+The process group is used through its own methods (`pg.send(...)`, `pg.recv(...).wait()`), which works for the
 per-generation groups built from a store and raises the backend's real error text ("Connection closed by
 peer") as a RuntimeError. This module never catches it: the caller decides whether an outer step failed.
 """
@@ -34,7 +45,7 @@ peer") as a RuntimeError. This module never catches it: the caller decides wheth
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,10 +53,15 @@ import torch.distributed as dist
 COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # The collectives an outer step runs, as a version: it is part of the mesh digest, so that engines of versions
 # whose collectives differ are refused at start-up ("config digest differs") instead of deadlocking in a
-# mismatched collective (2: "none" on the host became one all-reduce).
-WIRE_PROTOCOL = 2
+# mismatched collective (2: "none" on the host became one all-reduce; 3: the codecs' pieces over send/recv).
+WIRE_PROTOCOL = 3
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
+# One message on the wire. A transfer of one large message each way between two hosts moves at about half the
+# link's rate over gloo's TCP pairs; pieces of 64 KiB keep both directions of a shaped link busy (bench/wan.py)
+PIECE_BYTES = 64 * 1024
+MAX_PIECES = 512  # per chunk: bounds the messages (and the Python per message) of a large model's outer step
+BATCH_PIECES = 16  # pieces the host codec encodes or decodes in one go (1 MiB of int8), while the others travel
 
 
 class NothingToAverage(Exception):
@@ -181,19 +197,178 @@ def _half(compression: str) -> torch.dtype:
     return torch.bfloat16 if compression == "bf16" else torch.float16
 
 
-def _all_to_all(pg: dist.ProcessGroup, send: torch.Tensor, recv: torch.Tensor) -> None:
-    pg.alltoall_base(recv, send, [], [], dist.AllToAllOptions()).wait()
+@dataclass
+class _Pieces:
+    """How the mean is cut up: `size` chunks (chunk j is reduced by rank j), each of `pieces` pieces of `pc`
+    elements (the last ones padded with zeros). A piece is one message on the wire and has its own int8
+    scale/offset; the codec works on batches of `batch` pieces."""
+    numel: int
+    size: int
+    pieces: int
+    pc: int
+    width: int  # a piece's payload bytes
+    meta: int  # a piece's codec metadata bytes (int8: scale, offset)
+    batch: int
+
+    def span(self, chunk: int, c0: int, c1: int) -> tuple[int, int]:
+        """The elements of pieces c0..c1-1 of a chunk, clipped to the tensor (empty past its end)."""
+        a = (chunk * self.pieces + c0) * self.pc
+        return min(a, self.numel), min(a + (c1 - c0) * self.pc, self.numel)
+
+    def batches(self):
+        return ((c, min(c + self.batch, self.pieces)) for c in range(0, self.pieces, self.batch))
+
+
+def _pieces(numel: int, size: int, compression: str, device: torch.device) -> _Pieces:
+    bpe = bytes_per_element(compression)
+    chunk = -(-numel // size)
+    pieces = max(1, min(MAX_PIECES, -(-chunk * bpe // PIECE_BYTES)))
+    pc = -(-chunk // pieces)
+    # on the host the codec runs batch by batch while earlier pieces are on the wire; a device codec is fast
+    # enough to encode everything at once (one copy to the pinned host buffer)
+    batch = BATCH_PIECES if device.type == "cpu" else pieces
+    return _Pieces(numel, size, pieces, pc, pc * bpe, _META if compression == "int8" else 0, batch)
 
 
 @dataclass
-class _Gather:
-    rows: torch.Tensor  # [size, row bytes]: row i receives rank i's
-    mine: torch.Tensor  # [row bytes]
+class _Job:
+    """One weighted mean in flight: its buffers, its messages and its codec time."""
+    pg: dist.ProcessGroup
+    flat: torch.Tensor
+    weight: float
+    out: torch.Tensor
+    compression: str
+    ex: Exchange
+    geo: _Pieces
+    peers: list[int]
+    codec_s: float = 0.0
+    total: float = 0.0
+    weights: list[float] = field(default_factory=list)
+
+    def scaled(self, chunk: int, c0: int, c1: int) -> torch.Tensor:
+        """This rank's pieces c0..c1-1 of a chunk times its weight, fp32 rows [c1-c0, pc] in scratch."""
+        g = self.geo
+        rows = self.ex.buf("scaled", (g.batch, g.pc), torch.float32)[:c1 - c0]
+        a, b = g.span(chunk, c0, c1)
+        torch.mul(self.flat[a:b], self.weight, out=rows.view(-1)[:b - a])
+        rows.view(-1)[b - a:].zero_()
+        return rows
+
+    def host(self, name: str, dev: torch.Tensor, index: tuple) -> torch.Tensor:
+        """The host bytes the wire sends for dev[index] (dev itself on a CPU)."""
+        if self.ex.on_host:
+            return dev[index]
+        host = self.ex.buf(name, tuple(dev.shape), dev.dtype, host=True)
+        host[index].copy_(dev[index], non_blocking=True)
+        torch.cuda.current_stream(self.ex.device).synchronize()  # gloo reads the host bytes next
+        return host[index]
+
+    def device(self, name: str, host: torch.Tensor, index: tuple) -> torch.Tensor:
+        """host[index] where the codec runs (host itself on a CPU)."""
+        if self.ex.on_host:
+            return host[index]
+        dev = self.ex.buf(name, tuple(host.shape), host.dtype)
+        dev[index].copy_(host[index], non_blocking=True)  # ordered before the decode kernels on the same stream
+        return dev[index]
 
 
-def _all_gather(pg: dist.ProcessGroup, job: _Gather) -> None:
-    """One collective (the end-to-end tests kill a node inside it: keep it a module-level function)."""
-    pg.allgather([[job.rows[i] for i in range(job.rows.shape[0])]], [job.mine]).wait()
+def _reduce_scatter(job: _Job) -> None:
+    """Rank r sends pieces of chunk j to rank j, encoded batch by batch while the earlier ones are on the wire, and
+    sums the pieces of its own chunk as they arrive (fp32, its own exactly, the others' decoded in rank order),
+    divides by the total weight and encodes them once more into the "mine" rows for the all-gather."""
+    pg, g, ex, rank = job.pg, job.geo, job.ex, job.pg.rank()
+    row = g.width + g.meta + _WEIGHT
+    send = ex.buf("send", (g.size, g.pieces, row), torch.uint8)
+    recv = ex.buf("recv", (g.size, g.pieces, row), torch.uint8, host=True)
+    # every receive is posted before the first byte leaves: a piece lands in place whenever it arrives
+    arrivals = {j: [pg.recv([recv[j, c]], j, c) for c in range(g.pieces)] for j in job.peers}
+    t0 = time.perf_counter()
+    send[:, :, g.width + g.meta:].copy_(torch.full((1, 1, 1), float(job.weight), device=send.device)
+                                        .view(torch.uint8).expand(g.size, g.pieces, _WEIGHT))
+    job.codec_s += time.perf_counter() - t0
+    sends = []
+    for c0, c1 in g.batches():
+        for j in job.peers:
+            t0 = time.perf_counter()
+            rows = job.scaled(j, c0, c1)
+            encode_into(send[j, c0:c1], rows, job.compression, work=rows)
+            wire = job.host("send", send, (j, slice(c0, c1)))
+            job.codec_s += time.perf_counter() - t0
+            sends += [pg.send([wire[c - c0]], j, c) for c in range(c0, c1)]
+    for j in job.peers:  # every sender's weight rides on each of its pieces: the first one tells
+        _landed(arrivals[j], 0)
+    job.weights = [job.weight if i == rank else float(_f32(recv[i, 0, g.width + g.meta:][None]).item())
+                   for i in range(g.size)]
+    job.total = float(sum(job.weights))
+    if job.total > 0:
+        acc = ex.buf("acc", (g.pieces, g.pc), torch.float32)
+        part = ex.buf("part", (g.batch, g.pc), torch.float32)
+        mine = ex.buf("mine", (g.pieces, g.width + g.meta), torch.uint8)
+        for c0, c1 in g.batches():
+            for j in job.peers:
+                for c in range(c0, c1):
+                    _landed(arrivals[j], c)
+            t0 = time.perf_counter()
+            acc[c0:c1].copy_(job.scaled(rank, c0, c1))
+            for j in sorted(job.peers):
+                decode_into(part[:c1 - c0], job.device("recv", recv, (j, slice(c0, c1))), job.compression,
+                            meta_at=g.width)
+                acc[c0:c1].add_(part[:c1 - c0])
+            acc[c0:c1].div_(job.total)
+            encode_into(mine[c0:c1], acc[c0:c1], job.compression)
+            job.codec_s += time.perf_counter() - t0
+    for ws in list(arrivals.values()) + [sends]:  # all of it, also when there is no mean
+        for c in range(len(ws)):
+            _landed(ws, c)
+    if not job.total > 0:  # every rank reads the same weights, so every rank stops here, its messages all done
+        raise NothingToAverage("every rank of the group has weight 0")
+
+
+def _all_gather(pg: dist.ProcessGroup, job: _Job) -> None:
+    """Every rank sends its reduced pieces to every other and decodes the pieces of every chunk as they arrive, its
+    own too: all ranks decode the very same bytes. (One step of its own: the end-to-end tests kill or freeze a node
+    here, after the reduce-scatter and before the all-gather; keep it a module-level function.)"""
+    g, ex, rank = job.geo, job.ex, pg.rank()
+    rows = ex.buf("rows", (g.size, g.pieces, g.width + g.meta), torch.uint8, host=True)
+    tag = g.pieces  # the all-gather's tags follow the reduce-scatter's
+    arrivals = {j: [pg.recv([rows[j, c]], j, tag + c) for c in range(g.pieces)] for j in job.peers}
+    mine = ex.buf("mine", (g.pieces, g.width + g.meta), torch.uint8)
+    t0 = time.perf_counter()
+    wire = job.host("mine", mine, (slice(None),))
+    job.codec_s += time.perf_counter() - t0
+    sends = [pg.send([wire[c]], j, tag + c) for c in range(g.pieces) for j in job.peers]
+    for chunk in [rank] + job.peers:
+        for c0, c1 in g.batches():
+            if chunk != rank:
+                for c in range(c0, c1):
+                    _landed(arrivals[chunk], c)
+            t0 = time.perf_counter()
+            src = mine[c0:c1] if chunk == rank else job.device("rows", rows, (chunk, slice(c0, c1)))
+            _decode_span(job, chunk, c0, c1, src)
+            job.codec_s += time.perf_counter() - t0
+    for c in range(len(sends)):
+        _landed(sends, c)
+
+
+def _landed(works: list, i: int) -> None:
+    """Wait for message i of a list once (a gloo send/recv waited twice waits for a second message that never
+    comes); None marks it done."""
+    if works[i] is not None:
+        works[i].wait()
+        works[i] = None
+
+
+def _decode_span(job: _Job, chunk: int, c0: int, c1: int, src: torch.Tensor) -> None:
+    """Decode pieces c0..c1-1 of a chunk into out, the whole pieces in place and a last partial one through part."""
+    g = job.geo
+    a, b = g.span(chunk, c0, c1)
+    whole = (b - a) // g.pc
+    if whole:
+        decode_into(job.out[a:a + whole * g.pc].view(whole, g.pc), src[:whole], job.compression, meta_at=g.width)
+    if a + whole * g.pc < b:
+        last = job.ex.buf("part", (g.batch, g.pc), torch.float32)[:1]
+        decode_into(last, src[whole:whole + 1], job.compression, meta_at=g.width)
+        job.out[a + whole * g.pc:b].copy_(last[0, :b - a - whole * g.pc])
 
 
 def _check(flat: torch.Tensor, weight: float, compression: str, out: torch.Tensor | None) -> None:
@@ -202,23 +377,6 @@ def _check(flat: torch.Tensor, weight: float, compression: str, out: torch.Tenso
     assert flat.dtype == torch.float32 and flat.dim() == 1
     assert out is None or (out.shape == flat.shape and out.dtype == flat.dtype and out.device == flat.device)
     assert weight >= 0
-
-
-def _scaled_rows(flat: torch.Tensor, weight: float, size: int, ex: Exchange, out: torch.Tensor):
-    """flat * weight cut into `size` rows of per_chunk (the last padded with zeros), as two blocks of fp32 rows:
-    the whole rows are read from `flat` itself at weight 1 (no copy) and live in `out` otherwise (scratch until
-    the result lands there), the rest in a small padded buffer."""
-    numel = flat.numel()
-    per_chunk = -(-numel // size)
-    whole = numel // per_chunk
-    head = whole * per_chunk
-    tail = ex.buf("tail", (size - whole, per_chunk), torch.float32)
-    tail.zero_()
-    torch.mul(flat[head:], weight, out=tail.view(-1)[:numel - head])
-    if weight == 1.0:
-        return flat[:head].view(whole, per_chunk), tail
-    torch.mul(flat[:head], weight, out=out[:head])
-    return out[:head].view(whole, per_chunk), tail
 
 
 def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, compression: str = "none", *,
@@ -244,50 +402,18 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
     ex = exchange if exchange is not None else Exchange(flat.device)
     if compression == "none" and flat.device.type == "cpu":
         return _allreduce_mean(flat, weight, pg, ex, out, start)
-    numel = flat.numel()
-    per_chunk = -(-numel // size)
-    width = per_chunk * bytes_per_element(compression)
-    meta = _META if compression == "int8" else 0
-    # 1. my rows, encoded: row j = chunk j | its int8 scale/offset | my weight (one message per peer)
-    whole, tail = _scaled_rows(flat, weight, size, ex, out)
-    send = ex.buf("send", (size, width + meta + _WEIGHT), torch.uint8)
-    # int8's scratch is out's (the rows must stay intact when they are flat's own, which a retry resends)
-    encode_into(send[:whole.shape[0]], whole, compression, work=out[:whole.numel()].view(whole.shape))
-    encode_into(send[whole.shape[0]:], tail, compression)
-    send[:, width + meta:].copy_(torch.full((size, 1), float(weight), device=send.device).view(torch.uint8))
-    wire = 0.0
-    # 2. reduce-scatter by all_to_all: row i of what I receive is rank i's copy of my chunk
-    send_host = ex.to_host("send", send)
-    recv_host = ex.buf("recv", tuple(send.shape), torch.uint8, host=True)
-    t0 = time.perf_counter()
-    _all_to_all(pg, send_host, recv_host)
-    wire += time.perf_counter() - t0
-    weights = _f32(recv_host[:, width + meta:]).reshape(-1)
-    total = float(weights.sum())
-    if not total > 0:
-        raise NothingToAverage("every rank of the group has weight 0")
-    # 3. fp32 accumulation of my chunk, in rank order, then encoded once more
-    recv = ex.to_device("recv", recv_host)
-    acc = ex.buf("acc", (1, per_chunk), torch.float32)
-    part = ex.buf("part", (1, per_chunk), torch.float32)
-    decode_into(acc, recv[0:1], compression)
-    for i in range(1, size):
-        decode_into(part, recv[i:i + 1], compression)
-        acc.add_(part)
-    acc.div_(total)
-    mine = ex.buf("mine", (1, width + meta), torch.uint8)
-    encode_into(mine, acc, compression)
-    # 4. all_gather of the reduced chunks (+ their scale/offset) straight into the rows of one buffer
-    mine_host = ex.to_host("mine", mine)
-    rows_host = ex.buf("rows", (size, width + meta), torch.uint8, host=True)
-    t0 = time.perf_counter()
-    _all_gather(pg, _Gather(rows_host, mine_host[0]))
-    wire += time.perf_counter() - t0
-    rows = ex.to_device("rows", rows_host)
-    _decode_result(out, rows, per_chunk, compression, ex)
-    sent = (size - 1) * (width + meta + _WEIGHT) + (size - 1) * (width + meta)
+    rank = pg.rank()
+    job = _Job(pg, flat, weight, out, compression, ex, _pieces(flat.numel(), size, compression, flat.device),
+               [(rank + i) % size for i in range(1, size)])
+    _reduce_scatter(job)
+    _all_gather(pg, job)
+    if ex.device.type == "cuda":
+        torch.cuda.current_stream(ex.device).synchronize()  # the result is complete when this returns
+    g = job.geo
+    sent = (size - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
     seconds = time.perf_counter() - start
-    return out, ReduceStats(sent, seconds, total, weights.tolist(), wire_s=wire, codec_s=seconds - wire)
+    return out, ReduceStats(sent, seconds, job.total, job.weights, wire_s=seconds - job.codec_s,
+                            codec_s=job.codec_s)
 
 
 def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex: Exchange, out: torch.Tensor,
@@ -314,18 +440,3 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     sent = 2 * (size - 1) * -(-(numel + size) // size) * 4  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, total, weights, wire_s=wire, codec_s=seconds - wire)
-
-
-def _decode_result(out: torch.Tensor, rows: torch.Tensor, per_chunk: int, compression: str, ex: Exchange) -> None:
-    """Decode the gathered rows into out: the whole rows directly, the last partial row through a small buffer."""
-    numel = out.numel()
-    whole = numel // per_chunk
-    head = whole * per_chunk
-    if whole:
-        decode_into(out[:head].view(whole, per_chunk), rows[:whole], compression)
-    if head < numel:
-        last = ex.buf("part", (1, per_chunk), torch.float32)
-        decode_into(last, rows[whole:whole + 1], compression)
-        out[head:].copy_(last[0, :numel - head])
-    if ex.device.type == "cuda":
-        torch.cuda.current_stream(ex.device).synchronize()  # the result is complete when this returns
