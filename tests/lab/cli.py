@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds by time of this many seconds (diloco.round = time); 0: rounds of --inner-steps steps")
     p.add_argument("--recovery", type=float, default=d.recovery_s, help="seconds each fault may take to heal")
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole lab")
+    p.add_argument("--gap", default=",".join(f"{x:g}" for x in d.gap),
+                   help="LOW,HIGH: the quiet seconds after each recovery are drawn between these (the draws, and so "
+                        "the rest of a seed's schedule, stay the same)")
     p.add_argument("--stall-limit", type=float, default=None,
                    help="default: heartbeat timeout + 2 s (+ --round-seconds: a commit comes once a round)")
     p.add_argument("--kinds", default=",".join(KINDS),
@@ -56,12 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts < 2 or args.hosts > 20:
         print(f"chaos: --hosts must be in 2..20, got {args.hosts}", file=sys.stderr)
         return EXIT_LAB
+    try:
+        low, high = (float(x) for x in args.gap.split(","))
+        if not 0 <= low <= high:
+            raise ValueError
+    except ValueError:
+        print(f"chaos: --gap {args.gap!r}: expected LOW,HIGH seconds with 0 <= LOW <= HIGH", file=sys.stderr)
+        return EXIT_LAB
     options = Options(seed=args.seed, faults=args.faults, hosts=args.hosts, heartbeat_timeout=args.heartbeat_timeout,
                       inner_steps=args.inner_steps, round_seconds=args.round_seconds, recovery_s=args.recovery, deadline_s=args.deadline,
-                      stall_limit=args.stall_limit, keep=args.keep, lock_wait_s=args.lock_wait,
+                      stall_limit=args.stall_limit, keep=args.keep, lock_wait_s=args.lock_wait, gap=(low, high),
                       kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     try:  # a bad --kinds or --faults is one line before anything is set up
-        make_schedule(options.seed, options.faults, ["a"], Timing(options.heartbeat_timeout), options.kinds)
+        make_schedule(options.seed, options.faults, ["a"], Timing(options.heartbeat_timeout, gap=options.gap),
+                      options.kinds)
     except ValueError as e:
         print(f"chaos: {e}", file=sys.stderr)
         return EXIT_LAB

@@ -52,6 +52,7 @@ class Options:
     deadline_s: float = 1800.0  # the whole lab, set-up to teardown
     stall_limit: float | None = None  # default heartbeat_timeout + 2 s (the soak goal), + a time round
     kinds: tuple[str, ...] = KINDS  # the fault kinds to draw from
+    gap: tuple[float, float] = Timing.gap  # the bounds of the quiet time drawn after each recovery
     lock_wait_s: float = 0.0  # how long to wait for another lab to end
     keep: bool = False  # keep the lab's temp dir (profile, keys, run dirs) for a post-mortem
 
@@ -137,8 +138,8 @@ class Lab:
         previous = {s: signal.signal(s, _raise_exit) for s in (signal.SIGTERM, signal.SIGHUP)}
         try:
             self.setup()
-            self.faults = make_schedule(self.o.seed, self.o.faults, self.engines,
-                                        Timing(heartbeat_timeout=self.o.heartbeat_timeout), self.o.kinds)
+            timing = Timing(heartbeat_timeout=self.o.heartbeat_timeout, gap=self.o.gap)
+            self.faults = make_schedule(self.o.seed, self.o.faults, self.engines, timing, self.o.kinds)
             self.say(f"[lab] seed {self.o.seed}: " + ", ".join(f.describe() for f in self.faults))
             self.start_console(attach=False)
             self.wait_all_commit(-1, self.o.startup_s, "the first outer step on every node")
