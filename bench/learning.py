@@ -5,7 +5,7 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --corpus stdlib           # the larger corpus (corpus-large/, built by scripts/setup.sh)
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
     python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
-    python bench/learning.py --overlap --seeds 1337,7,11   # synchronous, eager and delayed overlap at H = 5 and 20
+    python bench/learning.py --overlap --seeds 1337,7      # synchronous and overlapped DiLoCo at H = 5 and 20
     python bench/learning.py --poison --seeds 1337,7   # one of 4 nodes sends x100 or sign-flipped pseudo-gradients
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
@@ -17,10 +17,12 @@ Arms (every worker runs --steps inner steps of --micro-batch sequences; the same
     diloco     k nodes, outer step every H inner steps (outer optimizer, lr, momentum, warm-up, compression)
 
 Studies of their own (real engines only, each arm against its baseline arm of the same seed):
-    --overlap  at each H of --overlap-h (5, 20): sync H (synchronous DiLoCo), eager H and delayed H
-               (diloco.overlap with diloco.overlap_update = eager / delayed). Last line:
-                   overlap/sync eval-loss ratio R; delayed R'
-               R: eager's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
+    --overlap  at each H of --overlap-h (5, 20): sync H (synchronous DiLoCo); overlap H (diloco.overlap landing
+               --overlap-delay steps into the next round, the node training on from its own weights meanwhile);
+               eager H (the same with diloco.overlap_update = eager); round-late H (landing at the next
+               boundary). Last line:
+                   overlap/sync eval-loss ratio R; eager R'; a round late R''
+               R: overlap H's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
     --poison   synchronous DiLoCo (the default arm's settings); node --poison-node sends its pseudo-gradient x100
                or sign-flipped for the outer steps --poison-rounds, with the sentinel on (the engine's default) and
                off (diloco.sentinel_ratio = 0). The poison is injected here, not in the engine: that node runs a
@@ -68,6 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 CORPORA = {"docstrings": ROOT / "corpus", "stdlib": ROOT / "corpus-large"}
+OVERLAP_DELAY = 1  # --overlap: diloco.overlap_delay (a fixed step, so that the arms are reproducible)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Arm:
     compression: str = "none"
     overlap: bool = False  # diloco.overlap: the outer step of round t runs while round t+1 trains (mesh only)
     overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed
+    overlap_delay: int = 1  # diloco.overlap_delay: inner steps into the next round at which the round lands (H: at
+    # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
     sentinel_ratio: float | None = None  # diloco.sentinel_ratio (None: the engine's default; 0: off)
     poison: Poison | None = None  # one node sends a scaled pseudo-gradient for a stretch of rounds (mesh only)
     baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
@@ -104,6 +109,7 @@ class Arm:
             "diloco.min_nodes": self.k, "diloco.overlap": self.overlap}
         if self.overlap:
             out["diloco.overlap_update"] = self.overlap_update
+            out["diloco.overlap_delay"] = self.overlap_delay
         if self.sentinel_ratio is not None:
             out["diloco.sentinel_ratio"] = self.sentinel_ratio
         return out
@@ -141,14 +147,18 @@ def default_arms(args) -> list[Arm]:
 
 
 def overlap_arms(args) -> list[Arm]:
-    """diloco.overlap's learning cost: at each H, synchronous DiLoCo, eager overlap and delayed overlap."""
+    """diloco.overlap's learning cost: at each H, synchronous DiLoCo; overlap landing --overlap-delay steps into the
+    next round, the node training on from its own weights meanwhile (the engine's default update, "delayed") and
+    with the eager update; and delayed overlap landing a whole round late (diloco.overlap_delay = H)."""
     arms = []
     for h in args.overlap_h:
         sync = Arm(f"sync H{h}", "diloco", k=args.k, **{**shipped_outer(), **args.outer, "inner_steps": h})
-        arms += [sync, replace(sync, name=f"eager H{h}", overlap=True, overlap_update="eager", baseline=sync.name),
-                 replace(sync, name=f"delayed H{h}", overlap=True, overlap_update="delayed", baseline=sync.name)]
+        ovl = replace(sync, name=f"overlap H{h}", overlap=True, overlap_update="delayed", baseline=sync.name,
+                      overlap_delay=min(args.overlap_delay, h))
+        arms += [sync, ovl, replace(ovl, name=f"eager H{h}", overlap_update="eager"),
+                 replace(ovl, name=f"round-late H{h}", overlap_delay=h)]
         # eager at other outer lrs, against the same synchronous run (does eager overshoot with the plain mean?)
-        arms += [replace(sync, name=f"eager H{h} lr{lr:g}", overlap=True, outer_lr=lr, baseline=sync.name)
+        arms += [replace(ovl, name=f"eager H{h} lr{lr:g}", overlap_update="eager", outer_lr=lr)
                  for lr in args.eager_lrs]
     return arms
 
@@ -290,6 +300,8 @@ def run_sim(args, arm: Arm) -> Result:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        if overlap is not None and arm.overlap_delay and step % arm.inner_steps == arm.overlap_delay:
+            overlap.land_inside(params, flat)
         if overlap is not None and step % arm.inner_steps == 0:
             nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
             overlap.boundary(params, flat, last=step == args.steps)
@@ -331,6 +343,18 @@ class SimOverlap:
             self.outer.commit(proposal)
             self.snapshot, self.in_flight = proposal.params.clone(), None
 
+    def land_inside(self, params, flat) -> None:
+        """diloco.overlap_delay steps into a round: the mean in flight lands, each worker's progress since its
+        anchor carried over onto the agreed weights, which become its anchor."""
+        import torch
+        if self.in_flight is None:
+            return
+        self._land()
+        for i, ps in enumerate(params):
+            moved = self.snapshot + (flat(ps) - self.anchors[i])
+            self.anchors[i] = self.snapshot.clone()
+            torch.nn.utils.vector_to_parameters(moved, ps)
+
     def boundary(self, params, flat, *, last: bool) -> None:
         import torch
         pgrads = [a - flat(ps) for a, ps in zip(self.anchors, params)]
@@ -349,30 +373,43 @@ class SimOverlap:
 
 
 def sim_weighted_mean(xs, compression: str):
-    """engine.outer.allreduce.weighted_mean's arithmetic without the wire: each rank's chunk j is encoded and sent to
-    rank j, which decodes, sums in fp32, divides by the total weight and encodes once more for the all-gather."""
+    """engine.outer.allreduce.weighted_mean's arithmetic without the wire (every weight 1): chunk j of every rank is
+    cut into the engine's pieces; rank j sums its own exactly and the others' encoded and decoded (in rank order),
+    divides by the number of ranks and encodes each piece once more for the all-gather."""
     import torch
 
-    from engine.outer.allreduce import decode, encode
+    from engine.outer.allreduce import _pieces, decode, encode
     size, numel = len(xs), xs[0].numel()
     if size == 1 or compression == "none":
         return torch.stack(xs).mean(0)
-    per = -(-numel // size)
+    g = _pieces(numel, size, compression, torch.device("cpu"))
+    codec = lambda rows: decode(*encode(rows, compression), compression)  # noqa: E731
     rows = []
     for x in xs:
-        padded = torch.zeros(size * per)
+        padded = torch.zeros(size * g.pieces * g.pc)
         padded[:numel] = x
-        rows.append(decode(*encode(padded.view(size, per), compression), compression))
-    summed = torch.stack(rows).sum(0) / size  # [size chunks, per]
-    return decode(*encode(summed, compression), compression).reshape(-1)[:numel]
+        rows.append(padded.view(size, g.pieces, g.pc))
+    chunks = []
+    for j in range(size):
+        acc = rows[j][j].clone()
+        for i in range(size):
+            if i != j:
+                acc += codec(rows[i][j])
+        chunks.append(codec(acc / size))
+    return torch.cat(chunks).reshape(-1)[:numel]
 
 
 def sim_bytes(numel: int, k: int, compression: str) -> int:
-    from engine.outer.allreduce import bytes_per_element
+    """What weighted_mean's ReduceStats.bytes_sent counts for k ranks."""
+    import torch
+
+    from engine.outer.allreduce import _WEIGHT, _pieces
     if k == 1:
         return 0
-    per = -(-numel // k) * bytes_per_element(compression) + (8 if compression == "int8" else 0)
-    return 2 * (k - 1) * per + (k - 1) * 4
+    if compression == "none":  # on the host: one ring all-reduce of the tensor and the k weights
+        return 2 * (k - 1) * -(-(numel + k) // k) * 4
+    g = _pieces(numel, k, compression, torch.device("cpu"))
+    return (k - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
 
 
 # ---------------------------------------------------------------------------------------------- real engines
@@ -661,6 +698,8 @@ def parse_args(argv=None):
     sweeps.add_argument("--poison", action="store_true",
                         help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
     ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
+    ap.add_argument("--overlap-delay", type=int, default=OVERLAP_DELAY,
+                    help="--overlap: diloco.overlap_delay of the overlapped arms (inner steps into the next round)")
     ap.add_argument("--eager-lrs", default="", help="--overlap: also eager overlap at these outer lrs (against the "
                                                     "synchronous run at the default one)")
     ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
@@ -749,12 +788,15 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
     if args.engine == "mesh":
         print(sentinel_report(results))
     if args.overlap:
+        nan = float("nan")
         for h in args.overlap_h:
-            print(f"H = {h}: eager/sync {means.get(f'eager H{h}', float('nan')):.4f}, delayed/sync "
-                  f"{means.get(f'delayed H{h}', float('nan')):.4f}")
+            print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: overlap/sync "
+                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}; "
+                  f"landing a round late: {means.get(f'round-late H{h}', nan):.4f}")
+        ovl = worst(means, [f"overlap H{h}" for h in args.overlap_h])
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
-        delayed = worst(means, [f"delayed H{h}" for h in args.overlap_h])
-        print(f"overlap/sync eval-loss ratio {eager:.4f}; delayed {delayed:.4f}")
+        late = worst(means, [f"round-late H{h}" for h in args.overlap_h])
+        print(f"overlap/sync eval-loss ratio {ovl:.4f}; eager {eager:.4f}; a round late {late:.4f}")
         return
     if args.poison:
         on = worst(means, ["x100 sentinel on", "flip sentinel on"])

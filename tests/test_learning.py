@@ -78,15 +78,17 @@ def test_in_process_study_engine_reproduces_the_real_mesh(tmp_path):
 
 
 @pytest.mark.slow
-def test_in_process_overlap_reproduces_the_engines_eager_overlap(tmp_path):
-    """The in-process engine's overlap (bench/learning.py SimOverlap) computes what diloco.overlap with eager updates
-    computes: the anchors, the late landing and the node's own share through the outer optimizer."""
+@pytest.mark.parametrize("update", ["delayed", "eager"])
+def test_in_process_overlap_reproduces_the_engines_overlap(tmp_path, update):
+    """The in-process engine's overlap (bench/learning.py SimOverlap) computes what diloco.overlap computes: the
+    anchors, the landing one step into the next round with the progress carried over, and (eager) the node's own
+    share through the outer optimizer."""
     args = learning.parse_args(["--steps", "8", "--seq-len", "32", "--micro-batch", "4", "--warmup", "2",
                                 "--eval-batches", "4", "--eval-interval", "0", "--arm-timeout", "240"])
     sync = learning.Arm("diloco", "diloco", k=2, inner_steps=2, outer_lr=0.8, outer_momentum=0.5)
-    eager = learning.replace(sync, overlap=True, overlap_update="eager")
-    real = learning.run_mesh(args, eager, tmp_path)
-    replica = learning.run_sim(args, eager)
+    overlapped = learning.replace(sync, overlap=True, overlap_update=update, overlap_delay=1)
+    real = learning.run_mesh(args, overlapped, tmp_path)
+    replica = learning.run_sim(args, overlapped)
     assert abs(real.eval_loss - replica.eval_loss) < 2e-3, (real.eval_loss, replica.eval_loss)
     # and not trivially: the late update moved the model away from the synchronous run's
     assert abs(learning.run_sim(args, sync).eval_loss - replica.eval_loss) > 2e-3
@@ -139,9 +141,12 @@ def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_sa
     """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
     of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
     over = learning.overlap_arms(learning.parse_args(["--overlap"]))
-    assert [a.name for a in over] == ["sync H5", "eager H5", "delayed H5", "sync H20", "eager H20", "delayed H20"]
-    assert over[1].overrides()["diloco.overlap_update"] == "eager" and over[1].baseline == "sync H5"
-    assert "diloco.overlap_update" not in over[0].overrides() and over[3].inner_steps == 20
+    assert [a.name for a in over] == ["sync H5", "overlap H5", "eager H5", "round-late H5",
+                                      "sync H20", "overlap H20", "eager H20", "round-late H20"]
+    assert over[1].overrides()["diloco.overlap_update"] == "delayed" and over[1].baseline == "sync H5"
+    assert over[1].overrides()["diloco.overlap_delay"] == 1 and over[3].overrides()["diloco.overlap_delay"] == 5
+    assert over[2].overrides()["diloco.overlap_update"] == "eager" and over[2].baseline == "sync H5"
+    assert "diloco.overlap_update" not in over[0].overrides() and over[4].inner_steps == 20
     poison = learning.poison_arms(learning.parse_args(["--poison", "--steps", "120", "--inner-steps", "5"]))
     assert {a.poison for a in poison[1:]} == {learning.Poison(1, 100.0, 7, 18), learning.Poison(1, -1.0, 7, 18)}
     assert [a.overrides().get("diloco.sentinel_ratio") for a in poison] == [None, None, None, 0.0, 0.0]

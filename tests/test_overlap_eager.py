@@ -47,7 +47,7 @@ def _eager_worker(rank: int, port: int, queue) -> None:
         inner = TinyInner(0)
         plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
         outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=1, min_nodes=2,
-                           outer_optimizer="average", overlap=True,
+                           outer_optimizer="average", overlap=True, overlap_delay=1,  # at the next boundary
                            group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "eager/"))
         progress = Progress()
         outer.start(progress)
@@ -79,3 +79,66 @@ def test_eager_working_weights_take_the_nodes_share_and_the_snapshot_stays_agree
         torch.testing.assert_close(r["snap2"], r["s0"] - (a["d1"] + b["d1"]) / 2, rtol=0, atol=1e-5)
         torch.testing.assert_close(r["work2"], r["snap2"] - r["d2"] / 2, rtol=0, atol=1e-5)
     assert torch.equal(a["snap2"], b["snap2"]) and a["final_snapshot"] == b["final_snapshot"]
+
+
+def _delay_worker(rank: int, port: int, queue, delay: int = 1) -> None:
+    """Two nodes, H = 3, diloco.overlap_delay = 1, plain averaging: round 1's mean lands one step into round 2.
+    With delay 0 it lands at the first step after its outer step is done: the test waits for that after the
+    boundary, so that it lands one step in as well."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+        node = "ab"[rank]
+        inner = TinyInner(0)
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
+        outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=3, min_nodes=2,
+                           outer_optimizer="average", overlap=True, overlap_delay=delay,
+                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "delay/"))
+        progress = Progress()
+        outer.start(progress)
+        out: dict = {"s0": outer.bufs.snapshot.clone()}
+        for step in range(1, 7):
+            inner.train_step(100 * rank + step)
+            out[f"trained{step}"] = _flat(inner)  # before the outer loop sees the step
+            progress.step = step
+            outer.after_inner_step(progress)
+            out[f"work{step}"], out[f"snap{step}"] = _flat(inner), outer.bufs.snapshot.clone()
+            if delay == 0 and step == 3:
+                out["in_flight_after_boundary"] = outer._flight is not None
+                outer._flight.join(timeout=30)  # done before step 4 ends: it lands there
+        outer.flush()
+        out["final"] = outer.bufs.snapshot.clone()
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def _auto_worker(rank: int, port: int, queue) -> None:
+    _delay_worker(rank, port, queue, delay=0)
+
+
+@pytest.mark.parametrize("worker", [_delay_worker, _auto_worker], ids=["one-step-in", "once-done"])
+def test_a_round_in_flight_lands_overlap_delay_steps_into_the_next_with_the_progress_carried_over(worker):
+    got = spawned_ranks(worker, 2, timeout=60)
+    a, b = got[0], got[1]
+    d1 = {n: r["s0"] - r["trained3"] for n, r in (("a", a), ("b", b))}
+    agreed1 = a["s0"] - (d1["a"] + d1["b"]) / 2
+    for n, r in (("a", a), ("b", b)):
+        anchor = r["s0"] - d1[n] / 2  # eager: round 2 trains from the node's own share of round 1
+        torch.testing.assert_close(r["work3"], anchor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(r["snap3"], r["s0"], rtol=0, atol=0)  # nothing landed at the boundary
+        # one step in: round 1's mean landed, and the step trained meanwhile is carried over onto it
+        torch.testing.assert_close(r["snap4"], agreed1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(r["work4"], agreed1 + (r["trained4"] - anchor), rtol=0, atol=1e-5)
+        # round 2's pseudo-gradient is its whole progress from the agreed weights, the carried-over step included
+        d2 = {m: agreed1 - q["trained6"] for m, q in (("a", a), ("b", b))}
+        torch.testing.assert_close(r["final"], agreed1 - (d2["a"] + d2["b"]) / 2, rtol=0, atol=1e-5)
+    assert torch.equal(a["snap4"], b["snap4"]) and torch.equal(a["final"], b["final"])
+    assert a.get("in_flight_after_boundary", True) and b.get("in_flight_after_boundary", True)
+
+
+def test_overlap_delay_must_land_by_the_next_boundary():
+    from engine.config import DilocoConfig
+    with pytest.raises(ValueError, match=r"diloco.overlap_delay \(6\) must be at most diloco.inner_steps \(5\)"):
+        DilocoConfig(inner_steps=5, overlap=True, overlap_delay=6)
+    assert DilocoConfig(inner_steps=5, overlap=True, overlap_delay=5).overlap_delay == 5
