@@ -13,9 +13,9 @@ reach each other only through the bridge, so every byte between them crosses two
 What runs there, one run after another (nothing else shares the 2 cores):
     DiLoCo sync   per compression: `python -m engine.store` on host a, `python -m engine.train` on every host
                   (configs/debug-diloco.toml + the flags below: fake data, fp32, CPU, one thread each)
-    overlapped    the same with --diloco.overlap=true (per compression in --overlap), landing --overlap-delay inner
-                  steps into the next round (diloco.overlap_delay; the node trains on from its own weights meanwhile,
-                  --overlap-update delayed)
+    overlapped    the same with --diloco.overlap=true (per compression in --overlap): the outer step lands once it
+                  is done (--overlap-delay 0, the engine's default) or N inner steps into the next round, and the
+                  node trains on from its own weights meanwhile (--overlap-update delayed)
     no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all
     bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
                   engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap", default=None, help="compressions also run overlapped (default: all of them)")
     p.add_argument("--overlap-update", choices=("eager", "delayed"), default="delayed",
                    help="diloco.overlap_update of the overlapped runs")
-    p.add_argument("--overlap-delay", type=int, default=2,
-                   help="diloco.overlap_delay of the overlapped runs: the inner steps of the next round the outer "
-                        "step has before it lands (0: the whole round)")
+    p.add_argument("--overlap-delay", type=int, default=0,
+                   help="diloco.overlap_delay of the overlapped runs: 0 (the engine's default) lands the outer step at "
+                        "the first inner step after it is done; N: exactly N steps into the next round")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--bare-reps", type=int, default=3, help="timed bare all-reduces per size and mode")
     p.add_argument("--idle", type=float, default=1.0, help="seconds of quiet before each idle bare all-reduce")

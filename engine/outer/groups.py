@@ -28,28 +28,41 @@ class PeerLost(RuntimeError):
 
 
 def run_sliced(fn: Callable[[], Any], name: str, slice_s: float, give_up: Callable[[], str | None]) -> Any:
-    """fn() in a helper thread, waited for in slices of slice_s; give_up() is asked after each slice and a reason
-    ends the wait (PeerLost). gloo cannot cancel a collective: an abandoned one ends in its helper thread at its
-    own timeout (diloco.allreduce_timeout), its result unused, its group never used again."""
+    """fn() in a helper thread; a watcher thread asks give_up() every slice_s, and a reason ends the wait (PeerLost).
+    The caller waits on an event that fn's end sets, so it goes on the moment fn is done, not once a give_up() under
+    way returns (its store round trip waits behind the collective's own bytes on a busy link: 0.08 s of every outer
+    step at 200 Mbit/s, bench/wan.py --phases). give_up() runs on the watcher thread, so it must not act: it says
+    why. gloo cannot cancel a collective: an abandoned one ends in its helper thread at its own timeout
+    (diloco.allreduce_timeout), its result unused, its group never used again."""
     box: dict[str, Any] = {}
+    done = threading.Event()
 
     def work() -> None:
         try:
             box["out"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread below
             box["err"] = e
-    thread = threading.Thread(target=work, name=name, daemon=True)
-    thread.start()
-    while True:
-        thread.join(slice_s)
-        if not thread.is_alive():
-            break
-        reason = give_up()
-        if reason:
-            raise PeerLost(reason)
+        done.set()
+
+    def watch() -> None:
+        try:
+            while not done.wait(slice_s):
+                reason = give_up()
+                if reason:
+                    box["lost"] = PeerLost(reason)
+                    break
+        except BaseException as e:  # noqa: BLE001 - a stop (Stopped), raised on the waiting thread
+            box["lost"] = e
+        done.set()
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    threading.Thread(target=watch, name=f"{name}-watch", daemon=True).start()
+    done.wait()
+    if "out" in box:
+        return box["out"]
     if "err" in box:
         raise box["err"]
-    return box["out"]
+    raise box["lost"]  # given up while fn still runs
 
 
 class MeshLinks:
@@ -69,6 +82,7 @@ class MeshLinks:
         # held in that attempt's collectives since then, not only since this node entered them (bounded)
         self.arrived: tuple[int, int, float] | None = None
         self.recent_wire: collections.deque[float] = collections.deque(maxlen=5)  # seconds of recent all-reduces
+        self._watch: tuple[Any, Any] | None = None  # (a store client, the clone bounded collectives' watcher reads)
 
     # ---- connection -------------------------------------------------------------------------------------------
 
@@ -177,7 +191,10 @@ class MeshLinks:
             # slow link delayed its arrival or its reading of the plan has used up that much of the budget already
             began = min(began, self.arrived[2])
 
-        def give_up() -> str | None:
+        stepped_out: list[str] = []
+        watch_store = self._watch_store()
+
+        def give_up() -> str | None:  # on run_sliced's watcher thread: it reads, and says why; acting is ours
             if self.local.size == 1:  # several local ranks leave together, through the mesh calls
                 reason = self.interrupted()
                 if reason:
@@ -193,14 +210,30 @@ class MeshLinks:
                 # collective is overdue. It steps out (and aborts the attempt) rather than hold its peers for as
                 # long as the fault lasts; its other local ranks see the abort at their next poll
                 why = f"{what} overdue ({overdue:.1f}s, diloco.straggler_timeout) on a slow link (mesh.slow_tick)"
-                self.mesh.step_out(plan, why)
+                stepped_out.append(why)
                 return why
             try:
-                decided = attempt_decided(self.mesh.store if self.mesh is not None else self.store, plan)
+                decided = attempt_decided(watch_store, plan)
             except GROUP_ERRORS:
                 decided = False  # the store is away: the collective may still finish; the mesh handles the store
             return f"{what}: outer step {plan.outer_step} attempt {plan.attempt} was decided" if decided else None
-        return run_sliced(fn, f"diloco-{what.replace(' ', '-')}", self.mesh_cfg.polling_interval, give_up)
+        try:
+            return run_sliced(fn, f"diloco-{what.replace(' ', '-')}", self.mesh_cfg.polling_interval, give_up)
+        except PeerLost:
+            if stepped_out:
+                self.mesh.step_out(plan, stepped_out[0])
+            raise
+
+    def _watch_store(self) -> Any:
+        """The store client the watcher of a bounded collective reads the decision with: a clone of this rank's own
+        (one per client, made once), so that a read under way never shares a socket with this thread's next call."""
+        src = self.mesh.store if self.mesh is not None else self.store
+        if self._watch is None or self._watch[0] is not src:
+            try:
+                self._watch = (src, src.clone() if hasattr(src, "clone") else src)
+            except GROUP_ERRORS:
+                return src  # the store is away now: the next collective makes the clone
+        return self._watch[1]
 
     def straggler_timeout(self) -> float:
         """How long a collective may run before a member on a slow link steps out (diloco.straggler_timeout)."""
