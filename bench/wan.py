@@ -326,7 +326,8 @@ if _build is not None:
         o = _build(*a, **k)
         outer.append(o)
         for _path, _label in (("_checksum", "checksum"), ("links.group", "group"), ("local.stats", "local_stats"),
-                              ("links.bounded", "bounded"), ("_not_finite", "not_finite")):
+                              ("links.bounded", "bounded"), ("_not_finite", "not_finite"),
+                              ("sentinel.screen", "sentinel")):
             _owner, _, _attr = ("." + _path).rpartition(".")
             _obj = o
             for _part in filter(None, _owner.split(".")):
@@ -537,8 +538,10 @@ def phase_table(results: dict[str, ArmResult], codecs: list[str]) -> dict[str, d
         rows = [r for r in results[f"{codec}-sync"].phases if (r.get("outer_step"), r.get("node")) in chosen]
         for r in rows:
             calls, own = r["calls"], r["phases"]
-            if "bounded" in calls:  # the collective in its watchdog thread: wire and codec, plus the waiting around it
-                calls["bounded_extra"] = calls.pop("bounded") - own.get("wire", 0.0) - own.get("codec", 0.0)
+            if "bounded" in calls:  # the collective in its watchdog thread: the sentinel's screen, wire and codec,
+                # plus the waiting around them
+                calls["bounded_extra"] = (calls.pop("bounded") - own.get("wire", 0.0) - own.get("codec", 0.0)
+                                          - calls.get("sentinel", 0.0))
             calls["rest"] = r["outer_s"] - sum(own.values()) - sum(calls.values())  # what nothing timed covers
         names = sorted({k for r in rows for k in (*r["calls"], *r["phases"])}, key=lambda k: (k == "rest", k))
         out[codec] = {k: statistics.median({**r["phases"], **r["calls"]}.get(k, 0.0) for r in rows)
@@ -593,7 +596,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                      f"{ho['link_bound_s']:.2f} s; {ho['ratio']:.2f}x")
     if s["phases"]:
         lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
-                  "waits, group = fetching the generation's gloo group, bounded_extra = the all-reduce's watchdog "
+                  "waits, group = fetching the generation's gloo group, sentinel = its screen (a norm, a sample, "
+                  "one small all_gather), bounded_extra = the all-reduce's watchdog "
                   "thread beyond wire and codec, rest = what nothing timed covers):"]
         for codec, table in s["phases"].items():
             lines.append(f"  {codec:6} " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))

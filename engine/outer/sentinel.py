@@ -33,12 +33,15 @@ SAMPLE = 1024
 
 
 def row(pgrad: torch.Tensor, weight: float) -> torch.Tensor:
-    """This member's row: its weight, the squared norm of its pseudo-gradient (fp64) and a strided sample."""
+    """This member's row: its weight, the squared norm of its pseudo-gradient and a strided sample (the row in fp64).
+    The norm is taken in the tensor's own fp32, one pass (an fp64 norm converts every element first: 65 ms of a
+    15m model's outer step on one core, against 6 ms); squared in fp64, so only a norm beyond fp32's range, which
+    no sane pseudo-gradient has, reads as inf, and an inf is left out like any non-finite norm."""
     n = pgrad.numel()
     sample = pgrad[::max(1, n // SAMPLE)][:SAMPLE].detach().to("cpu", torch.float64)
     out = torch.zeros(SAMPLE + 2, dtype=torch.float64)
     out[0] = weight
-    out[1] = float(torch.linalg.vector_norm(pgrad, dtype=torch.float64)) ** 2 if weight > 0 else 0.0
+    out[1] = float(torch.linalg.vector_norm(pgrad)) ** 2 if weight > 0 else 0.0
     out[2:2 + sample.numel()] = sample
     return out
 
