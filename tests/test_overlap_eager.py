@@ -47,7 +47,8 @@ def _eager_worker(rank: int, port: int, queue) -> None:
         inner = TinyInner(0)
         plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
         outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=1, min_nodes=2,
-                           outer_optimizer="average", overlap=True, overlap_delay=1,  # at the next boundary
+                           outer_optimizer="average", overlap=True, overlap_update="eager",
+                           overlap_delay=1,  # at the next boundary
                            group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "eager/"))
         progress = Progress()
         outer.start(progress)
@@ -81,7 +82,7 @@ def test_eager_working_weights_take_the_nodes_share_and_the_snapshot_stays_agree
     assert torch.equal(a["snap2"], b["snap2"]) and a["final_snapshot"] == b["final_snapshot"]
 
 
-def _delay_worker(rank: int, port: int, queue, delay: int = 1) -> None:
+def _delay_worker(rank: int, port: int, queue, delay: int = 1, update: str = "delayed") -> None:
     """Two nodes, H = 3, diloco.overlap_delay = 1, plain averaging: round 1's mean lands one step into round 2.
     With delay 0 it lands at the first step after its outer step is done: the test waits for that after the
     boundary, so that it lands one step in as well."""
@@ -92,7 +93,7 @@ def _delay_worker(rank: int, port: int, queue, delay: int = 1) -> None:
         inner = TinyInner(0)
         plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
         outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=3, min_nodes=2,
-                           outer_optimizer="average", overlap=True, overlap_delay=delay,
+                           outer_optimizer="average", overlap=True, overlap_delay=delay, overlap_update=update,
                            group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "delay/"))
         progress = Progress()
         outer.start(progress)
@@ -108,6 +109,7 @@ def _delay_worker(rank: int, port: int, queue, delay: int = 1) -> None:
                 outer._flight.join(timeout=30)  # done before step 4 ends: it lands there
         outer.flush()
         out["final"] = outer.bufs.snapshot.clone()
+        out["update"] = update
         queue.put((rank, pickle.dumps(out)))
     except Exception:  # the parent reports the child's traceback
         queue.put((rank, traceback.format_exc()))
@@ -117,14 +119,20 @@ def _auto_worker(rank: int, port: int, queue) -> None:
     _delay_worker(rank, port, queue, delay=0)
 
 
-@pytest.mark.parametrize("worker", [_delay_worker, _auto_worker], ids=["one-step-in", "once-done"])
+def _eager_delay_worker(rank: int, port: int, queue) -> None:
+    _delay_worker(rank, port, queue, update="eager")
+
+
+@pytest.mark.parametrize("worker", [_delay_worker, _auto_worker, _eager_delay_worker],
+                         ids=["one-step-in", "once-done", "eager-one-step-in"])
 def test_a_round_in_flight_lands_overlap_delay_steps_into_the_next_with_the_progress_carried_over(worker):
     got = spawned_ranks(worker, 2, timeout=60)
     a, b = got[0], got[1]
     d1 = {n: r["s0"] - r["trained3"] for n, r in (("a", a), ("b", b))}
     agreed1 = a["s0"] - (d1["a"] + d1["b"]) / 2
     for n, r in (("a", a), ("b", b)):
-        anchor = r["s0"] - d1[n] / 2  # eager: round 2 trains from the node's own share of round 1
+        # delayed (the default): round 2 trains on from the node's own weights; eager: from its share of round 1
+        anchor = r["s0"] - d1[n] / (2 if r["update"] == "eager" else 1)
         torch.testing.assert_close(r["work3"], anchor, rtol=0, atol=1e-6)
         torch.testing.assert_close(r["snap3"], r["s0"], rtol=0, atol=0)  # nothing landed at the boundary
         # one step in: round 1's mean landed, and the step trained meanwhile is carried over onto it
