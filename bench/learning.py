@@ -401,15 +401,8 @@ def sim_weighted_mean(xs, compression: str):
 
 def sim_bytes(numel: int, k: int, compression: str) -> int:
     """What weighted_mean's ReduceStats.bytes_sent counts for k ranks."""
-    import torch
-
-    from engine.outer.allreduce import _WEIGHT, _pieces
-    if k == 1:
-        return 0
-    if compression == "none":  # on the host: one ring all-reduce of the tensor and the k weights
-        return 2 * (k - 1) * -(-(numel + k) // k) * 4
-    g = _pieces(numel, k, compression, torch.device("cpu"))
-    return (k - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
+    from engine.outer.allreduce import bytes_sent
+    return bytes_sent(numel, k, compression)
 
 
 # ---------------------------------------------------------------------------------------------- real engines

@@ -38,18 +38,24 @@ def _flat(inner) -> torch.Tensor:
     return torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
 
 
+def _two_nodes(rank: int, port: int, prefix: str, **diloco):
+    """Node a or b (rank 0 or 1) of a two-node overlapped run with plain averaging over a real gloo group: its
+    inner and its outer loop, started."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    inner = TinyInner(0)
+    plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
+    outer = make_outer(inner, FakeMesh(plans, [True] * 3), node="ab"[rank], min_nodes=2, outer_optimizer="average",
+                       overlap=True, group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, prefix),
+                       **diloco)
+    return inner, outer
+
+
 def _eager_worker(rank: int, port: int, queue) -> None:
     """Two nodes, H = 1, plain averaging: the working weights after each boundary are snapshot - d / 2."""
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
-        node = "ab"[rank]
-        inner = TinyInner(0)
-        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
-        outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=1, min_nodes=2,
-                           outer_optimizer="average", overlap=True, overlap_update="eager",
-                           overlap_delay=1,  # at the next boundary
-                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "eager/"))
+        inner, outer = _two_nodes(rank, port, "eager/", inner_steps=1, overlap_update="eager",
+                                  overlap_delay=1)  # at the next boundary
         progress = Progress()
         outer.start(progress)
         s0 = outer.bufs.snapshot.clone()
@@ -88,13 +94,7 @@ def _delay_worker(rank: int, port: int, queue, delay: int = 1, update: str = "de
     boundary, so that it lands one step in as well."""
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
-        node = "ab"[rank]
-        inner = TinyInner(0)
-        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
-        outer = make_outer(inner, FakeMesh(plans, [True] * 3), node=node, inner_steps=3, min_nodes=2,
-                           outer_optimizer="average", overlap=True, overlap_delay=delay, overlap_update=update,
-                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "delay/"))
+        inner, outer = _two_nodes(rank, port, "delay/", inner_steps=3, overlap_delay=delay, overlap_update=update)
         progress = Progress()
         outer.start(progress)
         out: dict = {"s0": outer.bufs.snapshot.clone()}

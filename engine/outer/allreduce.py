@@ -219,6 +219,16 @@ class _Pieces:
         return ((c, min(c + self.batch, self.pieces)) for c in range(0, self.pieces, self.batch))
 
 
+def bytes_sent(numel: int, size: int, compression: str, device: torch.device | str = "cpu") -> int:
+    """What one rank puts on the wire for a mean of `numel` values over `size` ranks (ReduceStats.bytes_sent)."""
+    if size == 1:
+        return 0
+    if compression == "none" and torch.device(device).type == "cpu":  # one ring all-reduce of values + weights
+        return 2 * (size - 1) * -(-(numel + size) // size) * 4
+    g = _pieces(numel, size, compression, torch.device(device))
+    return (size - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
+
+
 def _pieces(numel: int, size: int, compression: str, device: torch.device) -> _Pieces:
     bpe = bytes_per_element(compression)
     chunk = -(-numel // size)
@@ -409,8 +419,7 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
     _all_gather(pg, job)
     if ex.device.type == "cuda":
         torch.cuda.current_stream(ex.device).synchronize()  # the result is complete when this returns
-    g = job.geo
-    sent = (size - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
+    sent = bytes_sent(flat.numel(), size, compression, flat.device)
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, job.total, job.weights, wire_s=seconds - job.codec_s,
                             codec_s=job.codec_s)
@@ -437,6 +446,6 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     if not total > 0:
         raise NothingToAverage("every rank of the group has weight 0")
     torch.div(buf[:numel], total, out=out)
-    sent = 2 * (size - 1) * -(-(numel + size) // size) * 4  # a ring all-reduce: 2 (size-1) segments out per rank
+    sent = bytes_sent(numel, size, "none")  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, total, weights, wire_s=wire, codec_s=seconds - wire)
