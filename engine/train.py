@@ -554,7 +554,10 @@ def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: 
 
 def cli() -> None:
     """Entry point: exit without running C++ static destructors, where gloo's exit-time abort lives
-    (torch 2.13: ~1 run in 5 aborted with "terminate called without an active exception")."""
+    (torch 2.13: ~1 run in 5 aborted with "terminate called without an active exception").
+    The ~360k objects that importing torch and transformers made are frozen first: they live as long as the process,
+    and every full collection walked them (1-2 s of each short run on a VM whose page walks are slow)."""
+    gc.freeze()
     code = main(sys.argv[1:])
     sys.stdout.flush()
     sys.stderr.flush()
