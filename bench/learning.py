@@ -6,6 +6,7 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --engine sim --sweep      # the outer-lr x momentum x H x k sweep (in-process)
     python bench/learning.py --engine sim --sweep-h    # H = 10, 50, 200 over 400 inner steps (in-process)
     python bench/learning.py --overlap --seeds 1337,7      # synchronous and overlapped DiLoCo at H = 5 and 20
+    python bench/learning.py --fragments --seeds 1337,7    # synchronous and streaming DiLoCo (diloco.fragments)
     python bench/learning.py --poison --seeds 1337,7   # one of 4 nodes sends x100 or sign-flipped pseudo-gradients
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
@@ -23,6 +24,11 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                boundary). Last line:
                    overlap/sync eval-loss ratio R; eager R'; a round late R''
                R: overlap H's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
+    --fragments  at each H of --fragments-h (20): sync H; fragments P H for each P of --fragments-p (2, 4): the
+               model synced in P fragments in turn, one every H / P steps (diloco.fragments), mixed with
+               --fragment-alpha (diloco.fragment_alpha, 0). Last line:
+                   fragments/sync eval-loss ratio R
+               R: the worst fragments arm's ratio to the synchronous run of its H, the mean over the seeds.
     --poison   synchronous DiLoCo (the default arm's settings); node --poison-node sends its pseudo-gradient x100
                or sign-flipped for the outer steps --poison-rounds, with the sentinel on (the engine's default) and
                off (diloco.sentinel_ratio = 0). The poison is injected here, not in the engine: that node runs a
@@ -97,6 +103,8 @@ class Arm:
     overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed
     overlap_delay: int = 1  # diloco.overlap_delay: inner steps into the next round at which the round lands (H: at
     # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
+    fragments: int = 1  # diloco.fragments: the model synced in this many fragments in turn (1: all at once)
+    fragment_alpha: float = 0.0  # diloco.fragment_alpha: the node's own share of a synced fragment
     sentinel_ratio: float | None = None  # diloco.sentinel_ratio (None: the engine's default; 0: off)
     poison: Poison | None = None  # one node sends a scaled pseudo-gradient for a stretch of rounds (mesh only)
     baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
@@ -110,6 +118,9 @@ class Arm:
         if self.overlap:
             out["diloco.overlap_update"] = self.overlap_update
             out["diloco.overlap_delay"] = self.overlap_delay
+        if self.fragments > 1:
+            out["diloco.fragments"] = self.fragments
+            out["diloco.fragment_alpha"] = self.fragment_alpha
         if self.sentinel_ratio is not None:
             out["diloco.sentinel_ratio"] = self.sentinel_ratio
         return out
@@ -160,6 +171,16 @@ def overlap_arms(args) -> list[Arm]:
         # eager at other outer lrs, against the same synchronous run (does eager overshoot with the plain mean?)
         arms += [replace(ovl, name=f"eager H{h} lr{lr:g}", overlap_update="eager", outer_lr=lr)
                  for lr in args.eager_lrs]
+    return arms
+
+
+def fragment_arms(args) -> list[Arm]:
+    """Streaming DiLoCo's learning cost: at each H, synchronous DiLoCo and the model synced in P fragments."""
+    arms = []
+    for h in args.fragments_h:
+        sync = Arm(f"sync H{h}", "diloco", k=args.k, **{**shipped_outer(), **args.outer, "inner_steps": h})
+        arms += [sync] + [replace(sync, name=f"fragments {p} H{h}", fragments=p, fragment_alpha=args.fragment_alpha,
+                                  baseline=sync.name) for p in args.fragments_p]
     return arms
 
 
@@ -289,6 +310,7 @@ def run_sim(args, arm: Arm) -> Result:
     snapshot = flat(params[0]).clone()
     outer = OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
     overlap = SimOverlap(arm, outer, snapshot, k) if arm.overlap else None
+    fragments = SimFragments(arm, snapshot, k) if arm.fragments > 1 else None
     tokens_per_step = args.micro_batch * args.seq_len * accum * k
     start, curve, nbytes = time.perf_counter(), [], 0
     for step in range(1, args.steps + 1):
@@ -302,7 +324,9 @@ def run_sim(args, arm: Arm) -> Result:
             sched.step()
         if overlap is not None and arm.overlap_delay and step % arm.inner_steps == arm.overlap_delay:
             overlap.land_inside(params, flat)
-        if overlap is not None and step % arm.inner_steps == 0:
+        if fragments is not None and (step % fragments.every == 0 or step == args.steps):
+            nbytes += fragments.step(params, flat, step, last=step == args.steps)
+        elif overlap is not None and step % arm.inner_steps == 0:
             nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
             overlap.boundary(params, flat, last=step == args.steps)
         elif outer is not None and step % arm.inner_steps == 0:
@@ -370,6 +394,43 @@ class SimOverlap:
             else:
                 self.anchors[i] = self.snapshot - g
             torch.nn.utils.vector_to_parameters(self.anchors[i].clone(), ps)
+
+
+class SimFragments:
+    """diloco.fragments in one process (engine/outer/fragments.py): every H / P steps the next fragment (a
+    contiguous range of the flat parameters) is averaged over the workers, stepped by an outer optimizer of its own
+    (the engine's momentum is per element, so per fragment) and mixed into each worker's weights with fragment_alpha;
+    at the run's last step the remaining fragments are synced too, whole (alpha 0), without training in between.
+    Returns the bytes node 0 sent."""
+
+    def __init__(self, arm: Arm, snapshot, k: int):
+        from engine.outer.fragments import spans
+        from engine.outer.optimizer import OuterOptimizer
+        self.arm, self.snapshot, self.k = arm, snapshot, k
+        self.every = arm.inner_steps // arm.fragments
+        self.spans = spans(snapshot.numel(), arm.fragments)
+        self.opts = [OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) for _ in self.spans]
+        self.synced = 0  # outer steps so far: outer step n syncs fragment (n - 1) % P
+
+    def _sync(self, params, flat, alpha: float) -> int:
+        import torch
+        f = self.synced % self.arm.fragments
+        self.synced += 1
+        lo, hi = self.spans[f]
+        mine = [flat(ps) for ps in params]
+        mean = sim_weighted_mean([self.snapshot[lo:hi] - m[lo:hi] for m in mine], self.arm.compression)
+        proposal = self.opts[f].propose(self.snapshot[lo:hi], mean)
+        self.opts[f].commit(proposal)
+        self.snapshot[lo:hi] = proposal.params
+        for m, ps in zip(mine, params):
+            m[lo:hi] = torch.lerp(m[lo:hi], self.snapshot[lo:hi], 1.0 - alpha)
+            torch.nn.utils.vector_to_parameters(m, ps)
+        return sim_bytes(hi - lo, self.k, self.arm.compression)
+
+    def step(self, params, flat, step: int, *, last: bool) -> int:
+        if not last:
+            return self._sync(params, flat, self.arm.fragment_alpha)
+        return sum(self._sync(params, flat, 0.0) for _ in range(self.arm.fragments))  # this step's, then the rest
 
 
 def sim_weighted_mean(xs, compression: str):
@@ -688,6 +749,8 @@ def parse_args(argv=None):
     sweeps.add_argument("--sweep-h", action="store_true", help="H = 10, 50, 200 over 400 inner steps per worker")
     sweeps.add_argument("--overlap", action="store_true",
                         help="synchronous, eager-overlap and delayed-overlap DiLoCo at each --overlap-h (mesh only)")
+    sweeps.add_argument("--fragments", action="store_true",
+                        help="synchronous and streaming DiLoCo (diloco.fragments) at each --fragments-h")
     sweeps.add_argument("--poison", action="store_true",
                         help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
     ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
@@ -695,6 +758,9 @@ def parse_args(argv=None):
                     help="--overlap: diloco.overlap_delay of the overlapped arms (inner steps into the next round)")
     ap.add_argument("--eager-lrs", default="", help="--overlap: also eager overlap at these outer lrs (against the "
                                                     "synchronous run at the default one)")
+    ap.add_argument("--fragments-h", default="20", help="--fragments: the H values (comma-separated)")
+    ap.add_argument("--fragments-p", default="2,4", help="--fragments: the fragment counts (each must divide H)")
+    ap.add_argument("--fragment-alpha", type=float, default=0.0, help="--fragments: diloco.fragment_alpha")
     ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
     ap.add_argument("--poison-rounds", help="--poison: its rounds FIRST-LAST (default: the middle half of the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
@@ -721,11 +787,17 @@ def parse_args(argv=None):
     try:
         args.overlap_h = [int(x) for x in args.overlap_h.split(",") if x.strip()]
         args.eager_lrs = [float(x) for x in args.eager_lrs.split(",") if x.strip()]
+        args.fragments_h = [int(x) for x in args.fragments_h.split(",") if x.strip()]
+        args.fragments_p = [int(x) for x in args.fragments_p.split(",") if x.strip()]
         first, _, last = (args.poison_rounds or "").partition("-")
         args.poison_rounds = (int(first), int(last or first)) if args.poison_rounds else None
     except ValueError:
-        ap.error(f"--overlap-h {args.overlap_h!r} / --poison-rounds {args.poison_rounds!r}: expected integers "
-                 f"(5,20 and FIRST-LAST)")
+        ap.error(f"--overlap-h {args.overlap_h!r} / --fragments-h / --fragments-p / --poison-rounds "
+                 f"{args.poison_rounds!r}: expected integers (5,20 and FIRST-LAST)")
+    bad = [(h, p) for h in args.fragments_h for p in args.fragments_p if p < 2 or h % p]
+    if args.fragments and bad:
+        ap.error(f"--fragments-p: each fragment count must be at least 2 and divide every H of --fragments-h "
+                 f"(not {bad[0][1]} for H = {bad[0][0]})")
     return args
 
 
@@ -769,12 +841,12 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
     by = {r.arm.name: r for r in per_seed[-1]}
     results = [r for rs in per_seed for r in rs]
     ratios = None
-    if len(args.seeds) > 1 and not (args.overlap or args.poison):
+    if len(args.seeds) > 1 and not (args.overlap or args.poison or args.fragments):
         text, ratios = spread(per_seed)
         print(f"over {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}):")
         print(text)
     means: dict[str, float] = {}
-    if args.overlap or args.poison:
+    if args.overlap or args.poison or args.fragments:
         text, means = paired(per_seed)
         print(f"each arm's eval loss / its baseline's, same seed ({', '.join(map(str, args.seeds))}):")
         print(text)
@@ -790,6 +862,10 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
         late = worst(means, [f"round-late H{h}" for h in args.overlap_h])
         print(f"overlap/sync eval-loss ratio {ovl:.4f}; eager {eager:.4f}; a round late {late:.4f}")
+        return
+    if args.fragments:
+        names = [f"fragments {p} H{h}" for h in args.fragments_h for p in args.fragments_p]
+        print(f"fragments/sync eval-loss ratio {worst(means, names):.4f}")
         return
     if args.poison:
         on = worst(means, ["x100 sentinel on", "flip sentinel on"])
@@ -810,7 +886,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
-    study = {"sweep": sweep_arms, "sweep_h": h_sweep_arms, "overlap": overlap_arms, "poison": poison_arms}
+    study = {"sweep": sweep_arms, "sweep_h": h_sweep_arms, "overlap": overlap_arms, "fragments": fragment_arms,
+             "poison": poison_arms}
     chosen = next((name for name in study if getattr(args, name)), None)
     arms = study[chosen](args) if chosen else default_arms(args)
     if args.arms:

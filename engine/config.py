@@ -117,6 +117,12 @@ class DilocoConfig(_Section):
     # next round, waiting for it there if need be (reproducible); inner_steps: at the next boundary, a whole round
     # late. The fewer steps the working weights miss the others' round, the less overlap costs (docs/learning.md)
     overlap_delay: int = Field(default=0, ge=0)
+    # streaming DiLoCo (arXiv 2501.18512): the model in `fragments` contiguous pieces of about equal size, synced
+    # in turn, one every inner_steps / fragments steps (fragment p at step (p + 1) * inner_steps / fragments, then
+    # every inner_steps steps, as in DiLoCo): each outer step sends 1/fragments of the model. A synced
+    # fragment's weights become (1 - fragment_alpha) x the agreed ones + fragment_alpha x the node's own. 1: off
+    fragments: int = Field(default=1, gt=0)
+    fragment_alpha: float = Field(default=0.0, ge=0, lt=1)
     # the poisoned-update sentinel (engine/outer/sentinel.py): before the mean, a contributor whose pseudo-gradient
     # norm is over sentinel_ratio x the others' median, or whose direction has a cosine under sentinel_min_cosine
     # with the others' mean, is left out of that outer step. 0 turns it off
@@ -143,6 +149,21 @@ class DilocoConfig(_Section):
         if self.round == "steps" and self.overlap_delay > self.inner_steps:
             raise ValueError(f"diloco.overlap_delay ({self.overlap_delay}) must be at most diloco.inner_steps "
                              f"({self.inner_steps}): the round in flight lands before the next boundary")
+        return self
+
+    @model_validator(mode="after")
+    def _fragments_split_the_round(self) -> "DilocoConfig":
+        if self.fragments == 1:
+            return self
+        if self.inner_steps % self.fragments:
+            raise ValueError(f"diloco.fragments ({self.fragments}) must divide diloco.inner_steps "
+                             f"({self.inner_steps}): one fragment is synced every inner_steps / fragments steps")
+        if self.round != "steps":
+            raise ValueError("diloco.fragments needs diloco.round = \"steps\" (fragments are synced at step "
+                             "offsets within the round)")
+        if self.overlap:
+            raise ValueError("diloco.fragments and diloco.overlap are two ways to stream the outer step: choose one "
+                             "(docs/learning.md, \"Overlap and fragments\")")
         return self
 
     @property

@@ -64,7 +64,7 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # the lines of an engine from before them (a console attached to an older run)
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
-                   "weights": (list,), "left_out": (list,)},
+                   "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,)},
 }
 
 NODE_STATES = ("starting", "joining", "training", "draining", "left")

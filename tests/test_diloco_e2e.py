@@ -444,17 +444,21 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
 
 # ------------------------------------------------------------------------------------------ run: overlap
 
-@pytest.mark.parametrize("mode", ["overlap", "time-rounds"])
+@pytest.mark.parametrize("mode", ["overlap", "time-rounds", "fragments"])
 def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode):
-    """diloco.overlap=true (each outer step runs in the background while the next round trains), and rounds by
-    time (diloco.round = "time": each round ends at the plan's deadline): a, b, c form the run; c dies inside the
-    all-reduce of outer step 3 (the survivors abort that attempt and redo it without c); d joins; then b drains
-    (its last round contributed) and a finishes. Every outer step's checksum agrees among the nodes that reported
-    it; with time rounds the run still lasts max_steps / H rounds."""
+    """diloco.overlap=true (each outer step runs in the background while the next round trains), rounds by time
+    (diloco.round = "time": each round ends at the plan's deadline), and streaming fragments (diloco.fragments = 3:
+    an outer step after every inner step, each syncing a third of the model): a, b, c form the run; c dies inside
+    the all-reduce of outer step 3 (the survivors abort that attempt and redo it without c); d joins; then b drains
+    (its last round contributed; with fragments, each of its fragments once more) and a finishes. Every outer
+    step's checksum agrees among the nodes that reported it; with time rounds the run still lasts max_steps / H
+    rounds."""
     port, run_dir = free_port(), tmp_path
     start_store(procs, port)
     steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4"]
-    steps += ["--diloco.overlap=true"] if mode == "overlap" else ["--diloco.round=time", "--diloco.round_seconds=1"]
+    steps += {"overlap": ["--diloco.overlap=true"], "time-rounds": ["--diloco.round=time", "--diloco.round_seconds=1"],
+              "fragments": ["--diloco.fragments=3"]}[mode]
+    per_round = 1 if mode == "fragments" else H  # inner steps between two outer steps
     go_c, go_d = run_dir / "go-c", run_dir / "go-d"
     c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=3)
     d = start_node(procs, port, "d", run_dir, *steps, go=go_d)
@@ -473,8 +477,14 @@ def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode)
     codes = {n.name: finish(n, 180, nodes) for n in (a, b, d)}
     assert codes == {"a": 0, "b": 0, "d": 0}, "\n".join(n.report() for n in nodes)
     assert_identical([a, b, c, d])
-    assert sorted(a.outer()) == list(range(1, 13))  # 36 steps / H=3, the step c died in redone
+    # the outer step c died in redone; fragments: the last step syncs the other two fragments too
+    assert sorted(a.outer()) == list(range(1, 36 // per_round + 1 + (2 if mode == "fragments" else 0)))
     assert a.outer()[3]["members"] == ["a", "b"] and a.outer()[1]["members"] == ["a", "b", "c"]
     assert d.outer()[joined]["checksum"] == a.outer()[joined]["checksum"]
     assert b.of("run_end")[-1]["status"] == "drained" and a.of("run_end")[-1]["status"] == "completed"
     assert any("aborted" in e["message"] for e in a.of("warning"))
+    if mode == "fragments":
+        # b's drain sent each fragment once more, the last three outer steps it took part in, without training
+        last = [b.outer()[k] for k in sorted(b.outer())[-3:]]
+        assert sorted(e["fragment"] for e in last) == [0, 1, 2] and len({e["step"] for e in last}) == 1, last
+        assert all(e["outer_step"] % 3 == (e["fragment"] + 1) % 3 for e in a.of("outer_step"))

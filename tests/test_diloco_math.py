@@ -17,6 +17,7 @@ from engine.outer import allreduce as compression
 from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
+from engine.outer.fragments import FragmentedDiloco
 from engine.outer.optimizer import OuterOptimizer, flat_params
 from engine.outer.overlap import OverlappedDiloco
 from engine.mesh.protocol import Plan
@@ -151,7 +152,8 @@ def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, **dilo
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
-    loop = OverlappedDiloco if diloco.get("overlap") else DilocoOuter
+    loop = OverlappedDiloco if diloco.get("overlap") else FragmentedDiloco if diloco.get("fragments", 1) > 1 \
+        else DilocoOuter
     return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
                 config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
 

@@ -24,12 +24,12 @@ def flat_params(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in params])
 
 
-def _outer(inner, first_round: int, kind: str):
-    plans = [make_plan(1, k, 0, ["a"], source="a") for k in range(first_round, ROUNDS + 1)]
+def _outer(inner, first_round: int, kind: str, fragments: int):
+    plans = [make_plan(1, k, 0, ["a"], source="a") for k in range(first_round, ROUNDS * fragments + 1)]
     mesh = FakeMesh(plans, [True] * len(plans))
     events: list[dict] = []
     outer = make_outer(inner, mesh, events=events, inner_steps=H, outer_optimizer=kind, outer_lr=0.7,
-                       outer_momentum=0.9)
+                       outer_momentum=0.9, fragments=fragments, fragment_alpha=0.5 if fragments > 1 else 0.0)
     return outer, events
 
 
@@ -38,9 +38,10 @@ def _train(outer, inner, progress: Progress, steps) -> dict[int, tuple[torch.Ten
     after = {}
     for step in steps:
         inner.train_step(step)
-        progress.step = step
+        progress.step, progress.tokens = step, 64 * step
+        before = progress.outer_step
         outer.after_inner_step(progress)
-        if step % H == 0:
+        if progress.outer_step != before:
             after[progress.outer_step] = (flat_params(inner.outer_params()), outer.opt.momentum.clone())
     return after
 
@@ -53,38 +54,43 @@ def _checkpoint(obj):
     return torch.load(buf, weights_only=False, map_location="cpu")
 
 
-@pytest.mark.parametrize("kind", ["nesterov", "sgd"])
-def test_resume_restores_the_outer_momentum_and_continues_the_uninterrupted_run(kind):
+@pytest.mark.parametrize("kind,fragments", [("nesterov", 1), ("sgd", 1), ("nesterov", 2)])
+def test_resume_restores_the_outer_momentum_and_continues_the_uninterrupted_run(kind, fragments):
+    """With diloco.fragments = 2 an outer step follows every inner step, each on half of the model: the resumed
+    node must also know which half is next and what each half trained since its last sync."""
     full_inner = TinyInner(0)
-    full, full_events = _outer(full_inner, 1, kind)
+    full, full_events = _outer(full_inner, 1, kind, fragments)
     full.start(Progress())
     want = _train(full, full_inner, Progress(), range(1, H * ROUNDS + 1))
 
     first_inner = TinyInner(0)
-    first, _ = _outer(first_inner, 1, kind)
+    first, _ = _outer(first_inner, 1, kind, fragments)
     progress = Progress()
     first.start(progress)
     _train(first, first_inner, progress, range(1, CUT + 1))
-    assert progress.outer_step == 1 and first.opt.momentum is not None and first.opt.momentum.abs().sum() > 0
+    assert progress.outer_step == CUT * fragments // H and first.opt.momentum is not None
+    assert first.opt.momentum.abs().sum() > 0
     saved = _checkpoint({"model": first_inner.model.state_dict(), "optim": first_inner.opt.state_dict(),
                          "progress": progress.state_dict(), "outer": first.state_dict()})
 
     inner = TinyInner(99)  # other initial weights: everything must come from the checkpoint
     inner.model.load_state_dict(saved["model"])
     inner.opt.load_state_dict(saved["optim"])
-    resumed, events = _outer(inner, 2, kind)
+    resumed, events = _outer(inner, progress.outer_step + 1, kind, fragments)
     resumed_progress = Progress()
     resumed_progress.load_state_dict(saved["progress"])
     resumed.load_state_dict(saved["outer"])
     assert resumed.opt.momentum is not None, "the outer momentum was not restored"
     assert torch.equal(resumed.opt.momentum, first.opt.momentum)
+    # what each fragment trained since its last sync (its weight in the next mean of it)
+    assert resumed.state_dict().get("fragment_tokens0") == first.state_dict().get("fragment_tokens0")
     resumed.start(resumed_progress)
     got = _train(resumed, inner, resumed_progress, range(CUT + 1, H * ROUNDS + 1))
 
-    assert sorted(got) == [2, 3]
+    assert sorted(got) == list(range(progress.outer_step + 1, ROUNDS * fragments + 1))
     for k, (params, momentum) in got.items():
         assert torch.equal(params, want[k][0]), f"outer step {k}: parameters differ from the uninterrupted run's"
         assert torch.equal(momentum, want[k][1]), f"outer step {k}: momentum differs from the uninterrupted run's"
     sums = {e["outer_step"]: e["checksum"] for e in events if e["type"] == "outer_step"}
     full_sums = {e["outer_step"]: e["checksum"] for e in full_events if e["type"] == "outer_step"}
-    assert sums == {k: full_sums[k] for k in (2, 3)}
+    assert sums == {k: full_sums[k] for k in got}

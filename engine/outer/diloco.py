@@ -288,17 +288,18 @@ class DilocoOuter:
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
         # a contributor weighs the tokens of its round (rounds.py); a joiner and a diverged node weigh nothing
         counts = self.node_id in contributors and not joiner and not self._discard
-        weight = float(max(1, tokens)) if counts else 0.0
+        weight = float(max(1, self._round_weight(progress, tokens))) if counts else 0.0
+        bufs = self._exchange_bufs(plan)
         try:
             out = exchange(plan, pgrad, weight, node_id=self.node_id, links=self.links, sentinel=self.sentinel,
-                           bufs=self.bufs, compression=self.cfg.compression)
+                           bufs=bufs, compression=self.cfg.compression)
         except allreduce.NothingToAverage:
             if self._discard:
                 self._every_member_diverged(plan)
             raise
         stats, reason, left_out = out.stats, out.reason, out.left_out
         with self.watch.phase("norm"):
-            sq = float(torch.linalg.vector_norm(self.bufs.mean)) ** 2 if stats is not None else 0.0
+            sq = float(torch.linalg.vector_norm(bufs.mean)) ** 2 if stats is not None else 0.0
         ok, nbytes, sq = self.local.stats(stats is not None, stats.bytes_sent if stats else 0, sq)
         if not self.local.on_leader("mesh commit", lambda: self.mesh.commit(plan, ok)):
             why = reason or ("another local rank failed" if not ok else "another member failed")
@@ -325,7 +326,7 @@ class DilocoOuter:
                    members=list(plan.members), pgrad_norm=sq ** 0.5, bytes_sent=nbytes,
                    **self._timings(stats, checksum=self._checksum()),
                    contributors=[m for m, _ in counted], weights=[w for _, w in counted],
-                   **({"left_out": left_out} if left_out else {}))
+                   **({"left_out": left_out} if left_out else {}), **self._outer_step_fields())
         self._next_round_starts(progress, plan)
         return True
 
@@ -393,7 +394,20 @@ class DilocoOuter:
         self.bufs.write_back(self.inner.outer_params())
         self.inner.after_outer_update()
 
-    # ------------------------------------------------------------------ what overlap (overlap.py) does otherwise
+    # ------------------------------------------------------------------ what overlap (overlap.py) and fragments
+    # (fragments.py) do otherwise
+
+    def _round_weight(self, progress: Progress, tokens: int) -> int:
+        """The tokens this node's pseudo-gradient stands for: its round's."""
+        return tokens
+
+    def _exchange_bufs(self, plan: Any) -> Any:
+        """The buffers this outer step's exchange writes its mean into (and renews after an abandoned collective)."""
+        return self.bufs
+
+    def _outer_step_fields(self) -> dict[str, Any]:
+        """More fields of the outer_step event."""
+        return {}
 
     def _agreed(self) -> torch.Tensor:
         """The weights the members agreed on last."""

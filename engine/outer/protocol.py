@@ -96,11 +96,14 @@ class NoOuter:
 
 def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
     """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, or with diloco.overlap its subclass
-    engine.outer.overlap.OverlappedDiloco (imported only when asked for: they need torch)."""
+    engine.outer.overlap.OverlappedDiloco, or with diloco.fragments > 1 engine.outer.fragments.FragmentedDiloco
+    (imported only when asked for: they need torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
     if cfg.diloco.overlap:
         from engine.outer.overlap import OverlappedDiloco as Loop
+    elif cfg.diloco.fragments > 1:
+        from engine.outer.fragments import FragmentedDiloco as Loop
     else:
         from engine.outer.diloco import DilocoOuter as Loop
     note = short_run_note(cfg)

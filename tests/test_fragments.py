@@ -1,0 +1,190 @@
+"""Streaming DiLoCo (diloco.fragments, engine/outer/fragments.py): outer step k syncs fragment (k - 1) % P only,
+weighted by the tokens each node trained since that fragment's last sync; the other fragments keep each node's
+own progress; a drain contributes the fragments it has not sent; the agreed snapshot is identical everywhere."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import datetime
+
+from engine.config import DilocoConfig
+from engine.outer import Progress
+from engine.outer.buffers import fingerprint
+from engine.outer.fragments import FragmentedDiloco, spans
+from engine.outer.optimizer import OuterOptimizer
+from procs import spawned_ranks
+from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
+
+P, H = 3, 3  # an outer step after every inner step, each syncing a third of the model
+RATE = {"a": 100, "b": 300}  # tokens per inner step: b trains three times a's tokens (weights differ)
+
+
+def test_spans_cover_every_element_once_in_about_equal_parts():
+    for numel, parts in ((36, 3), (37, 3), (10, 4), (5, 5), (1000003, 7)):
+        got = spans(numel, parts)
+        assert got[0][0] == 0 and got[-1][1] == numel and len(got) == parts
+        assert all(hi == lo2 for (_, hi), (lo2, _) in zip(got, got[1:]))
+        sizes = [hi - lo for lo, hi in got]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) > 0
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"inner_steps": 4, "fragments": 3}, "must divide diloco.inner_steps"),
+    ({"inner_steps": 6, "fragments": 3, "round": "time", "round_seconds": 5}, "needs diloco.round"),
+    ({"inner_steps": 6, "fragments": 3, "overlap": True}, "choose one"),
+])
+def test_bad_fragment_settings_are_refused_with_the_key(bad, match):
+    with pytest.raises(ValueError, match=match):
+        DilocoConfig(enabled=True, **bad)
+
+
+def test_more_fragments_than_values_is_refused():
+    inner = TinyInner(0)  # 36 values
+    with pytest.raises(ValueError, match=r"diloco.fragments \(37\): this rank holds only 36 values"):
+        make_outer(inner, FakeMesh([], []), inner_steps=37, fragments=37)
+
+
+def _flat(inner) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
+
+
+def _node(rank: int, port: int, prefix: str, plans, events, **diloco):
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    inner = TinyInner(0)
+    mesh = FakeMesh(plans, [True] * len(plans))
+    outer = make_outer(inner, mesh, node="ab"[rank], min_nodes=2, inner_steps=H, fragments=P, events=events,
+                       group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, prefix), **diloco)
+    return inner, outer, mesh
+
+
+def _sync_worker(rank: int, port: int, queue) -> None:
+    """Seven outer steps of two nodes (fragments 0, 1, 2, 0, 1, 2, 0), Nesterov with momentum and fragment_alpha
+    0.25; node b asks to drain at step 5 (fragment 1), and sends its last fragments (2 and 0) without training."""
+    try:
+        torch.set_num_threads(1)
+        node = "ab"[rank]
+        steps = 7 if node == "a" else 5
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
+        events: list = []
+        inner, outer, mesh = _node(rank, port, "frag/", plans, events, outer_optimizer="nesterov", outer_lr=0.7,
+                                   outer_momentum=0.9, fragment_alpha=0.25)
+        progress = Progress()
+        outer.start(progress)
+        out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+        left = False
+        for step in range(1, steps + 1):
+            inner.train_step(100 * rank + step)
+            progress.step, progress.tokens = step, step * RATE[node]
+            before = _flat(inner)
+            if node == "b" and step == 5:
+                outer.request_drain()
+            left = outer.after_inner_step(progress)
+            out["records"].append({"step": step, "before": before, "after": _flat(inner),
+                                   "snapshot": outer.bufs.snapshot.clone()})
+            if left:
+                break
+        out["left"], out["mesh_left"] = left, mesh.left
+        out["events"] = [e for e in events if e["type"] in ("outer_step", "drained")]
+        out["final"] = fingerprint(outer.bufs.snapshot)
+        out["state"] = outer.state_dict()
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_drain_sends_the_rest():
+    got = spawned_ranks(_sync_worker, 2, timeout=90)
+    a, b = got[0], got[1]
+    parts = a["spans"]
+    outer_a = [e for e in a["events"] if e["type"] == "outer_step"]
+    outer_b = [e for e in b["events"] if e["type"] == "outer_step"]
+    # a: one outer step per inner step; b: steps 1-5, then its last two fragments (2, 0) at once and it leaves
+    assert [(e["outer_step"], e["fragment"]) for e in outer_a] == [(1, 0), (2, 1), (3, 2), (4, 0), (5, 1), (6, 2),
+                                                                  (7, 0)]
+    assert [(e["outer_step"], e["fragment"]) for e in outer_b] == [(e["outer_step"], e["fragment"]) for e in outer_a]
+    assert b["left"] and b["mesh_left"] == "drained" and b["events"][-1]["type"] == "drained"
+    assert len(b["records"]) == 5  # it trained no step after the drain
+    # the weights are the tokens each node trained since the fragment's last sync (not its round's, not its total)
+    weights = [e["weights"] for e in outer_a]
+    assert weights[:3] == [[100.0, 300.0], [200.0, 600.0], [300.0, 900.0]]  # first syncs: since the start
+    assert weights[3:5] == [[300.0, 900.0]] * 2  # then every H = 3 steps
+    # b's drain: fragments 2 (last synced at step 3) and 0 (at step 4) carry what b trained until step 5
+    assert weights[5:] == [[300.0, 600.0], [300.0, 300.0]]
+    # the snapshot is agreed on every member, after every outer step
+    for ra, rb in zip(a["records"][:4], b["records"]):
+        assert torch.equal(ra["snapshot"], rb["snapshot"]), ra["step"]
+    assert a["final"] == b["final"]
+
+    # the arithmetic, fragment by fragment, with an outer optimizer of its own per fragment (momentum per element)
+    opts = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in parts]
+    snap = a["s0"].clone()
+    mine = {"a": None, "b": None}
+    recs = {"a": a["records"], "b": b["records"]}
+    for k in range(1, 8):  # outer step k: a trained up to step k, b up to step min(k, 5)
+        f = (k - 1) % P
+        lo, hi = parts[f]
+        ra, rb = recs["a"][k - 1], recs["b"][min(k, 5) - 1]
+        da, db = snap[lo:hi] - ra["before"][lo:hi], snap[lo:hi] - rb["before"][lo:hi]
+        wa, wb = outer_a[k - 1]["weights"]
+        g = (wa * da + wb * db) / (wa + wb)
+        new = snap[lo:hi].clone()
+        opts[f].step_(new, g.clone())
+        torch.testing.assert_close(ra["snapshot"][lo:hi], new, rtol=0, atol=1e-6)
+        snap[lo:hi] = new
+        for name, r in (("a", ra), ("b", rb)) if k < 5 else (("a", ra),):
+            # the synced fragment: 3/4 agreed, 1/4 the node's own; every other fragment untouched by the sync
+            torch.testing.assert_close(r["after"][lo:hi], 0.75 * new + 0.25 * r["before"][lo:hi], rtol=0, atol=1e-6)
+            rest = torch.ones_like(r["after"], dtype=torch.bool)
+            rest[lo:hi] = False
+            assert torch.equal(r["after"][rest], r["before"][rest])
+    # b's last three fragments, from its weights at step 5 (no step trained in between)
+    last = recs["b"][-1]
+    for f in range(P):
+        lo, hi = parts[f]
+        torch.testing.assert_close(last["after"][lo:hi], 0.75 * snap[lo:hi] + 0.25 * last["before"][lo:hi],
+                                   rtol=0, atol=1e-6)
+    assert a["final"] == fingerprint(snap)
+    assert a["state"]["fragments"] == P and a["state"]["fragment_tokens0"] == [700, 500, 600]  # a's last syncs
+
+
+def _end_worker(rank: int, port: int, queue) -> None:
+    """Two nodes to train.max_steps = 4 (fragments 0, 1, 2, 0 at steps 1-4), fragment_alpha 0.5."""
+    try:
+        torch.set_num_threads(1)
+        node = "ab"[rank]
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 7)]
+        events: list = []
+        inner, outer, _ = _node(rank, port, "end/", plans, events, outer_optimizer="average", fragment_alpha=0.5)
+        progress = Progress()
+        outer.start(progress)
+        before_last = None
+        while not outer.finished(progress, 4):
+            inner.train_step(100 * rank + progress.step + 1)
+            progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
+            if progress.step == 4:
+                before_last = _flat(inner)
+            outer.after_inner_step(progress)
+        queue.put((rank, pickle.dumps({"params": _flat(inner), "snapshot": outer.bufs.snapshot.clone(),
+                                       "before_last": before_last, "spans": outer.spans,
+                                       "outer": [(e["outer_step"], e["fragment"], e["step"]) for e in events
+                                                 if e["type"] == "outer_step"]})))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_weights():
+    got = spawned_ranks(_end_worker, 2, timeout=90)
+    a, b = got[0], got[1]
+    # step 4 syncs fragment 0; then fragments 1 and 2 at once, without training: every fragment synced at step 4
+    assert a["outer"] == b["outer"] == [(1, 0, 1), (2, 1, 2), (3, 2, 3), (4, 0, 4), (5, 1, 4), (6, 2, 4)]
+    assert torch.equal(a["snapshot"], b["snapshot"])
+    # the end takes the agreed weights whole (no fragment_alpha): both members hold the same model, the snapshot
+    assert torch.equal(a["params"], a["snapshot"]) and torch.equal(b["params"], b["snapshot"])
+    # fragment 0, synced at step 4 itself, took the agreed weights whole too (fragment_alpha 0.5 mixed before)
+    lo, hi = a["spans"][0]
+    assert not torch.equal(a["before_last"][lo:hi], a["params"][lo:hi])
