@@ -105,6 +105,7 @@ class Arm:
     # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
     fragments: int = 1  # diloco.fragments: the model synced in this many fragments in turn (1: all at once)
     fragment_alpha: float = 0.0  # diloco.fragment_alpha: the node's own share of a synced fragment
+    fragment_delay: int = 0  # diloco.fragment_delay: inner steps a fragment's outer step overlaps
     sentinel_ratio: float | None = None  # diloco.sentinel_ratio (None: the engine's default; 0: off)
     poison: Poison | None = None  # one node sends a scaled pseudo-gradient for a stretch of rounds (mesh only)
     baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
@@ -121,6 +122,7 @@ class Arm:
         if self.fragments > 1:
             out["diloco.fragments"] = self.fragments
             out["diloco.fragment_alpha"] = self.fragment_alpha
+            out["diloco.fragment_delay"] = self.fragment_delay
         if self.sentinel_ratio is not None:
             out["diloco.sentinel_ratio"] = self.sentinel_ratio
         return out
@@ -180,7 +182,8 @@ def fragment_arms(args) -> list[Arm]:
     for h in args.fragments_h:
         sync = Arm(f"sync H{h}", "diloco", k=args.k, **{**shipped_outer(), **args.outer, "inner_steps": h})
         arms += [sync] + [replace(sync, name=f"fragments {p} H{h}", fragments=p, fragment_alpha=args.fragment_alpha,
-                                  baseline=sync.name) for p in args.fragments_p]
+                                  fragment_delay=min(args.fragment_delay, h // p), baseline=sync.name)
+                          for p in args.fragments_p]
     return arms
 
 
@@ -324,6 +327,8 @@ def run_sim(args, arm: Arm) -> Result:
             sched.step()
         if overlap is not None and arm.overlap_delay and step % arm.inner_steps == arm.overlap_delay:
             overlap.land_inside(params, flat)
+        if fragments is not None:
+            fragments.land(params, flat, step)
         if fragments is not None and (step % fragments.every == 0 or step == args.steps):
             nbytes += fragments.step(params, flat, step, last=step == args.steps)
         elif overlap is not None and step % arm.inner_steps == 0:
@@ -401,7 +406,8 @@ class SimFragments:
     contiguous range of the flat parameters) is averaged over the workers, stepped by an outer optimizer of its own
     (the engine's momentum is per element, so per fragment) and mixed into each worker's weights with fragment_alpha;
     at the run's last step the remaining fragments are synced too, whole (alpha 0), without training in between.
-    Returns the bytes node 0 sent."""
+    With fragment_delay the mean is taken at the boundary and lands fragment_delay steps later, the steps trained
+    meanwhile carried over (the engine's landing). step() returns the bytes node 0 sent."""
 
     def __init__(self, arm: Arm, snapshot, k: int):
         from engine.outer.fragments import spans
@@ -411,8 +417,9 @@ class SimFragments:
         self.spans = spans(snapshot.numel(), arm.fragments)
         self.opts = [OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) for _ in self.spans]
         self.synced = 0  # outer steps so far: outer step n syncs fragment (n - 1) % P
+        self.pending = None  # fragment_delay: (step it lands at, fragment, each worker's weights of it then)
 
-    def _sync(self, params, flat, alpha: float) -> int:
+    def _sync(self, params, flat, alpha: float, delay: int = 0, step: int = 0) -> int:
         import torch
         f = self.synced % self.arm.fragments
         self.synced += 1
@@ -422,14 +429,31 @@ class SimFragments:
         proposal = self.opts[f].propose(self.snapshot[lo:hi], mean)
         self.opts[f].commit(proposal)
         self.snapshot[lo:hi] = proposal.params
-        for m, ps in zip(mine, params):
-            m[lo:hi] = torch.lerp(m[lo:hi], self.snapshot[lo:hi], 1.0 - alpha)
-            torch.nn.utils.vector_to_parameters(m, ps)
+        if delay:
+            self.pending = (step + delay, f, [m[lo:hi].clone() for m in mine])
+        else:
+            for m, ps in zip(mine, params):
+                m[lo:hi] = torch.lerp(m[lo:hi], self.snapshot[lo:hi], 1.0 - alpha)
+                torch.nn.utils.vector_to_parameters(m, ps)
         return sim_bytes(hi - lo, self.k, self.arm.compression)
+
+    def land(self, params, flat, step: int, *, now: bool = False) -> None:
+        """The fragment in flight lands (at its step, or now): params[f] += (1 - alpha) (agreed - weights then)."""
+        import torch
+        if self.pending is None or (step < self.pending[0] and not now):
+            return
+        _, f, then = self.pending
+        self.pending = None
+        lo, hi = self.spans[f]
+        for old, ps in zip(then, params):
+            m = flat(ps).clone()
+            m[lo:hi] += (1.0 - self.arm.fragment_alpha) * (self.snapshot[lo:hi] - old)
+            torch.nn.utils.vector_to_parameters(m, ps)
 
     def step(self, params, flat, step: int, *, last: bool) -> int:
         if not last:
-            return self._sync(params, flat, self.arm.fragment_alpha)
+            return self._sync(params, flat, self.arm.fragment_alpha, self.arm.fragment_delay, step)
+        self.land(params, flat, step, now=True)
         return sum(self._sync(params, flat, 0.0) for _ in range(self.arm.fragments))  # this step's, then the rest
 
 
@@ -761,6 +785,7 @@ def parse_args(argv=None):
     ap.add_argument("--fragments-h", default="20", help="--fragments: the H values (comma-separated)")
     ap.add_argument("--fragments-p", default="2,4", help="--fragments: the fragment counts (each must divide H)")
     ap.add_argument("--fragment-alpha", type=float, default=0.0, help="--fragments: diloco.fragment_alpha")
+    ap.add_argument("--fragment-delay", type=int, default=0, help="--fragments: diloco.fragment_delay (at most H / P)")
     ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
     ap.add_argument("--poison-rounds", help="--poison: its rounds FIRST-LAST (default: the middle half of the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")

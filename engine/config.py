@@ -123,6 +123,10 @@ class DilocoConfig(_Section):
     # fragment's weights become (1 - fragment_alpha) x the agreed ones + fragment_alpha x the node's own. 1: off
     fragments: int = Field(default=1, gt=0)
     fragment_alpha: float = Field(default=0.0, ge=0, lt=1)
+    # a fragment's outer step runs in the background for this many inner steps, then lands (mixed as above, and the
+    # node's progress on it since the boundary carried over). 0: synchronous. At most inner_steps / fragments (it
+    # lands before the next fragment's boundary). Nodes of one process only, as diloco.overlap
+    fragment_delay: int = Field(default=0, ge=0)
     # the poisoned-update sentinel (engine/outer/sentinel.py): before the mean, a contributor whose pseudo-gradient
     # norm is over sentinel_ratio x the others' median, or whose direction has a cosine under sentinel_min_cosine
     # with the others' mean, is left out of that outer step. 0 turns it off
@@ -154,6 +158,9 @@ class DilocoConfig(_Section):
     @model_validator(mode="after")
     def _fragments_split_the_round(self) -> "DilocoConfig":
         if self.fragments == 1:
+            if self.fragment_delay:
+                raise ValueError("diloco.fragment_delay needs diloco.fragments > 1 (the whole model's outer step "
+                                 "in the background is diloco.overlap)")
             return self
         if self.inner_steps % self.fragments:
             raise ValueError(f"diloco.fragments ({self.fragments}) must divide diloco.inner_steps "
@@ -164,6 +171,10 @@ class DilocoConfig(_Section):
         if self.overlap:
             raise ValueError("diloco.fragments and diloco.overlap are two ways to stream the outer step: choose one "
                              "(docs/learning.md, \"Overlap and fragments\")")
+        if self.fragment_delay > self.inner_steps // self.fragments:
+            raise ValueError(f"diloco.fragment_delay ({self.fragment_delay}) must be at most diloco.inner_steps / "
+                             f"diloco.fragments ({self.inner_steps // self.fragments}): a fragment lands before the "
+                             f"next one's boundary")
         return self
 
     @property

@@ -448,7 +448,8 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
 def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode):
     """diloco.overlap=true (each outer step runs in the background while the next round trains), rounds by time
     (diloco.round = "time": each round ends at the plan's deadline), and streaming fragments (diloco.fragments = 3:
-    an outer step after every inner step, each syncing a third of the model): a, b, c form the run; c dies inside
+    an outer step after every inner step, each syncing a third of the model in the background while the next
+    step trains: diloco.fragment_delay = 1): a, b, c form the run; c dies inside
     the all-reduce of outer step 3 (the survivors abort that attempt and redo it without c); d joins; then b drains
     (its last round contributed; with fragments, each of its fragments once more) and a finishes. Every outer
     step's checksum agrees among the nodes that reported it; with time rounds the run still lasts max_steps / H
@@ -457,7 +458,7 @@ def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode)
     start_store(procs, port)
     steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4"]
     steps += {"overlap": ["--diloco.overlap=true"], "time-rounds": ["--diloco.round=time", "--diloco.round_seconds=1"],
-              "fragments": ["--diloco.fragments=3"]}[mode]
+              "fragments": ["--diloco.fragments=3", "--diloco.fragment_delay=1"]}[mode]
     per_round = 1 if mode == "fragments" else H  # inner steps between two outer steps
     go_c, go_d = run_dir / "go-c", run_dir / "go-d"
     c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=3)

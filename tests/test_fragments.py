@@ -53,11 +53,11 @@ def _flat(inner) -> torch.Tensor:
     return torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
 
 
-def _node(rank: int, port: int, prefix: str, plans, events, **diloco):
+def _node(rank: int, port: int, prefix: str, plans, events, inner_steps: int = H, **diloco):
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
     inner = TinyInner(0)
     mesh = FakeMesh(plans, [True] * len(plans))
-    outer = make_outer(inner, mesh, node="ab"[rank], min_nodes=2, inner_steps=H, fragments=P, events=events,
+    outer = make_outer(inner, mesh, node="ab"[rank], min_nodes=2, inner_steps=inner_steps, fragments=P, events=events,
                        group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, prefix), **diloco)
     return inner, outer, mesh
 
@@ -188,3 +188,61 @@ def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_
     # fragment 0, synced at step 4 itself, took the agreed weights whole too (fragment_alpha 0.5 mixed before)
     lo, hi = a["spans"][0]
     assert not torch.equal(a["before_last"][lo:hi], a["params"][lo:hi])
+
+
+def _delay_worker(rank: int, port: int, queue) -> None:
+    """Two nodes, H = 9 in 3 fragments (a boundary every 3 steps); fragment_delay 2: the fragment of a boundary at
+    step t lands at step t + 2, one step before the next boundary. Step 15 is the run's last: synchronous, whole."""
+    try:
+        torch.set_num_threads(1)
+        node = "ab"[rank]
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
+        events: list = []
+        inner, outer, _ = _node(rank, port, "delay/", plans, events, inner_steps=9, outer_optimizer="nesterov",
+                                outer_lr=0.7, outer_momentum=0.5, fragment_alpha=0.5, fragment_delay=2)
+        progress = Progress()
+        outer.start(progress)
+        out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+        while not outer.finished(progress, 15):
+            inner.train_step(100 * rank + progress.step + 1)
+            progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
+            before = _flat(inner)
+            outer.after_inner_step(progress)
+            out["records"].append({"before": before, "after": _flat(inner), "in_flight": outer._flight is not None,
+                                   "outer_step": progress.outer_step})
+        out["snapshot"] = outer.bufs.snapshot.clone()
+        out["outer"] = [(e["outer_step"], e["fragment"], e["step"], e["weights"]) for e in events
+                        if e["type"] == "outer_step"]
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_a_delayed_fragment_lands_later_mixed_and_keeps_the_steps_trained_meanwhile():
+    got = spawned_ranks(_delay_worker, 2, timeout=90)
+    a, b = got[0], got[1]
+    assert [o[:3] for o in a["outer"]] == [(1, 0, 3), (2, 1, 6), (3, 2, 9), (4, 0, 12), (5, 1, 15), (6, 2, 15),
+                                           (7, 0, 15)]
+    flying = [s for s in range(1, 16) if s % 3 in (0, 1) and 3 <= s <= 13]  # from a boundary to the step before landing
+    assert [s for s, r in enumerate(a["records"], 1) if r["in_flight"]] == flying
+    # the outer step counter moves when a fragment lands (steps 5, 8, 11, 14), not when it goes in flight
+    assert [r["outer_step"] for r in a["records"]] == [0] * 4 + [1] * 3 + [2] * 3 + [3] * 3 + [4, 7]
+    parts, opts = a["spans"], [OuterOptimizer("nesterov", 0.7, 0.5) for _ in a["spans"]]
+    snap = a["s0"].clone()
+    for n in range(1, 5):  # the boundary of outer step n is step 3n; it lands at step 3n + 2
+        f, t = (n - 1) % P, 3 * n
+        lo, hi = parts[f]
+        wa, wb = a["outer"][n - 1][3]
+        g = (wa * (snap[lo:hi] - a["records"][t - 1]["before"][lo:hi])
+             + wb * (snap[lo:hi] - b["records"][t - 1]["before"][lo:hi])) / (wa + wb)
+        opts[f].step_(snap[lo:hi], g.clone())
+        for r in (a, b):
+            for s in (t, t + 1):  # in flight: the fragment's weights are the node's own
+                assert torch.equal(r["records"][s - 1]["after"][lo:hi], r["records"][s - 1]["before"][lo:hi]), s
+            # step t + 2: the agreed fragment mixed with the node's weights at the boundary, plus its two steps since
+            landed, boundary = r["records"][t + 1], r["records"][t - 1]["before"][lo:hi]
+            want = 0.5 * snap[lo:hi] + 0.5 * boundary + (landed["before"][lo:hi] - boundary)
+            torch.testing.assert_close(landed["after"][lo:hi], want, rtol=0, atol=1e-6)
+    assert torch.equal(a["snapshot"], b["snapshot"])
+    assert torch.equal(a["records"][-1]["after"], a["snapshot"]) and torch.equal(b["records"][-1]["after"],
+                                                                                   b["snapshot"])

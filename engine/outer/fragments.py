@@ -22,11 +22,21 @@ differ:
   does.
 - A node whose round diverged, or that the sentinel left out, takes the run's weights for every fragment, not only
   the one synced (its other fragments may hold the same damage).
+
+With diloco.fragment_delay = tau > 0 (nodes of one process) a fragment's outer step runs in a background thread
+while the node trains on: its pseudo-gradient is taken at the boundary on the training thread, and the thread
+(mesh boundary, exchange, commit, retries, hand-offs: the same loop) writes only the snapshot, the momentum and the
+buffers. tau steps later, on the training thread, the fragment lands: the mix above, as of the boundary, plus the
+node's progress on f since then (params[f] += (1 - alpha) (snapshot[f] - its weights of f at the boundary)), so
+the tau steps are not lost and count in f's next sync, as any step. A checkpoint, a drain and the run's end land
+the fragment in flight first (flush), and their outer steps are synchronous.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 from typing import Any
 
 import torch
@@ -79,6 +89,21 @@ class FragmentedDiloco(DilocoOuter):
         if self.opt.keeps_momentum and self.opt.momentum is None:
             # momentum = beta * 0 + g at a fragment's first step is torch's first step (buf = g), per fragment
             self.opt.momentum = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        # diloco.fragment_delay: the fragment in flight (its thread, what it raised, its progress), when it lands,
+        # and what it left to write into the parameters there ("fragment" or "all", the fragment, reset the
+        # optimizer's moments)
+        self.delay = cfg.fragment_delay
+        if self.delay and world.world_size > 1:
+            raise ValueError(f"diloco.fragment_delay: needs nodes of one process; this node has {world.world_size} "
+                             f"(its local collectives would run beside the inner strategy's on the same group)")
+        self._flight: threading.Thread | None = None
+        self._flight_error: BaseException | None = None
+        self._flight_progress: tuple[Progress, Progress] | None = None
+        self._land_at: int | None = None
+        self._pending: tuple[str, int, bool] | None = None
+        self._pgrad_ready = False
+        self._stream: Any = None
+        self._flight_compute = 0.0
 
     # ---- which fragment, and its slices -------------------------------------------------------------------------
 
@@ -121,10 +146,13 @@ class FragmentedDiloco(DilocoOuter):
         return super().finished(progress, max_steps)
 
     def after_inner_step(self, progress: Progress) -> bool:
+        if self._flight is not None and self._land_at is not None and progress.step >= self._land_at:
+            self.flush()
         due = self.rounds.due(progress)
         last = progress.step >= self._max_steps
         if not due and not last:
             return False
+        self.flush()
         draining = self.local.any(self._drain.is_set())
         rest = self.parts - 1 if due else self.parts  # the fragments not synced at this step
         if last and not draining:
@@ -139,6 +167,9 @@ class FragmentedDiloco(DilocoOuter):
             return False
         if due:
             self.watch.boundary()
+            if self.delay and not draining:
+                self._launch(progress, self.rounds.close(progress))
+                return False  # a drain asked for meanwhile is seen at the next boundary
             self._round(progress, plan=None, draining=False, tokens=self.rounds.close(progress))
         if not draining and not self._drain_requested_meanwhile():
             return False
@@ -188,6 +219,9 @@ class FragmentedDiloco(DilocoOuter):
     def _pseudo_gradient(self) -> torch.Tensor:
         """pgrad[f] = snapshot[f] - params[f] for this outer step's fragment f (a view of the pgrad buffer)."""
         lo, hi = self.spans[self._frag]
+        if self._pgrad_ready:  # taken at the boundary, before the outer step went to the background
+            self._pgrad_ready = False
+            return self.bufs.pgrad[lo:hi]
         with self.watch.phase("pseudo_gradient"):
             pgrad = self.bufs.pgrad[lo:hi]
             self._copy_params_into(self.bufs.pgrad, self._frag)
@@ -204,6 +238,8 @@ class FragmentedDiloco(DilocoOuter):
         lo, hi = self.spans[f]
         snap, mean = self.bufs.snapshot[lo:hi], self.bufs.mean[lo:hi]
         with self.watch.phase("optimizer"):
+            if self._in_flight():  # the node's weights of f as of the boundary, for the landing (snapshot - pgrad)
+                torch.sub(snap, self.bufs.pgrad[lo:hi], out=self.bufs.pgrad[lo:hi])
             full = self.opt.momentum
             try:
                 if full is not None:
@@ -211,26 +247,49 @@ class FragmentedDiloco(DilocoOuter):
                 self.opt.step_(snap, mean)
             finally:
                 self.opt.momentum = full
+        if self._in_flight():
+            self._pending = self._pending or ("fragment", f, False)  # lands on the training thread (flush)
+            return
         with self.watch.phase("write_back"):
-            if self.alpha:
-                mine = self.bufs.pgrad  # free after the commit: the node's own weights of f, then the mix
-                self._copy_params_into(mine, f)
-                mine[lo:hi].lerp_(snap, 1.0 - self.alpha)
-                self._write_params_from(mine, f)
-            else:
-                self._write_params_from(self.bufs.snapshot, f)
-            self.inner.after_outer_update()
+            self._write_fragment(f)
+
+    def _write_fragment(self, f: int, *, landing: bool = False) -> None:
+        """The parameters of fragment f = (1 - alpha) x the agreed ones + alpha x the node's own. Landing after the
+        steps trained meanwhile (fragment_delay), they are carried over: params[f] += (1 - alpha) (snapshot[f] -
+        mine), mine (in pgrad, kept by _apply) the node's weights of f at the boundary; no step is lost."""
+        lo, hi = self.spans[f]
+        if landing:
+            delta, scratch = self.bufs.pgrad[lo:hi], self.bufs.mean
+            torch.sub(self.bufs.snapshot[lo:hi], delta, out=delta)
+            self._copy_params_into(scratch, f)
+            scratch[lo:hi].add_(delta, alpha=1.0 - self.alpha)
+            self._write_params_from(scratch, f)
+        elif self.alpha:
+            mine = self.bufs.pgrad  # free after the commit: the node's own weights of f, then the mix
+            self._copy_params_into(mine, f)
+            mine[lo:hi].lerp_(self.bufs.snapshot[lo:hi], 1.0 - self.alpha)
+            self._write_params_from(mine, f)
+        else:
+            self._write_params_from(self.bufs.snapshot, f)
+        self.inner.after_outer_update()
 
     def _after_discarded_round(self) -> None:
         """This node's round diverged or was left out: every fragment takes the run's weights, not only f."""
+        self._rebased = True
+        if self._in_flight():
+            self._pending = ("all", self._frag, True)
+            return
         self.bufs.write_back(self.inner.outer_params())
         self.inner.after_outer_update()
-        self._rebased = True
         super()._after_discarded_round()
 
     def _land(self, params: torch.Tensor) -> None:
-        super()._land(params)
         self._rebased = True  # every fragment starts from the agreed weights: none has progress of its own yet
+        if self._in_flight():  # a hand-off adopted in flight: the parameters take it when it lands
+            self.bufs.snapshot.copy_(params)
+            self._pending = ("all", self._frag, bool(self._pending and self._pending[2]))
+            return
+        super()._land(params)
 
     def _next_round_starts(self, progress: Progress, plan: Any) -> None:
         assert self._anchors is not None or self._rebased
@@ -239,9 +298,94 @@ class FragmentedDiloco(DilocoOuter):
         else:
             self._anchors[self._frag] = progress.tokens
         self._rebased = False
-        super()._next_round_starts(progress, plan)
+        if not self._in_flight():  # in flight, the next round began at the boundary (_launch)
+            super()._next_round_starts(progress, plan)
+
+    # ---- diloco.fragment_delay: the fragment in flight ------------------------------------------------------------
+
+    def _in_flight(self) -> bool:
+        """True on the background thread."""
+        return self._flight is not None and threading.current_thread() is self._flight
+
+    def _compute_s(self) -> float:
+        return self._flight_compute if self._in_flight() else super()._compute_s()
+
+    def _launch(self, progress: Progress, tokens: int) -> None:
+        """This boundary's fragment: its pseudo-gradient now, the rest of its outer step in the background."""
+        self._frag = self.fragment_of(progress.outer_step + 1)
+        self._pseudo_gradient()
+        self._pgrad_ready = True
+        frozen = copy.copy(progress)  # the counters as of the boundary: the outer step and the weight's tokens
+        self._flight_progress, self._flight_error, self._pending = (frozen, progress), None, None
+        self._flight_compute = self.watch.compute_s()
+        stream = self._side_stream()
+
+        def body() -> None:
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    self._round(frozen, plan=None, draining=False, tokens=tokens)
+                    if stream is not None:
+                        stream.synchronize()  # complete before the training thread lands it
+            except BaseException as e:  # raised on the training thread when it lands (flush)
+                self._flight_error = e
+
+        self._land_at = progress.step + self.delay
+        self._flight = threading.Thread(target=body, name="diloco-fragment", daemon=True)
+        self._flight.start()
+        self.watch.round_starts()
+        self.rounds.begin(progress)
+
+    def _side_stream(self) -> Any:
+        """The CUDA stream of the background outer step (None on CPU), ordered after the boundary's work."""
+        if self.bufs.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.bufs.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.bufs.device))
+        return self._stream
+
+    def _flight_timeout(self) -> float:
+        m = self.links.mesh_cfg
+        return self.cfg.max_attempts * (self.cfg.allreduce_timeout + m.store_timeout + m.join_timeout
+                                        + 2 * m.heartbeat_timeout) + m.start_timeout
+
+    def flush(self) -> None:
+        """Land the fragment in flight now (its landing step, a boundary, a checkpoint, the export)."""
+        flight = self._flight
+        if flight is None:
+            return
+        flight.join(timeout=self._flight_timeout())
+        if flight.is_alive():
+            raise RuntimeError(f"diloco.fragment_delay: the outer step in flight did not finish within "
+                               f"{self._flight_timeout():g}s")
+        self._flight, self._land_at = None, None
+        assert self._flight_progress is not None
+        frozen, live = self._flight_progress
+        live.outer_step = frozen.outer_step
+        if self._flight_error is not None:
+            err, self._flight_error = self._flight_error, None
+            raise err
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        kind, f, reset = pending
+        with self.watch.phase("write_back"):
+            if kind == "all":
+                self.bufs.write_back(self.inner.outer_params())
+                self.inner.after_outer_update()
+                if reset:
+                    self.inner.reset_optimizer_state()
+            else:
+                self._write_fragment(f, landing=True)
+
+    def close(self, status: str) -> None:
+        if self._flight is not None:  # the fragment in flight ends (bounded) before this node says goodbye
+            self._flight.join(timeout=self._flight_timeout())
+            self._flight = None
+        super().close(status)
 
     def state_dict(self) -> dict[str, Any]:
+        assert self._flight is None, "fragments: flush() lands the fragment in flight before a checkpoint"
         return {**super().state_dict(), "fragment_tokens0": list(self._anchors or []), "fragments": self.parts}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
