@@ -15,7 +15,9 @@ What runs there, one run after another (nothing else shares the 2 cores):
                   (configs/debug-diloco.toml + the flags below: fake data, fp32, CPU, one thread each)
     overlapped    the same with --diloco.overlap=true (per compression in --overlap): the outer step lands once it
                   is done (--overlap-delay 0, the engine's default) or N inner steps into the next round, and the
-                  node trains on from its own weights meanwhile (--overlap-update delayed)
+                  node trains on from its own weights meanwhile (--overlap-update delayed); or, with --fragments P,
+                  streaming DiLoCo instead: diloco.fragments = P, each fragment's outer step in the background for
+                  --fragment-delay inner steps (default H / P: it lands at the next fragment's boundary)
     no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all
     bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
                   engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
@@ -119,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-delay", type=int, default=0,
                    help="diloco.overlap_delay of the overlapped runs: 0 (the engine's default) lands the outer step at "
                         "the first inner step after it is done; N: exactly N steps into the next round")
+    p.add_argument("--fragments", type=int, default=1, help="the overlapped runs use diloco.fragments = P instead of "
+                   "diloco.overlap (P must divide --inner-steps)")
+    p.add_argument("--fragment-delay", type=int, default=None, help="diloco.fragment_delay of the --fragments runs "
+                   "(default: --inner-steps / --fragments)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     p.add_argument("--bare-reps", type=int, default=3, help="timed bare all-reduces per size and mode")
     p.add_argument("--idle", type=float, default=1.0, help="seconds of quiet before each idle bare all-reduce")
@@ -152,6 +158,10 @@ def parse_args(argv: list[str] | None):
         raise ValueError("--compressions must include none and int8 (the last line compares them)")
     if "int8" not in args.overlap:
         raise ValueError("--overlap must include int8 (the last line's R3)")
+    if args.fragments > 1 and args.inner_steps % args.fragments:
+        raise ValueError(f"--fragments {args.fragments} must divide --inner-steps {args.inner_steps}")
+    if args.fragment_delay is None:
+        args.fragment_delay = args.inner_steps // args.fragments if args.fragments > 1 else 0
     return args
 
 
@@ -268,7 +278,10 @@ def engine_overrides(args, arm: Arm, host: net.NetHost, store: net.NetHost, port
         "mesh.store_addr": store.address, "mesh.store_port": port}
     if arm.compression:
         over.update({"diloco.compression": arm.compression, "diloco.overlap": "true" if arm.overlap else "false"})
-    if arm.overlap:
+    if arm.overlap and args.fragments > 1:
+        over.update({"diloco.overlap": "false", "diloco.fragments": args.fragments,
+                     "diloco.fragment_delay": args.fragment_delay})
+    elif arm.overlap:
         over.update({"diloco.overlap_update": args.overlap_update, "diloco.overlap_delay": args.overlap_delay})
     for item in args.set:
         key, _, value = item.partition("=")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,6 +40,18 @@ def test_bad_arguments_are_one_line(capsys):
     assert wan.main(["--hosts", "5"]) == 2 and capsys.readouterr().err == "wan: --hosts must be in 2..4, got 5\n"
     assert wan.main(["--compressions", "bf16,int8"]) == 2
     assert capsys.readouterr().err == "wan: --compressions must include none and int8 (the last line compares them)\n"
+    assert wan.main(["--fragments", "3"]) == 2  # H = 5
+    assert capsys.readouterr().err == "wan: --fragments 3 must divide --inner-steps 5\n"
+
+
+def test_fragments_runs_replace_overlap_with_the_fragments_settings():
+    args = wan.parse_args(["--fragments", "5", "--inner-steps", "10"])
+    assert args.fragment_delay == 2  # H / P: each fragment lands at the next one's boundary
+    host = SimpleNamespace(name="a", address="10.0.0.1")
+    over = wan.engine_overrides(args, wan.Arm("int8", overlap=True), host, host, 29600, Path("/tmp/x"))
+    assert {"--diloco.overlap=false", "--diloco.fragments=5", "--diloco.fragment_delay=2"} <= set(over)
+    plain = wan.engine_overrides(wan.parse_args([]), wan.Arm("int8", overlap=True), host, host, 29600, Path("/x"))
+    assert "--diloco.overlap=true" in plain and not any("fragments" in o for o in plain)
 
 
 @pytest.mark.slow
