@@ -4,13 +4,13 @@ own progress; a drain contributes the fragments it has not sent; the agreed snap
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import datetime
 
 from engine.config import DilocoConfig
 from engine.outer import Progress
@@ -53,8 +53,7 @@ def _flat(inner) -> torch.Tensor:
     return torch.cat([t.reshape(-1).clone() for t in inner.outer_params()])
 
 
-def _node(rank: int, port: int, prefix: str, plans, events, inner_steps: int = H, **diloco):
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+def _node(rank: int, store, prefix: str, plans, events, inner_steps: int = H, **diloco):
     inner = TinyInner(0)
     mesh = FakeMesh(plans, [True] * len(plans))
     outer = make_outer(inner, mesh, node="ab"[rank], min_nodes=2, inner_steps=inner_steps, fragments=P, events=events,
@@ -62,44 +61,69 @@ def _node(rank: int, port: int, prefix: str, plans, events, inner_steps: int = H
     return inner, outer, mesh
 
 
-def _sync_worker(rank: int, port: int, queue) -> None:
+SCENARIOS = ("sync", "end", "delay")
+
+
+def _worker(rank: int, port: int, queue) -> None:
+    """Node a or b of every two-node scenario below, one after another over one store (each its own groups)."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+    out: dict = {}
+    for name in SCENARIOS:
+        try:
+            out[name] = globals()[f"_{name}_scenario"](rank, store)
+        except Exception:  # the test of that scenario reports the traceback
+            out[name] = traceback.format_exc()
+            break  # the other node may wait in a collective of this one: nothing after it can pair up
+    queue.put((rank, pickle.dumps(out)))
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> dict[str, tuple[dict, dict]]:
+    """Each scenario's (node a's, node b's) results; one pair of processes for all (each start imports torch)."""
+    got = spawned_ranks(_worker, 2, timeout=180)
+    out = {}
+    for name in SCENARIOS:
+        a, b = got[0].get(name, "not run: an earlier scenario failed"), got[1].get(name, "not run")
+        for r in (a, b):
+            assert isinstance(r, dict), f"scenario {name}:\n{r}"
+        out[name] = (a, b)
+    return out
+
+
+def _sync_scenario(rank: int, store) -> dict:
     """Seven outer steps of two nodes (fragments 0, 1, 2, 0, 1, 2, 0), Nesterov with momentum and fragment_alpha
     0.25; node b asks to drain at step 5 (fragment 1), and sends its last fragments (2 and 0) without training."""
-    try:
-        torch.set_num_threads(1)
-        node = "ab"[rank]
-        steps = 7 if node == "a" else 5
-        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
-        events: list = []
-        inner, outer, mesh = _node(rank, port, "frag/", plans, events, outer_optimizer="nesterov", outer_lr=0.7,
-                                   outer_momentum=0.9, fragment_alpha=0.25)
-        progress = Progress()
-        outer.start(progress)
-        out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
-        left = False
-        for step in range(1, steps + 1):
-            inner.train_step(100 * rank + step)
-            progress.step, progress.tokens = step, step * RATE[node]
-            before = _flat(inner)
-            if node == "b" and step == 5:
-                outer.request_drain()
-            left = outer.after_inner_step(progress)
-            out["records"].append({"step": step, "before": before, "after": _flat(inner),
-                                   "snapshot": outer.bufs.snapshot.clone()})
-            if left:
-                break
-        out["left"], out["mesh_left"] = left, mesh.left
-        out["events"] = [e for e in events if e["type"] in ("outer_step", "drained")]
-        out["final"] = fingerprint(outer.bufs.snapshot)
-        out["state"] = outer.state_dict()
-        queue.put((rank, pickle.dumps(out)))
-    except Exception:  # the parent reports the child's traceback
-        queue.put((rank, traceback.format_exc()))
+    node = "ab"[rank]
+    steps = 7 if node == "a" else 5
+    plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
+    events: list = []
+    inner, outer, mesh = _node(rank, store, "frag/", plans, events, outer_optimizer="nesterov", outer_lr=0.7,
+                               outer_momentum=0.9, fragment_alpha=0.25)
+    progress = Progress()
+    outer.start(progress)
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+    left = False
+    for step in range(1, steps + 1):
+        inner.train_step(100 * rank + step)
+        progress.step, progress.tokens = step, step * RATE[node]
+        before = _flat(inner)
+        if node == "b" and step == 5:
+            outer.request_drain()
+        left = outer.after_inner_step(progress)
+        out["records"].append({"step": step, "before": before, "after": _flat(inner),
+                               "snapshot": outer.bufs.snapshot.clone()})
+        if left:
+            break
+    out["left"], out["mesh_left"] = left, mesh.left
+    out["events"] = [e for e in events if e["type"] in ("outer_step", "drained")]
+    out["final"] = fingerprint(outer.bufs.snapshot)
+    out["state"] = outer.state_dict()
+    return out
 
 
-def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_drain_sends_the_rest():
-    got = spawned_ranks(_sync_worker, 2, timeout=90)
-    a, b = got[0], got[1]
+def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_drain_sends_the_rest(two_nodes):
+    a, b = two_nodes["sync"]
     parts = a["spans"]
     outer_a = [e for e in a["events"] if e["type"] == "outer_step"]
     outer_b = [e for e in b["events"] if e["type"] == "outer_step"]
@@ -152,34 +176,28 @@ def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_
     assert a["state"]["fragments"] == P and a["state"]["fragment_tokens0"] == [700, 500, 600]  # a's last syncs
 
 
-def _end_worker(rank: int, port: int, queue) -> None:
+def _end_scenario(rank: int, store) -> dict:
     """Two nodes to train.max_steps = 4 (fragments 0, 1, 2, 0 at steps 1-4), fragment_alpha 0.5."""
-    try:
-        torch.set_num_threads(1)
-        node = "ab"[rank]
-        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 7)]
-        events: list = []
-        inner, outer, _ = _node(rank, port, "end/", plans, events, outer_optimizer="average", fragment_alpha=0.5)
-        progress = Progress()
-        outer.start(progress)
-        before_last = None
-        while not outer.finished(progress, 4):
-            inner.train_step(100 * rank + progress.step + 1)
-            progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
-            if progress.step == 4:
-                before_last = _flat(inner)
-            outer.after_inner_step(progress)
-        queue.put((rank, pickle.dumps({"params": _flat(inner), "snapshot": outer.bufs.snapshot.clone(),
-                                       "before_last": before_last, "spans": outer.spans,
-                                       "outer": [(e["outer_step"], e["fragment"], e["step"]) for e in events
-                                                 if e["type"] == "outer_step"]})))
-    except Exception:  # the parent reports the child's traceback
-        queue.put((rank, traceback.format_exc()))
+    node = "ab"[rank]
+    plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 7)]
+    events: list = []
+    inner, outer, _ = _node(rank, store, "end/", plans, events, outer_optimizer="average", fragment_alpha=0.5)
+    progress = Progress()
+    outer.start(progress)
+    before_last = None
+    while not outer.finished(progress, 4):
+        inner.train_step(100 * rank + progress.step + 1)
+        progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
+        if progress.step == 4:
+            before_last = _flat(inner)
+        outer.after_inner_step(progress)
+    return {"params": _flat(inner), "snapshot": outer.bufs.snapshot.clone(), "before_last": before_last,
+            "spans": outer.spans, "outer": [(e["outer_step"], e["fragment"], e["step"]) for e in events
+                                            if e["type"] == "outer_step"]}
 
 
-def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_weights():
-    got = spawned_ranks(_end_worker, 2, timeout=90)
-    a, b = got[0], got[1]
+def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_weights(two_nodes):
+    a, b = two_nodes["end"]
     # step 4 syncs fragment 0; then fragments 1 and 2 at once, without training: every fragment synced at step 4
     assert a["outer"] == b["outer"] == [(1, 0, 1), (2, 1, 2), (3, 2, 3), (4, 0, 4), (5, 1, 4), (6, 2, 4)]
     assert torch.equal(a["snapshot"], b["snapshot"])
@@ -190,37 +208,32 @@ def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_
     assert not torch.equal(a["before_last"][lo:hi], a["params"][lo:hi])
 
 
-def _delay_worker(rank: int, port: int, queue) -> None:
+def _delay_scenario(rank: int, store) -> dict:
     """Two nodes, H = 9 in 3 fragments (a boundary every 3 steps); fragment_delay 2: the fragment of a boundary at
     step t lands at step t + 2, one step before the next boundary. Step 15 is the run's last: synchronous, whole."""
-    try:
-        torch.set_num_threads(1)
-        node = "ab"[rank]
-        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
-        events: list = []
-        inner, outer, _ = _node(rank, port, "delay/", plans, events, inner_steps=9, outer_optimizer="nesterov",
-                                outer_lr=0.7, outer_momentum=0.5, fragment_alpha=0.5, fragment_delay=2)
-        progress = Progress()
-        outer.start(progress)
-        out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
-        while not outer.finished(progress, 15):
-            inner.train_step(100 * rank + progress.step + 1)
-            progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
-            before = _flat(inner)
-            outer.after_inner_step(progress)
-            out["records"].append({"before": before, "after": _flat(inner), "in_flight": outer._flight is not None,
-                                   "outer_step": progress.outer_step})
-        out["snapshot"] = outer.bufs.snapshot.clone()
-        out["outer"] = [(e["outer_step"], e["fragment"], e["step"], e["weights"]) for e in events
-                        if e["type"] == "outer_step"]
-        queue.put((rank, pickle.dumps(out)))
-    except Exception:  # the parent reports the child's traceback
-        queue.put((rank, traceback.format_exc()))
+    node = "ab"[rank]
+    plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in range(1, 8)]
+    events: list = []
+    inner, outer, _ = _node(rank, store, "delay/", plans, events, inner_steps=9, outer_optimizer="nesterov",
+                            outer_lr=0.7, outer_momentum=0.5, fragment_alpha=0.5, fragment_delay=2)
+    progress = Progress()
+    outer.start(progress)
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+    while not outer.finished(progress, 15):
+        inner.train_step(100 * rank + progress.step + 1)
+        progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
+        before = _flat(inner)
+        outer.after_inner_step(progress)
+        out["records"].append({"before": before, "after": _flat(inner), "in_flight": outer._flight is not None,
+                               "outer_step": progress.outer_step})
+    out["snapshot"] = outer.bufs.snapshot.clone()
+    out["outer"] = [(e["outer_step"], e["fragment"], e["step"], e["weights"]) for e in events
+                    if e["type"] == "outer_step"]
+    return out
 
 
-def test_a_delayed_fragment_lands_later_mixed_and_keeps_the_steps_trained_meanwhile():
-    got = spawned_ranks(_delay_worker, 2, timeout=90)
-    a, b = got[0], got[1]
+def test_a_delayed_fragment_lands_later_mixed_and_keeps_the_steps_trained_meanwhile(two_nodes):
+    a, b = two_nodes["delay"]
     assert [o[:3] for o in a["outer"]] == [(1, 0, 3), (2, 1, 6), (3, 2, 9), (4, 0, 12), (5, 1, 15), (6, 2, 15),
                                            (7, 0, 15)]
     flying = [s for s in range(1, 16) if s % 3 in (0, 1) and 3 <= s <= 13]  # from a boundary to the step before landing
