@@ -99,6 +99,7 @@ class DilocoOuter:
         self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
         self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
+        self._stream: Any = None  # CUDA: the stream of an outer step in a background thread (_side_stream)
 
     @property
     def mesh(self) -> Any:
@@ -396,6 +397,22 @@ class DilocoOuter:
 
     # ------------------------------------------------------------------ what overlap (overlap.py) and fragments
     # (fragments.py) do otherwise
+
+    def _flight_timeout(self) -> float:
+        """How long an outer step in a background thread may take at most (overlap, fragment_delay)."""
+        m = self.links.mesh_cfg
+        return self.cfg.max_attempts * (self.cfg.allreduce_timeout + m.store_timeout + m.join_timeout
+                                        + 2 * m.heartbeat_timeout) + m.start_timeout
+
+    def _side_stream(self) -> Any:
+        """The CUDA stream of an outer step in a background thread (None on CPU), ordered after the boundary's
+        work, so that its kernels run beside the training's."""
+        if self.bufs.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.bufs.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.bufs.device))
+        return self._stream
 
     def _round_weight(self, progress: Progress, tokens: int) -> int:
         """The tokens this node's pseudo-gradient stands for: its round's."""

@@ -102,7 +102,6 @@ class FragmentedDiloco(DilocoOuter):
         self._land_at: int | None = None
         self._pending: tuple[str, int, bool] | None = None
         self._pgrad_ready = False
-        self._stream: Any = None
         self._flight_compute = 0.0
 
     # ---- which fragment, and its slices -------------------------------------------------------------------------
@@ -334,20 +333,6 @@ class FragmentedDiloco(DilocoOuter):
         self._flight.start()
         self.watch.round_starts()
         self.rounds.begin(progress)
-
-    def _side_stream(self) -> Any:
-        """The CUDA stream of the background outer step (None on CPU), ordered after the boundary's work."""
-        if self.bufs.device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.bufs.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.bufs.device))
-        return self._stream
-
-    def _flight_timeout(self) -> float:
-        m = self.links.mesh_cfg
-        return self.cfg.max_attempts * (self.cfg.allreduce_timeout + m.store_timeout + m.join_timeout
-                                        + 2 * m.heartbeat_timeout) + m.start_timeout
 
     def flush(self) -> None:
         """Land the fragment in flight now (its landing step, a boundary, a checkpoint, the export)."""

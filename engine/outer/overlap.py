@@ -57,7 +57,6 @@ class OverlappedDiloco(DilocoOuter):
         self._eager_buf: torch.Tensor | None = None  # u, eager (delayed: u is bufs.pgrad itself)
         self._pgrad_ready = False  # bufs.pgrad already holds this round's pseudo-gradient
         self._diverged_at_boundary = False  # the boundary found this round diverged (and repaired it)
-        self._stream: Any = None  # CUDA: the background outer step's stream
         self._land_at: int | None = None  # the inner step at which the round in flight lands (diloco.overlap_delay)
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
@@ -112,11 +111,6 @@ class OverlappedDiloco(DilocoOuter):
         """True on the background thread."""
         return self._flight is not None and threading.current_thread() is self._flight
 
-    def _flight_timeout(self) -> float:
-        m = self.links.mesh_cfg
-        return self.cfg.max_attempts * (self.cfg.allreduce_timeout + m.store_timeout + m.join_timeout
-                                        + 2 * m.heartbeat_timeout) + m.start_timeout
-
     def _launch(self, progress: Progress, tokens: int) -> None:
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
@@ -140,15 +134,6 @@ class OverlappedDiloco(DilocoOuter):
         self._flight.start()
         self.watch.round_starts()
         self.rounds.begin(progress)  # the next round starts now, before its plan exists: the deadline is chained
-
-    def _side_stream(self) -> Any:
-        """The CUDA stream of the background outer step (None on CPU), ordered after the boundary's work."""
-        if self.bufs.device.type != "cuda":
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.bufs.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.bufs.device))
-        return self._stream
 
     def _settle(self) -> bool:
         """Wait for the round in flight (bounded); True when its new weights wait in bufs.mean."""
