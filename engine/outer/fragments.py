@@ -110,8 +110,9 @@ class FragmentedDiloco(DilocoOuter):
         """The fragment outer step `outer_step` (1, 2, ...) syncs: the same on every member."""
         return (outer_step - 1) % self.parts
 
-    def _param_slices(self, f: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(pieces of the parameters, the same pieces of a flat buffer's views) that fragment f covers."""
+    def _param_slices(self, f: int) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
+        """The pieces of the parameters that fragment f covers (flat views), and where each lies: (its first and
+        last-plus-one element in its parameter, its first element in the flat buffers)."""
         lo, hi = self.spans[f]
         params, at, pieces = self.inner.outer_params(), 0, []
         for p in params:
