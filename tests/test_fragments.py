@@ -259,3 +259,32 @@ def test_a_delayed_fragment_lands_later_mixed_and_keeps_the_steps_trained_meanwh
     assert torch.equal(a["snapshot"], b["snapshot"])
     assert torch.equal(a["records"][-1]["after"], a["snapshot"]) and torch.equal(b["records"][-1]["after"],
                                                                                    b["snapshot"])
+
+
+class MasterInner(TinyInner):
+    """Outer parameters that require grad, as DeepSpeed ZeRO's fp32 master partitions do (engine/inner/zero.py)."""
+
+    def outer_params(self):
+        return list(self.model.parameters())
+
+
+def test_outer_parameters_that_require_grad_are_synced_in_place():
+    """Defect: with inner.strategy zero2/zero3 the first fragment's pseudo-gradient failed ("sub(): functions with
+    out=... arguments don't support automatic differentiation"): the fragment's copies ran outside no_grad."""
+    inner = MasterInner(0)
+    assert all(p.requires_grad for p in inner.outer_params())
+    mesh = FakeMesh([make_plan(1, k, 0, ["a"], source="a") for k in (1, 2)], [True, True])
+    outer = make_outer(inner, mesh, inner_steps=H, fragments=P, outer_optimizer="sgd", outer_lr=0.5,
+                       outer_momentum=0.0)
+    progress = Progress()
+    outer.start(progress)
+    s0 = outer.bufs.snapshot.clone()
+    inner.train_step(1)
+    own = _flat(inner).detach()
+    progress.step, progress.tokens = 1, 100
+    outer.after_inner_step(progress)
+    lo, hi = outer.spans[0]
+    # one member: the mean is its own pseudo-gradient; half of it taken (lr 0.5) on fragment 0 only
+    torch.testing.assert_close(_flat(inner).detach()[lo:hi], s0[lo:hi] - 0.5 * (s0[lo:hi] - own[lo:hi]),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(_flat(inner).detach()[hi:], own[hi:]) and not outer.bufs.pgrad.requires_grad

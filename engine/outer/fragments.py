@@ -124,11 +124,13 @@ class FragmentedDiloco(DilocoOuter):
         flat_params = [p.view(-1)[x:y] for p, x, y, _ in pieces]
         return flat_params, [(x, y, a) for _, x, y, a in pieces]
 
+    @torch.no_grad()
     def _copy_params_into(self, flat: torch.Tensor, f: int) -> None:
         """flat[span f] = the parameters of fragment f (fp32)."""
         pieces, where = self._param_slices(f)
         torch._foreach_copy_([flat[a:a + (y - x)] for x, y, a in where], pieces)
 
+    @torch.no_grad()
     def _write_params_from(self, flat: torch.Tensor, f: int) -> None:
         """The parameters of fragment f = flat[span f], each in its own dtype."""
         pieces, where = self._param_slices(f)
@@ -216,6 +218,7 @@ class FragmentedDiloco(DilocoOuter):
         self._frag = f  # a joiner sends zeros of the fragment's size
         return self.frag_bufs[f]
 
+    @torch.no_grad()
     def _pseudo_gradient(self) -> torch.Tensor:
         """pgrad[f] = snapshot[f] - params[f] for this outer step's fragment f (a view of the pgrad buffer)."""
         lo, hi = self.spans[self._frag]
@@ -231,6 +234,7 @@ class FragmentedDiloco(DilocoOuter):
     def _outer_step_fields(self) -> dict[str, Any]:
         return {"fragment": self._frag, "fragments": self.parts}
 
+    @torch.no_grad()
     def _apply(self) -> None:
         """The committed update of fragment f: its snapshot and momentum from the mean, then its parameters mixed
         (fragment_alpha) from the agreed weights and the node's own."""
@@ -253,6 +257,7 @@ class FragmentedDiloco(DilocoOuter):
         with self.watch.phase("write_back"):
             self._write_fragment(f)
 
+    @torch.no_grad()
     def _write_fragment(self, f: int, *, landing: bool = False) -> None:
         """The parameters of fragment f = (1 - alpha) x the agreed ones + alpha x the node's own. Landing after the
         steps trained meanwhile (fragment_delay), they are carried over: params[f] += (1 - alpha) (snapshot[f] -
