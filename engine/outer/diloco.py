@@ -36,6 +36,7 @@ the whole outer step; docs/telemetry.md).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -99,7 +100,12 @@ class DilocoOuter:
         self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
         self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
-        self._stream: Any = None  # CUDA: the stream of an outer step in a background thread (_side_stream)
+        # an outer step in a background thread (overlap.py, fragments.py with fragment_delay): the thread, what it
+        # raised, the compute seconds of the round it closes, and its CUDA stream (_start_flight)
+        self._flight: threading.Thread | None = None
+        self._flight_error: BaseException | None = None
+        self._flight_compute = 0.0
+        self._stream: Any = None
 
     @property
     def mesh(self) -> Any:
@@ -210,11 +216,16 @@ class DilocoOuter:
 
     def close(self, status: str) -> None:
         """Say goodbye (peers drop this node at once instead of waiting a heartbeat timeout). A rejected node
-        (duplicate id, other digest) must not write a goodbye under a live node's id."""
+        (duplicate id, other digest) must not write a goodbye under a live node's id. An outer step in flight ends
+        (bounded) first."""
+        if self._flight is not None:
+            self._flight.join(timeout=self._flight_timeout())
+            self._flight = None
         self.links.close(status if self._started and not self._left else None)
         self._left = True
 
     def state_dict(self) -> dict[str, Any]:
+        assert self._flight is None, "diloco: flush() lands the outer step in flight before a checkpoint"
         return {"snapshot": self.bufs.snapshot.cpu(), "outer_optimizer": self.opt.state_dict(),
                 **self.rounds.state_dict()}
 
@@ -369,8 +380,8 @@ class DilocoOuter:
         return {**self.watch.seconds(wire, codec, self._compute_s()), "checksum": checksum}
 
     def _compute_s(self) -> float:
-        """Seconds of inner steps in the round this outer step closes."""
-        return self.watch.compute_s()
+        """Seconds of inner steps in the round this outer step closes (in flight: as of its boundary)."""
+        return self._flight_compute if self._in_flight() else self.watch.compute_s()
 
     def _apply(self) -> None:
         """The committed update, in place: snapshot and momentum from the mean, then the parameters."""
@@ -397,6 +408,43 @@ class DilocoOuter:
 
     # ------------------------------------------------------------------ what overlap (overlap.py) and fragments
     # (fragments.py) do otherwise
+
+    def _in_flight(self) -> bool:
+        """True on the thread of an outer step in flight."""
+        return self._flight is not None and threading.current_thread() is self._flight
+
+    def _start_flight(self, run: Callable[[], None], name: str) -> None:
+        """run() (an outer step) in a background thread, its kernels on their own CUDA stream on a GPU; what it
+        raises is raised by _join_flight on the training thread."""
+        self._flight_compute, self._flight_error = self.watch.compute_s(), None
+        stream = self._side_stream()
+
+        def body() -> None:
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    run()
+                    if stream is not None:
+                        stream.synchronize()  # its results are complete before the training thread lands them
+            except BaseException as e:  # noqa: BLE001 - raised on the training thread (_join_flight)
+                self._flight_error = e
+
+        self._flight = threading.Thread(target=body, name=name, daemon=True)
+        self._flight.start()
+
+    def _join_flight(self, what: str) -> bool:
+        """Wait for the outer step in flight (bounded by _flight_timeout) and raise what it raised; False when none
+        was in flight."""
+        flight = self._flight
+        if flight is None:
+            return False
+        flight.join(timeout=self._flight_timeout())
+        if flight.is_alive():
+            raise RuntimeError(f"{what}: the outer step in flight did not finish within {self._flight_timeout():g}s")
+        self._flight = None
+        if self._flight_error is not None:
+            err, self._flight_error = self._flight_error, None
+            raise err
+        return True
 
     def _flight_timeout(self) -> float:
         """How long an outer step in a background thread may take at most (overlap, fragment_delay)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 from typing import Any
 
 import torch
@@ -96,13 +95,10 @@ class FragmentedDiloco(DilocoOuter):
         if self.delay and world.world_size > 1:
             raise ValueError(f"diloco.fragment_delay: needs nodes of one process; this node has {world.world_size} "
                              f"(its local collectives would run beside the inner strategy's on the same group)")
-        self._flight: threading.Thread | None = None
-        self._flight_error: BaseException | None = None
         self._flight_progress: tuple[Progress, Progress] | None = None
         self._land_at: int | None = None
         self._pending: tuple[str, int, bool] | None = None
         self._pgrad_ready = False
-        self._flight_compute = 0.0
 
     # ---- which fragment, and its slices -------------------------------------------------------------------------
 
@@ -308,54 +304,29 @@ class FragmentedDiloco(DilocoOuter):
 
     # ---- diloco.fragment_delay: the fragment in flight ------------------------------------------------------------
 
-    def _in_flight(self) -> bool:
-        """True on the background thread."""
-        return self._flight is not None and threading.current_thread() is self._flight
-
-    def _compute_s(self) -> float:
-        return self._flight_compute if self._in_flight() else super()._compute_s()
-
     def _launch(self, progress: Progress, tokens: int) -> None:
         """This boundary's fragment: its pseudo-gradient now, the rest of its outer step in the background."""
         self._frag = self.fragment_of(progress.outer_step + 1)
         self._pseudo_gradient()
         self._pgrad_ready = True
         frozen = copy.copy(progress)  # the counters as of the boundary: the outer step and the weight's tokens
-        self._flight_progress, self._flight_error, self._pending = (frozen, progress), None, None
-        self._flight_compute = self.watch.compute_s()
-        stream = self._side_stream()
-
-        def body() -> None:
-            try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    self._round(frozen, plan=None, draining=False, tokens=tokens)
-                    if stream is not None:
-                        stream.synchronize()  # complete before the training thread lands it
-            except BaseException as e:  # raised on the training thread when it lands (flush)
-                self._flight_error = e
-
+        self._flight_progress, self._pending = (frozen, progress), None
+        self._start_flight(lambda: self._round(frozen, plan=None, draining=False, tokens=tokens), "diloco-fragment")
         self._land_at = progress.step + self.delay
-        self._flight = threading.Thread(target=body, name="diloco-fragment", daemon=True)
-        self._flight.start()
         self.watch.round_starts()
         self.rounds.begin(progress)
 
     def flush(self) -> None:
         """Land the fragment in flight now (its landing step, a boundary, a checkpoint, the export)."""
-        flight = self._flight
-        if flight is None:
+        if self._flight is None:
             return
-        flight.join(timeout=self._flight_timeout())
-        if flight.is_alive():
-            raise RuntimeError(f"diloco.fragment_delay: the outer step in flight did not finish within "
-                               f"{self._flight_timeout():g}s")
-        self._flight, self._land_at = None, None
         assert self._flight_progress is not None
         frozen, live = self._flight_progress
-        live.outer_step = frozen.outer_step
-        if self._flight_error is not None:
-            err, self._flight_error = self._flight_error, None
-            raise err
+        try:
+            self._join_flight("diloco.fragment_delay")
+        finally:
+            self._land_at = None
+            live.outer_step = frozen.outer_step
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -369,14 +340,7 @@ class FragmentedDiloco(DilocoOuter):
             else:
                 self._write_fragment(f, landing=True)
 
-    def close(self, status: str) -> None:
-        if self._flight is not None:  # the fragment in flight ends (bounded) before this node says goodbye
-            self._flight.join(timeout=self._flight_timeout())
-            self._flight = None
-        super().close(status)
-
     def state_dict(self) -> dict[str, Any]:
-        assert self._flight is None, "fragments: flush() lands the fragment in flight before a checkpoint"
         return {**super().state_dict(), "fragment_tokens0": list(self._anchors or []), "fragments": self.parts}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

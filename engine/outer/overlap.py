@@ -25,9 +25,7 @@ is synchronous; flush() lands the round in flight at once (a checkpoint, the exp
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import threading
 from typing import Any
 
 import torch
@@ -47,10 +45,7 @@ class OverlappedDiloco(DilocoOuter):
         super().__init__(cfg, mesh_cfg, world, inner, telemetry, **kwargs)
         # the round in flight, what it raised, its counters, and where the anchor (the weights this round trained
         # from) is: snapshot - pgrad when _anchored, else the snapshot
-        self._flight: threading.Thread | None = None
-        self._flight_error: BaseException | None = None
         self._flight_progress: tuple[Progress, Progress, int, int] | None = None
-        self._flight_compute = 0.0
         self._anchored = False
         self._eager = cfg.overlap_update == "eager"
         self._step: torch.Tensor | None = None  # u of the last boundary: the anchor is snapshot - u when _anchored
@@ -95,59 +90,21 @@ class OverlappedDiloco(DilocoOuter):
             self._rebase(True, eager=False)
             self._anchored = False  # the round's anchor, rebased, is the new snapshot itself
 
-    def close(self, status: str) -> None:
-        if self._flight is not None:  # the round in flight ends (bounded) before this node says goodbye
-            self._flight.join(timeout=self._flight_timeout())
-            self._flight = None
-        super().close(status)
-
-    def state_dict(self) -> dict[str, Any]:
-        assert self._flight is None, "overlap: flush() lands the round in flight before a checkpoint"
-        return super().state_dict()
-
     # ---- the round in flight ----------------------------------------------------------------------------------
-
-    def _in_flight(self) -> bool:
-        """True on the background thread."""
-        return self._flight is not None and threading.current_thread() is self._flight
 
     def _launch(self, progress: Progress, tokens: int) -> None:
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
-        self._flight_compute = self.watch.compute_s()
-        self._flight_error = None
-        stream = self._side_stream()
-
-        def body() -> None:
-            try:
-                # on a GPU the outer step's kernels go to their own stream, beside the training's
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    self._round(frozen, plan=None, draining=False, tokens=tokens)
-                    if stream is not None:
-                        stream.synchronize()  # its results are complete before the main thread lands them
-            except BaseException as e:  # raised on the main thread when it lands this round (_settle)
-                self._flight_error = e
-
         delay = self.cfg.overlap_delay
         self._land_at = progress.step + delay if delay else None  # None: as soon as it is done
-        self._flight = threading.Thread(target=body, name="diloco-overlap", daemon=True)
-        self._flight.start()
+        self._start_flight(lambda: self._round(frozen, plan=None, draining=False, tokens=tokens), "diloco-overlap")
         self.watch.round_starts()
         self.rounds.begin(progress)  # the next round starts now, before its plan exists: the deadline is chained
 
     def _settle(self) -> bool:
         """Wait for the round in flight (bounded); True when its new weights wait in bufs.mean."""
-        flight = self._flight
-        if flight is None:
+        if not self._join_flight("diloco.overlap"):
             return False
-        flight.join(timeout=self._flight_timeout())
-        if flight.is_alive():
-            raise RuntimeError(f"diloco.overlap: the outer step in flight did not finish within "
-                               f"{self._flight_timeout():g}s")
-        self._flight = None
-        if self._flight_error is not None:
-            err, self._flight_error = self._flight_error, None
-            raise err
         assert self._flight_progress is not None
         frozen, live, step0, tokens0 = self._flight_progress
         # the round's counters (its outer step; a hand-off's step and tokens) plus what trained meanwhile
@@ -199,9 +156,6 @@ class OverlappedDiloco(DilocoOuter):
 
     def _mean_is_free(self) -> bool:
         return not self._in_flight()  # in flight, bufs.mean holds the result
-
-    def _compute_s(self) -> float:
-        return self._flight_compute if self._in_flight() else super()._compute_s()
 
     def _apply(self) -> None:
         """In flight, the new weights wait in bufs.mean: the boundary after it puts them in place."""
