@@ -170,7 +170,7 @@ class DilocoConfig(_Section):
                              "offsets within the round)")
         if self.overlap:
             raise ValueError("diloco.fragments and diloco.overlap are two ways to stream the outer step: choose one "
-                             "(docs/learning.md, \"Overlap and fragments\")")
+                             "(docs/learning.md, \"Fragments\": when to use which)")
         if self.fragment_delay > self.inner_steps // self.fragments:
             raise ValueError(f"diloco.fragment_delay ({self.fragment_delay}) must be at most diloco.inner_steps / "
                              f"diloco.fragments ({self.inner_steps // self.fragments}): a fragment lands before the "
