@@ -185,3 +185,24 @@ def test_finite_finds_one_nan_or_inf_anywhere_in_one_pass():
         y[77_777] = bad
         assert not finite(y), bad
     assert not finite(torch.full((4,), 3e19))  # squares past fp32: a round that far gone counts as diverged
+
+
+def test_the_pseudo_gradients_norm_is_taken_once_and_forgotten_on_any_write(monkeypatch):
+    """The finiteness check and the sentinel's row read one norm pass; a write through any view of the buffer, or
+    another tensor, is never answered from it."""
+    from engine.outer import buffers
+
+    calls = []
+    real = torch.linalg.vector_norm
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    params = [torch.randn(6, 5), torch.randn(7)]
+    bufs = OuterBuffers(params)
+    bufs.capture(params)
+    params[0].add_(0.5)
+    pgrad = bufs.pseudo_gradient(params)
+    assert buffers.finite(pgrad) and buffers.norm(pgrad) == pytest.approx(0.5 * 30 ** 0.5, rel=1e-6)
+    assert len(calls) == 1  # the second read came from the first pass
+    bufs.views(bufs.pgrad)[1][3] = float("nan")  # a write through a view of the storage
+    assert not buffers.finite(pgrad) and len(calls) == 2
+    other = pgrad.clone()
+    assert buffers.norm(other) != buffers.norm(other) and len(calls) == 3  # another tensor: its own pass (NaN)

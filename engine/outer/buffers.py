@@ -29,6 +29,8 @@ It reads the buffer once, where it lives; only 16 bytes and the sample cross to 
 from __future__ import annotations
 
 import hashlib
+import math
+import weakref
 
 import torch
 
@@ -85,10 +87,12 @@ class OuterBuffers:
 
     @torch.no_grad()
     def pseudo_gradient(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """pgrad = snapshot - params, into the pgrad buffer (returned)."""
+        """pgrad = snapshot - params, into the pgrad buffer (returned): one subtraction per parameter, in one pass
+        (a copy into the buffer and a subtraction over it were two: 0.021 s of a 15m model's outer step against
+        0.011 s), each parameter promoted to fp32 on the way in."""
         self._check(params)
-        torch._foreach_copy_(self._pgrad_views, params)
-        torch.sub(self.snapshot, self.pgrad, out=self.pgrad)
+        for snap, p, out in zip(self._snap_views, params, self._pgrad_views):
+            torch.sub(snap, p, out=out)
         return self.pgrad
 
     @torch.no_grad()
@@ -109,11 +113,27 @@ class OuterBuffers:
 
 
 @torch.no_grad()
+def norm(flat: torch.Tensor) -> float:
+    """The L2 norm of flat in its own dtype, one pass. It is remembered for this tensor object as it is now: the
+    finiteness check and the sentinel's row both read the pseudo-gradient's norm, and the second gets the first's
+    (a pass of 6 ms for a 15m model on one core). A write to the tensor, or to any view of its storage, moves
+    torch's version counter and forgets it; a tensor that is gone is never mistaken for a new one."""
+    global _last_norm
+    if _last_norm is not None and _last_norm[0]() is flat and _last_norm[1] == flat._version:
+        return _last_norm[2]
+    value = float(torch.linalg.vector_norm(flat))
+    _last_norm = (weakref.ref(flat), flat._version, value)
+    return value
+
+
+_last_norm: tuple[weakref.ref, int, float] | None = None
+
+
 def finite(flat: torch.Tensor) -> bool:
     """No NaN or inf in flat: its norm is finite. One pass without a mask (isfinite().all() made a bool tensor of
     the model's size: 81 ms of every outer step for 14M parameters on one core, against 3 ms). Values so large that
     their squares overflow fp32 (above ~1e19) read as not finite too: a round that far gone has diverged as well."""
-    return bool(torch.isfinite(torch.linalg.vector_norm(flat)))
+    return math.isfinite(norm(flat))
 
 
 @torch.no_grad()

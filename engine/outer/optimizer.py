@@ -52,7 +52,7 @@ class OuterOptimizer:
         if self.momentum is None:
             self.momentum = g.clone()  # once per run: buf = g
         else:
-            self.momentum.mul_(self.beta).add_(g)
+            torch.add(g, self.momentum, alpha=self.beta, out=self.momentum)  # beta * buf + g, one pass
         step = g.add_(self.momentum, alpha=self.beta) if self.kind == "nesterov" else self.momentum
         torch.add(snapshot, step, alpha=-self.lr, out=out)
 
