@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from engine.outer import allreduce as compression
+from engine.outer import handoff
 from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
@@ -254,15 +255,32 @@ def _reduce_checks(pg, rank: int) -> dict:
     return out
 
 
+class _Recording:
+    """A process group that records what it sends in the hand-off's chain (tags from handoff.TAG): (to, bytes)."""
+
+    def __init__(self, pg):
+        self.pg, self.sent = pg, []
+
+    def send(self, tensors, dst, tag):
+        if tag >= handoff.TAG:
+            self.sent.append((dst, sum(t.numel() * t.element_size() for t in tensors)))
+        return self.pg.send(tensors, dst, tag)
+
+    def __getattr__(self, name):
+        return getattr(self.pg, name)
+
+
 def _handoff_checks(store, rank: int) -> dict:
     """Nodes a, b are members (same start, different training); c joins with other weights at outer step 4."""
     node = "abc"[rank]
+    recording: list = []
     inner = TinyInner(0 if node != "c" else 99)
     joiner = node == "c"
     plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
     outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8", outer_lr=0.7, outer_momentum=0.9,
-                       group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "gen7/"))
+                       group_factory=lambda p, n, r: recording.append(_Recording(
+                           _group(store, p.rank_of(n), p.size, "gen7/"))) or recording[-1])
     progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
     if not joiner:
         outer.opt.momentum = torch.full((36,), 0.01)  # as if 3 outer steps were done
@@ -272,7 +290,8 @@ def _handoff_checks(store, rank: int) -> dict:
         progress.step = 12
         outer.after_inner_step(progress)
     return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
-            "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step}
+            "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step,
+            "sent": [x for r in recording for x in r.sent]}
 
 
 def _group_worker(rank: int, port: int, queue) -> None:
@@ -361,6 +380,26 @@ def test_joiner_receives_weights_momentum_and_progress(group_results):
     assert h[0]["progress"] == h[2]["progress"] == (12, 4, 12345)
     assert h[0]["checksum"]["checksum"] == h[1]["checksum"]["checksum"] == h[2]["checksum"]["checksum"]
     assert h[0]["checksum"]["members"] == ["a", "b", "c"]
+
+
+def test_the_hand_off_is_a_chain_that_moves_the_state_once_per_link(group_results):
+    """Source a sends the state to b only, b forwards it to c, c sends nothing: each uplink carries it once (a
+    broadcast from the source sent it to b and to c). The state: 36 parameters and 36 momentum values in fp32
+    and the 3 int64 counters, in pieces of at most handoff.PIECE_BYTES."""
+    state = 36 * 4 * 2 + 3 * 8
+    sent = [group_results[r]["handoff"]["sent"] for r in range(SIZE)]
+    assert {to for to, _ in sent[0]} == {1} and sum(n for _, n in sent[0]) == state
+    assert {to for to, _ in sent[1]} == {2} and sum(n for _, n in sent[1]) == state
+    assert sent[2] == []
+    assert all(n <= handoff.PIECE_BYTES for r in sent for _, n in r)
+
+
+def test_the_chain_cuts_the_state_into_pieces_of_at_most_piece_bytes():
+    t = [torch.arange(10, dtype=torch.float32), torch.arange(3, dtype=torch.int64)]
+    parts = handoff.pieces(t, piece_bytes=16)
+    assert [p.numel() for p in parts] == [4, 4, 2, 2, 1]
+    assert torch.equal(torch.cat([p.float() for p in parts]), torch.cat([t[0], t[1].float()]))
+    assert parts[1].data_ptr() == t[0].data_ptr() + 16 and parts[4].data_ptr() == t[1].data_ptr() + 16  # views
 
 
 def test_dead_peer_fails_the_collective_fast(group_results):
