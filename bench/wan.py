@@ -27,7 +27,9 @@ What runs there, one run after another (nothing else shares the 2 cores):
                   the pieces, one all_to_all and one all_gather (their seconds on a line of their own)
 
 Each run trains max_steps = H x (rounds + 2). Outer step 1 is the run's first: it carries the state hand-off (the
-source broadcasts its fp32 parameters to every member). Outer steps 2 on are the measured ones: of each, the event
+source's fp32 parameters go down a chain to every member). Each host starts from weights of its own seed, as from
+checkpoints of different ages, so that the state must move: from one seed the members would find by their
+fingerprints that they already hold it, and nothing would. Outer steps 2 on are the measured ones: of each, the event
 of the host that arrived last at the boundary (it waited for no peer), and the medians over those steps of
 outer_s, wire_s, codec_s and other_s = outer_s - wire_s - codec_s (neither wire nor codec: the mesh's store round
 trips and their polling, the passes over the parameters, the commit, the checksum; --phases splits it). Tokens/s
@@ -37,7 +39,7 @@ window pays one outer step).
     link bound   bytes_sent of the event (what each host puts on its own uplink) x 8 / rate
     wire rate    link bound / wire_s: the share of its link's rate the wire got (goal >= 90%)
     hand-off     outer step 1's outer_s against (its all-reduce bytes + the state bytes) x 8 / rate, the least any
-                 broadcast from one source takes (goal <= 1.2x)
+                 broadcast from one source takes (goal <= 1.2x); "chain" is the hand-off's own part (its phase)
 
 Last line (R2 and R3 are int8's):
     `slow link RATE Nx: int8/none outer step R1; outer step / link bound R2; overlapped / no-DiLoCo tokens/s R3`
@@ -264,9 +266,11 @@ def wait_all(procs: list[Proc], timeout: float, what: str) -> None:
 
 
 # ---- the engines ----------------------------------------------------------------------------------------------
-def engine_overrides(args, arm: Arm, host: net.NetHost, store: net.NetHost, port: int, run_dir: Path) -> list[str]:
+def engine_overrides(args, arm: Arm, host: net.NetHost, store: net.NetHost, port: int, run_dir: Path,
+                     index: int = 0) -> list[str]:
     h = args.inner_steps
     over: dict[str, object] = {
+        "train.seed": 1234 + index,  # each host its own start: the hand-off moves the state (the docstring)
         "model.preset": args.preset, "data.fake": "true", "data.seq_len": args.seq_len,
         "train.micro_batch_size": args.micro_batch, "train.batch_size": args.micro_batch, "train.precision": "fp32",
         "train.max_steps": h * (args.rounds + 2), "train.log_interval": 1, "train.eval_interval": 0,
@@ -301,9 +305,9 @@ def run_arm(args, arm: Arm, hosts: list[net.NetHost], work: Path, port: int) -> 
             store = Proc(hosts[0], [sys.executable, "-m", "engine.store", "--host", hosts[0].address, "--port",
                                     str(port)], run_dir / "store", 1)
         launch = ["-c", PHASES] if args.phases and arm.compression and not arm.overlap else ["-m", "engine.train"]
-        for host in hosts:
+        for index, host in enumerate(hosts):
             argv = [sys.executable, *launch, "configs/debug-diloco.toml",
-                    *engine_overrides(args, arm, host, hosts[0], port, run_dir)]
+                    *engine_overrides(args, arm, host, hosts[0], port, run_dir, index)]
             procs.append(Proc(host, argv, run_dir / host.name, args.threads))
         wait_all(procs, args.run_timeout, arm.name)  # engines connect to the store as it comes up (store_timeout)
         if store is not None:
@@ -524,6 +528,9 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
         row["handoff"] = {"outer_s": median_of(first, "outer_s"), "wire_s": median_of(first, "wire_s"),
                           "bytes": handoff_bytes, "state_bytes": state, "link_bound_s": handoff_bytes * 8 / rate}
         row["handoff"]["ratio"] = row["handoff"]["outer_s"] / row["handoff"]["link_bound_s"]
+        chain = [r["phases"]["handoff"] for r in sync.phases if r.get("outer_step") == 1 and "handoff" in r["phases"]]
+        if chain:  # --phases: the hand-off's own part (the fingerprint check and the chain), its slowest member
+            row["handoff"].update(chain_s=max(chain), chain_bound_s=state * 8 / rate)
         overlapped = results.get(f"{codec}-overlap")
         row["tokens_per_s_overlap"] = tokens_per_s(overlapped, h) if overlapped else None
         row["bare"] = bare.get(codec)
@@ -601,12 +608,14 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                  "host: half the link bound alone): "
                  + ", ".join(f"{c} all_to_all {secs(r['bare'].get('a2a_idle_s'))}, all_gather "
                              f"{secs(r['bare'].get('ag_idle_s'))}" for c, r in rows.items() if r["bare"]))
-    lines.append("hand-off (the run's first outer step: its all-reduce, then the source broadcasts the fp32 state):")
+    lines.append("hand-off (the run's first outer step: its all-reduce, then the source's fp32 state down a chain):")
     for codec, r in rows.items():
         ho = r["handoff"]
+        chain = (f"; the chain alone {ho['chain_s']:.2f} s for the state's {ho['chain_bound_s']:.2f} s "
+                 f"({ho['chain_s'] / ho['chain_bound_s']:.2f}x)" if "chain_s" in ho else "")
         lines.append(f"  {codec:6} outer_s {ho['outer_s']:.2f} (all-reduce wire {ho['wire_s']:.2f}); moves "
                      f"{mb(ho['bytes'] - ho['state_bytes'])} + {mb(ho['state_bytes'])} state; link bound "
-                     f"{ho['link_bound_s']:.2f} s; {ho['ratio']:.2f}x")
+                     f"{ho['link_bound_s']:.2f} s; {ho['ratio']:.2f}x{chain}")
     if s["phases"]:
         lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
                   "waits, group = fetching the generation's gloo group, sentinel = its screen (a norm, a sample, "

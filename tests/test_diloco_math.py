@@ -294,12 +294,36 @@ def _handoff_checks(store, rank: int) -> dict:
             "sent": [x for r in recording for x in r.sent]}
 
 
+def _first_step_checks(store, rank: int, c_seed: int, prefix: str) -> dict:
+    """A run's first outer step, three members and no joiner; c starts from weights of seed c_seed (a and b from
+    seed 0): the hand-off moves the state only where some member's differs from the source's."""
+    node = "abc"[rank]
+    recording: list = []
+    events: list = []
+    inner = TinyInner(c_seed if node == "c" else 0)
+    plan = make_plan(3, 1, 0, ["a", "b", "c"], source="a")
+    outer = make_outer(inner, FakeMesh([plan], [True]), node=node, inner_steps=1, compression="none",
+                       outer_lr=0.7, outer_momentum=0.9, events=events,
+                       group_factory=lambda p, n, r: recording.append(_Recording(
+                           _group(store, p.rank_of(n), p.size, prefix))) or recording[-1])
+    progress = Progress()
+    outer.start(progress)
+    inner.train_step(20 + rank)
+    progress.step = 1
+    outer.after_inner_step(progress)
+    return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
+            "sent": [x for r in recording for x in r.sent],
+            "warnings": [e["message"] for e in events if e["type"] == "warning"]}
+
+
 def _group_worker(rank: int, port: int, queue) -> None:
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore("127.0.0.1", port, SIZE, rank == 0, timeout=datetime.timedelta(seconds=30))
         result = {"reduce": _reduce_checks(_group(store, rank, SIZE, "reduce/"), rank),
-                  "handoff": _handoff_checks(store, rank)}
+                  "handoff": _handoff_checks(store, rank),
+                  "same_start": _first_step_checks(store, rank, 0, "gen3/"),
+                  "other_start": _first_step_checks(store, rank, 99, "gen4/")}
         # a peer that dies mid-collective: the others get the backend's error at once, not a hang
         pg = _group(store, rank, SIZE, "death/")
         if rank == 2:
@@ -392,6 +416,26 @@ def test_the_hand_off_is_a_chain_that_moves_the_state_once_per_link(group_result
     assert {to for to, _ in sent[1]} == {2} and sum(n for _, n in sent[1]) == state
     assert sent[2] == []
     assert all(n <= handoff.PIECE_BYTES for r in sent for _, n in r)
+
+
+def test_a_runs_first_step_moves_no_state_when_every_member_already_holds_the_sources(group_results):
+    same = [group_results[r]["same_start"] for r in range(SIZE)]
+    assert all(s["sent"] == [] for s in same), [s["sent"] for s in same]
+    assert all(torch.equal(same[0]["params"], s["params"]) and torch.equal(same[0]["momentum"], s["momentum"])
+               for s in same)
+    assert not any(s["warnings"] for s in same)
+
+
+def test_a_runs_first_step_moves_the_sources_state_to_members_that_started_elsewhere(group_results):
+    """c started from other weights (as from an older checkpoint): the source's state goes down the chain and
+    c adopts it; a and b already held it."""
+    other = [group_results[r]["other_start"] for r in range(SIZE)]
+    state = 36 * 4 * 2 + 3 * 8
+    assert sum(n for _, n in other[0]["sent"]) == sum(n for _, n in other[1]["sent"]) == state
+    assert all(torch.equal(other[0]["params"], o["params"]) and torch.equal(other[0]["momentum"], o["momentum"])
+               for o in other)
+    assert any("adopted the source's" in w for w in other[2]["warnings"]) and not other[1]["warnings"]
+    assert not torch.equal(other[0]["params"], group_results[0]["same_start"]["params"])  # c's start counted
 
 
 def test_the_chain_cuts_the_state_into_pieces_of_at_most_piece_bytes():

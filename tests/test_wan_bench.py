@@ -90,6 +90,8 @@ def test_quick_lab_prints_every_figure_and_the_last_line(tmp_path):
     for row in (none, int8):
         assert row["outer_s"] >= row["wire_s"] + row["codec_s"] - 1e-6
         assert row["handoff"]["state_bytes"] == 4 * s["params"]
+        # the hosts start from their own seeds, so the state moved, and no faster than the link: the chain is real
+        assert row["handoff"]["chain_s"] >= 0.95 * row["handoff"]["chain_bound_s"], row["handoff"]
         assert row["tokens_per_s_sync"] > 0
     assert int8["tokens_per_s_overlap"] > 0 and s["tokens_per_s_no_diloco"] > 0
     for codec in ("none", "int8"):  # --phases: the mesh's waits timed from outside the engine
