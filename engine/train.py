@@ -349,6 +349,7 @@ def run(s: Session) -> str:
         if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
             follow_handoff(s)
         # after the outer step: at a DiLoCo boundary this evaluates the run's model, not this node's local drift
+        # (with diloco.overlap or fragment_delay the mean is still in flight: the node's working weights)
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             eval_loss = evaluate(s)
             if eval_loss is not None:
