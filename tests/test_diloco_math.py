@@ -407,14 +407,15 @@ def test_joiner_receives_weights_momentum_and_progress(group_results):
 
 
 def test_the_hand_off_is_a_chain_that_moves_the_state_once_per_link(group_results):
-    """Source a sends the state to b only, b forwards it to c, c sends nothing: each uplink carries it once (a
-    broadcast from the source sent it to b and to c). The state: 36 parameters and 36 momentum values in fp32
-    and the 3 int64 counters, in pieces of at most handoff.PIECE_BYTES."""
+    """Source a sends the state to the joiner c only, c forwards it to b, b sends nothing: each uplink carries it
+    once (a broadcast from the source sent it to b and to c), and the joiner comes first, so that member b's death
+    could not cut it off. The state: 36 parameters and 36 momentum values in fp32 and the 3 int64 counters, in
+    pieces of at most handoff.PIECE_BYTES."""
     state = 36 * 4 * 2 + 3 * 8
     sent = [group_results[r]["handoff"]["sent"] for r in range(SIZE)]
-    assert {to for to, _ in sent[0]} == {1} and sum(n for _, n in sent[0]) == state
-    assert {to for to, _ in sent[1]} == {2} and sum(n for _, n in sent[1]) == state
-    assert sent[2] == []
+    assert {to for to, _ in sent[0]} == {2} and sum(n for _, n in sent[0]) == state
+    assert {to for to, _ in sent[2]} == {1} and sum(n for _, n in sent[2]) == state
+    assert sent[1] == []
     assert all(n <= handoff.PIECE_BYTES for r in sent for _, n in r)
 
 

@@ -12,7 +12,7 @@ At a run's first outer step (no joiners) the members first compare fingerprints 
 as in every fresh run started from one seed, nothing moves: a 1B model's 4 GB would have taken 160 s at 200 Mbit/s.
 Members resumed from checkpoints of different ages differ, and the source's state moves to all of them.
 
-The broadcast is a chain: the source, then the other members in plan order, each forwarding a piece
+The broadcast is a chain: the source, then the joiners, then the other members, in plan order, each forwarding a piece
 (PIECE_BYTES) to the next as soon as it has it. Every uplink carries the state once, so the hand-off takes the
 state's bytes over one link plus a piece per extra hop, whatever the number of members. gloo's broadcast sent the
 whole state from the source to each member in turn: with 4 hosts its uplink carried it 3 times (1.6-2.0x the link
@@ -103,7 +103,10 @@ class StateHandoff:
     def _broadcast(self, plan: Any, tensors: list[torch.Tensor]) -> None:
         pg = self.links.group(plan)
         assert pg is not None, "a plan with joiners has more than one member"
-        order = [plan.rank_of(m) for m in [plan.source] + [m for m in plan.members if m != plan.source]]
+        # the joiners first: a member that dies mid-chain then cuts off only members after it, which hold the
+        # state already (their part is a check), never a joiner that needs it
+        rest = [m for m in plan.members if m != plan.source]
+        order = [plan.rank_of(m) for m in [plan.source] + sorted(rest, key=lambda m: m not in plan.joiners)]
         self.links.bounded(plan, "state hand-off", lambda: chain(pg, order, tensors), until_decided=False)
 
 
