@@ -316,6 +316,14 @@ def _first_step_checks(store, rank: int, c_seed: int, prefix: str) -> dict:
             "warnings": [e["message"] for e in events if e["type"] == "warning"]}
 
 
+def _chain_checks(pg, rank: int) -> list[torch.Tensor]:
+    """handoff.chain from rank 0 down 0 -> 2 -> 1 in 4-byte pieces, 3 in flight per hop: far more pieces than the
+    window, so receives are posted and sends waited as the window slides."""
+    tensors = [torch.arange(1000, dtype=torch.float32) * (rank == 0), torch.tensor([7, 8, 9]) * (rank == 0)]
+    handoff.chain(pg, [0, 2, 1], tensors, piece_bytes=4, window=3)
+    return tensors
+
+
 def _group_worker(rank: int, port: int, queue) -> None:
     try:
         torch.set_num_threads(1)
@@ -323,7 +331,8 @@ def _group_worker(rank: int, port: int, queue) -> None:
         result = {"reduce": _reduce_checks(_group(store, rank, SIZE, "reduce/"), rank),
                   "handoff": _handoff_checks(store, rank),
                   "same_start": _first_step_checks(store, rank, 0, "gen3/"),
-                  "other_start": _first_step_checks(store, rank, 99, "gen4/")}
+                  "other_start": _first_step_checks(store, rank, 99, "gen4/"),
+                  "chain": _chain_checks(_group(store, rank, SIZE, "chain/"), rank)}
         # a peer that dies mid-collective: the others get the backend's error at once, not a hang
         pg = _group(store, rank, SIZE, "death/")
         if rank == 2:
@@ -437,6 +446,12 @@ def test_a_runs_first_step_moves_the_sources_state_to_members_that_started_elsew
                for o in other)
     assert any("adopted the source's" in w for w in other[2]["warnings"]) and not other[1]["warnings"]
     assert not torch.equal(other[0]["params"], group_results[0]["same_start"]["params"])  # c's start counted
+
+
+def test_the_chain_delivers_every_piece_through_a_sliding_window(group_results):
+    for r in range(SIZE):
+        got = group_results[r]["chain"]
+        assert torch.equal(got[0], torch.arange(1000, dtype=torch.float32)) and got[1].tolist() == [7, 8, 9], r
 
 
 def test_the_chain_cuts_the_state_into_pieces_of_at_most_piece_bytes():

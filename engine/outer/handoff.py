@@ -21,6 +21,7 @@ bound at 200 Mbit/s, docs/performance.md).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,7 @@ from engine.errors import first_line
 
 PIECE_BYTES = 256 * 1024  # one message of the chain: at 200 Mbit/s each extra hop delays the end by 10 ms
 TAG = 1 << 20  # the chain's message tags start here, clear of the mean's (engine/outer/allreduce.py)
+WINDOW = 256  # pieces in flight per hop (64 MiB): a 1 Gbit/s link with 0.5 s of round trip stays busy
 
 Adopt = Callable[[torch.Tensor, list[torch.Tensor]], None]  # (parameters, every tensor received) -> None
 
@@ -119,20 +121,31 @@ def pieces(tensors: list[torch.Tensor], piece_bytes: int = PIECE_BYTES) -> list[
     return out
 
 
-def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor]) -> None:
+def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor], *, piece_bytes: int = PIECE_BYTES,
+          window: int = WINDOW) -> None:
     """A pipelined broadcast from order[0] down the chain of group ranks `order`: every rank but the first
-    receives each piece from the rank before it (every receive posted first, so a piece lands whenever it comes)
-    and sends it on to the rank after it at once."""
+    receives each piece from the rank before it and sends it on to the rank after it at once. At most `window`
+    receives are posted ahead and `window` sends are in flight, so a model of any size holds a bounded number of
+    messages (a piece lands whenever it comes within the window)."""
     at = order.index(pg.rank())
     before = order[at - 1] if at > 0 else None
     after = order[at + 1] if at + 1 < len(order) else None
-    parts = pieces(tensors)
-    arrivals = [pg.recv([p], before, TAG + i) for i, p in enumerate(parts)] if before is not None else None
-    sends = []
+    parts = pieces(tensors, piece_bytes)
+    arrivals: deque = deque()
+    sends: deque = deque()
+
+    def post(i: int) -> None:
+        if before is not None and i < len(parts):
+            arrivals.append(pg.recv([parts[i]], before, TAG + i))
+    for i in range(window):
+        post(i)
     for i, p in enumerate(parts):
-        if arrivals is not None:
-            arrivals[i].wait()
+        if before is not None:
+            arrivals.popleft().wait()
+            post(i + window)
         if after is not None:
+            if len(sends) >= window:
+                sends.popleft().wait()
             sends.append(pg.send([p], after, TAG + i))
     for work in sends:
         work.wait()
