@@ -119,9 +119,9 @@ class OverlappedDiloco(DilocoOuter):
         if self._anchored:
             assert self._step is not None
             torch.sub(bufs.snapshot, self._step, out=bufs.pgrad)  # the anchor (u may be bufs.pgrad itself)
+            torch._foreach_sub_(bufs.views(bufs.pgrad), params)
         else:
-            bufs.pgrad.copy_(bufs.snapshot)
-        torch._foreach_sub_(bufs.views(bufs.pgrad), params)
+            bufs.pseudo_gradient(params)  # the anchor is the snapshot: one pass
         if landed:
             bufs.snapshot.copy_(bufs.mean)
         self._step = self._stand_in(bufs.pgrad) if eager else bufs.pgrad
