@@ -46,6 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRIMED = """import os, sys, time
 import engine.train
+import engine.session  # the imports that take the seconds (engine.train imports it once the config passed)
 print("primed", file=sys.stderr, flush=True)
 go, deadline = sys.argv[1], time.monotonic() + 900
 while not os.path.exists(go) and time.monotonic() < deadline:

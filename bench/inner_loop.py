@@ -40,7 +40,7 @@ from engine.data import FakeSource, TokenStream  # noqa: E402
 from engine.model import build_model  # noqa: E402
 from engine.inner.ddp_fsdp import build_inner, resolve_device, setup_distributed  # noqa: E402
 from engine.inner.optim import lr_factor, make_optimizer  # noqa: E402
-from engine.train import train_step  # noqa: E402
+from engine.session import train_step  # noqa: E402
 from engine.world import World, read_world  # noqa: E402
 
 VOCAB = 258

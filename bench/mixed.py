@@ -242,6 +242,7 @@ def choose_throttle(wanted: str) -> tuple[str, Path | None, str]:
 # is known only after the solo run). Written with os.replace, so it is whole when it appears.
 PRIMED = """import json, os, sys, time
 import engine.train
+import engine.session  # the imports that take the seconds (engine.train imports it once the config passed)
 print("primed", file=sys.stderr, flush=True)
 go, deadline = sys.argv[1], time.monotonic() + 3600
 while not os.path.exists(go):

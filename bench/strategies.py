@@ -71,7 +71,7 @@ def warm_up_code_paths(args, inner_cfg, world, device) -> None:
 
     from engine.config import OptimConfig, TrainConfig
     from engine.inner.ddp_fsdp import build_inner
-    from engine.train import train_step
+    from engine.session import train_step
 
     class Stream:
         def next_batch(self, n: int):
@@ -96,7 +96,7 @@ def worker(args) -> None:
     from engine.data import FakeSource, TokenStream
     from engine.model import build_model
     from engine.inner.ddp_fsdp import build_inner, setup_distributed
-    from engine.train import train_step
+    from engine.session import train_step
     from engine.world import read_world
 
     world = read_world()

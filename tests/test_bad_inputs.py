@@ -229,6 +229,20 @@ def test_a_config_error_prints_its_one_line_and_nothing_else(procs):
         ["error", "state", "run_end"]
 
 
+def test_a_bad_command_line_and_help_are_answered_before_torch_is_imported(procs):
+    """Defect: a typo in a key took 9 s to report, the seconds of importing torch, transformers and the strategies.
+    They are imported only once the config passed (engine/session.py); the config rules, --help and the run's
+    folders need none of them."""
+    for args, rc in ((["configs/debug.toml", "--optim.lrr=1"], 2), (["--help"], 0),
+                     (["configs/debug.toml", "--inner.strategy=zero4"], 2), (["configs/nothing.toml"], 2)):
+        done = procs.run([PYTHON, "-X", "importtime", "-m", "engine.train", *args], timeout=60)
+        assert done.returncode == rc, done.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "engine.config" in imported, args  # the import report was read
+        assert not {"torch", "transformers", "engine.session"} & imported, args
+
+
 # ---------------------------------------------------------------------------------------------- item 18
 
 def test_help_prints_usage_and_exits_0(procs, capsys):

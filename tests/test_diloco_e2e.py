@@ -92,6 +92,7 @@ def start_store(procs, port: int) -> Node:
 # moment is started early with this launcher: it imports the engine, waits for its go-file, then runs main().
 PRIMED = """import os, sys, time
 import engine.train
+import engine.session  # the imports that take the seconds (engine.train imports it once the config passed)
 print("primed", file=sys.stderr, flush=True)
 go, deadline = sys.argv[1], time.monotonic() + 600
 while not os.path.exists(go) and time.monotonic() < deadline:

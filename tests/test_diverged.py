@@ -24,8 +24,8 @@ import test_diloco_e2e as e2e
 
 NAN_BEFORE_STEP = """import sys
 import torch
-import engine.train as train
-_step, _n = train.train_step, [0]
+import engine.session as session, engine.train as train
+_step, _n = session.train_step, [0]
 def _poisoned(inner, *args, **kw):
     _n[0] += 1
     if _n[0] == {n}:
@@ -33,7 +33,7 @@ def _poisoned(inner, *args, **kw):
             inner.outer_params()[0].fill_(float("nan"))
         print("POISONED", file=sys.stderr, flush=True)
     return _step(inner, *args, **kw)
-train.train_step = _poisoned
+session.train_step = _poisoned
 sys.argv = ["engine.train"] + sys.argv[1:]
 train.cli()
 """

@@ -172,7 +172,7 @@ def test_a_joiner_follows_the_handed_off_progress():
     from types import SimpleNamespace
 
     from engine.data import FakeSource, TokenStream
-    from engine.train import follow_handoff
+    from engine.session import follow_handoff
     trained, joiner = _inner(), _inner()
     stream = TokenStream(FakeSource(258, 16, 0), 0, 1, seed=0)
     for _ in range(5):

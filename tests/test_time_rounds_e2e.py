@@ -9,12 +9,12 @@ import test_diloco_e2e as e2e
 
 # Test-side slowdown, no hook in the engine: every inner step of this node sleeps `s` seconds more
 SLOW = """import sys, time
-import engine.train as t
-_step = t.train_step
+import engine.session as session, engine.train as t
+_step = session.train_step
 def _slow(*a, **k):
     time.sleep({s})
     return _step(*a, **k)
-t.train_step = _slow
+session.train_step = _slow
 sys.argv = ["engine.train"] + sys.argv[1:]
 t.cli()
 """
