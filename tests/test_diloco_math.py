@@ -88,11 +88,11 @@ def test_int8_codec_roundtrip_bound_and_constant_chunks():
 
 # ------------------------------------------------------------------------------------------ fakes
 
-def make_plan(generation, outer_step, attempt, members, joiners=(), source=None, leaving=()):
+def make_plan(generation, outer_step, attempt, members, joiners=(), source=None, leaving=(), forming=False):
     """A real mesh Plan; every member that is not a joiner contributes."""
     return Plan(generation=generation, outer_step=outer_step, attempt=attempt, members=tuple(sorted(members)),
                 joiners=tuple(joiners), source=source, leaving=tuple(leaving),
-                contributors=tuple(m for m in sorted(members) if m not in joiners))
+                contributors=tuple(m for m in sorted(members) if m not in joiners), forming=forming)
 
 
 class FakeMesh:
@@ -117,6 +117,9 @@ class FakeMesh:
     def commit(self, plan, succeeded: bool) -> bool:
         self.votes.append(succeeded)
         return self.decisions.pop(0) and succeeded
+
+    def dead_members(self, plan) -> list[str]:
+        return []
 
     def leave(self, reason: str) -> None:
         self.left = reason
@@ -294,14 +297,16 @@ def _handoff_checks(store, rank: int) -> dict:
             "sent": [x for r in recording for x in r.sent]}
 
 
-def _first_step_checks(store, rank: int, c_seed: int, prefix: str) -> dict:
-    """A run's first outer step, three members and no joiner; c starts from weights of seed c_seed (a and b from
-    seed 0): the hand-off moves the state only where some member's differs from the source's."""
+def _first_step_checks(store, rank: int, c_seed: int, prefix: str, forming: bool = True) -> dict:
+    """A run's first outer step (plan.forming), three members and no joiner; c starts from weights of seed c_seed
+    (a and b from seed 0): the hand-off moves the state only where some member's differs from the source's. Each
+    member counts its own tokens, as with time rounds. forming=False: the same outer step as a later one of the
+    run, as processes that never committed one (a node restarted after a store restart) see it."""
     node = "abc"[rank]
     recording: list = []
     events: list = []
     inner = TinyInner(c_seed if node == "c" else 0)
-    plan = make_plan(3, 1, 0, ["a", "b", "c"], source="a")
+    plan = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=forming)
     outer = make_outer(inner, FakeMesh([plan], [True]), node=node, inner_steps=1, compression="none",
                        outer_lr=0.7, outer_momentum=0.9, events=events,
                        group_factory=lambda p, n, r: recording.append(_Recording(
@@ -309,7 +314,7 @@ def _first_step_checks(store, rank: int, c_seed: int, prefix: str) -> dict:
     progress = Progress()
     outer.start(progress)
     inner.train_step(20 + rank)
-    progress.step = 1
+    progress.step, progress.tokens = 1, 1000 * (rank + 1)
     outer.after_inner_step(progress)
     return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
             "sent": [x for r in recording for x in r.sent],
@@ -332,9 +337,11 @@ def _group_worker(rank: int, port: int, queue) -> None:
                   "handoff": _handoff_checks(store, rank),
                   "same_start": _first_step_checks(store, rank, 0, "gen3/"),
                   "other_start": _first_step_checks(store, rank, 99, "gen4/"),
+                  "not_forming": _first_step_checks(store, rank, 99, "gen5/", forming=False),
                   "chain": _chain_checks(_group(store, rank, SIZE, "chain/"), rank)}
         # a peer that dies mid-collective: the others get the backend's error at once, not a hang
         pg = _group(store, rank, SIZE, "death/")
+        chained = _group(store, rank, SIZE, "chain-death/")  # 0 -> 1 -> 2, and 2 dies before a piece arrives
         if rank == 2:
             queue.put((rank, pickle.dumps(result)))
             queue.close()
@@ -343,6 +350,10 @@ def _group_worker(rank: int, port: int, queue) -> None:
             os._exit(0)
         import time
         time.sleep(0.3)
+        state = [torch.arange(1000, dtype=torch.float32) * (rank == 0)]
+        t0 = time.monotonic()
+        delivered = handoff.chain(chained, [0, 1, 2], state, piece_bytes=64, window=3)
+        result["chain_death"] = (state[0], delivered, time.monotonic() - t0)
         t0 = time.monotonic()
         try:
             compression.weighted_mean(torch.ones(100), 1.0, pg, "int8")
@@ -429,11 +440,22 @@ def test_the_hand_off_is_a_chain_that_moves_the_state_once_per_link(group_result
 
 
 def test_a_runs_first_step_moves_no_state_when_every_member_already_holds_the_sources(group_results):
+    """Every member from one seed, each counting its own tokens (as with time rounds): nothing moves. Defect: the
+    fingerprints took the inner steps and tokens too, so a time-rounds run moved its whole state at every start."""
     same = [group_results[r]["same_start"] for r in range(SIZE)]
     assert all(s["sent"] == [] for s in same), [s["sent"] for s in same]
     assert all(torch.equal(same[0]["params"], s["params"]) and torch.equal(same[0]["momentum"], s["momentum"])
                for s in same)
     assert not any(s["warnings"] for s in same)
+
+
+def test_only_a_forming_plan_aligns_the_members_state(group_results):
+    """Defect: whether a member aligned on the source's state was its own count of committed rounds, so a process
+    restarted under a store restart (none committed) ran the fingerprint all_gather alone while its peers went on.
+    It is the plan's (plan.forming): a plan that is not forming moves nothing, even where c's weights differ."""
+    results = [group_results[r]["not_forming"] for r in range(SIZE)]
+    assert all(r["sent"] == [] for r in results), [r["sent"] for r in results]
+    assert not torch.equal(results[0]["params"], results[2]["params"])
 
 
 def test_a_runs_first_step_moves_the_sources_state_to_members_that_started_elsewhere(group_results):
@@ -452,6 +474,123 @@ def test_the_chain_delivers_every_piece_through_a_sliding_window(group_results):
     for r in range(SIZE):
         got = group_results[r]["chain"]
         assert torch.equal(got[0], torch.arange(1000, dtype=torch.float32)) and got[1].tolist() == [7, 8, 9], r
+
+
+class _BrokenChain:
+    """A plan's group whose fingerprint all_gather answers with the given rows and whose chain breaks (a peer died
+    mid-transfer)."""
+
+    def __init__(self, rows, rank):
+        self.rows, self._rank = rows, rank
+
+    def rank(self):
+        return self._rank
+
+    def allgather(self, outputs, inputs):
+        for out, row in zip(outputs[0], self.rows):
+            out.copy_(torch.tensor(row))
+        return SimpleNamespace(wait=lambda: None)
+
+    def send(self, *args):
+        raise RuntimeError("Connection closed by peer")
+
+    recv = send
+
+
+def _failed_handoff(plan, rows, node="b"):
+    """StateHandoff.send on member `node` whose chain breaks; returns (the step-outs it asked for, its warnings)."""
+    stepped, warnings = [], []
+    mesh = SimpleNamespace(step_out=lambda p, why: stepped.append(why))
+    links = SimpleNamespace(node_id=node, local=SimpleNamespace(size=1), mesh=mesh, dead=lambda p: [],
+                            group=lambda p: _BrokenChain(rows, p.rank_of(node)), bounded=lambda p, what, fn, **kw: fn())
+    opt = OuterOptimizer("nesterov", 0.7, 0.9)
+    opt.momentum = torch.zeros(4)
+    bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"))
+    emit = lambda kind, message: warnings.append(message)  # noqa: E731
+    handoff.StateHandoff(bufs, opt, links, emit).send(plan, Progress(), torch.ones(4), lambda *a: None,
+                                                        into_mean=False)
+    return stepped, warnings
+
+
+def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_to_join_again():
+    """Defect: when the state transfer of a run's first outer step failed, a member whose weights differed from the
+    source's kept its own, and the members trained on from different weights for the rest of the run. It steps
+    out now, and its next boundary admits it as a joiner, which hands it the state. A member that held the
+    source's already, and any member of a later join (its weights are the run's), carry on."""
+    forming = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=True)
+    stepped, warnings = _failed_handoff(forming, [[1, 2], [5, 6], [1, 2]])  # b's weights differ from a's
+    assert len(stepped) == 1 and "joins again to receive them" in stepped[0], stepped
+    assert any("failed: Connection closed by peer" in w for w in warnings), warnings
+    assert _failed_handoff(forming, [[1, 2], [1, 2], [5, 6]])[0] == []  # b holds a's state; c differs
+    join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
+    assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
+
+
+def test_a_node_whose_next_in_the_chain_died_keeps_the_state_it_received(group_results):
+    """Defect: a death anywhere in the chain failed every node's hand-off, a joiner's too, though the state had
+    reached it. Rank 2 dies before any piece comes: rank 1 still receives every piece from 0 and says it could
+    not forward them; rank 0 delivered all of its own."""
+    (got1, delivered1, seconds), (got0, delivered0, _) = (group_results[r]["chain_death"] for r in (1, 0))
+    assert torch.equal(got1, torch.arange(1000, dtype=torch.float32)) and not delivered1 and seconds < 10
+    assert delivered0
+
+
+def test_a_hand_off_rank_gives_up_on_a_death_upstream_only():
+    """bounded(watch=...): the chain's ranks give up when a node before them dies (the state cannot come), not on
+    a death after them (their part is done, or their forwarding ends on its own: above)."""
+    import threading
+    from engine.outer.groups import MeshLinks, PeerLost
+    links = MeshLinks(DilocoConfig(enabled=True), MeshConfig(node_id="b", polling_interval=0.01),
+                      SimpleNamespace(size=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    links.store = object()
+    links.mesh = SimpleNamespace(dead_members=lambda p: ["d"], store=SimpleNamespace(), link_slow=lambda: False)
+    plan = make_plan(2, 5, 0, ["a", "b", "c", "d"], source="a")
+    done = threading.Event()
+    threading.Timer(0.3, done.set).start()
+    assert links.bounded(plan, "state hand-off", lambda: done.wait(10) and "arrived", until_decided=False,
+                         watch=["a"]) == "arrived"
+    with pytest.raises(PeerLost, match="d stopped beating"):
+        links.bounded(plan, "state hand-off", lambda: threading.Event().wait(10), until_decided=False,
+                      watch=["a", "d"])
+
+
+class _FrozenNext:
+    """Rank 1 of a chain 0 -> 1 -> 2 whose receives land at once (the pieces of `source`) and whose sends to rank 2
+    never complete (a frozen peer) unless `alive`."""
+
+    def __init__(self, source: list[torch.Tensor], alive: bool):
+        self.source = handoff.pieces(source, 16)
+        self.alive, self.released = alive, __import__("threading").Event()
+        self.sent = 0
+
+    def rank(self):
+        return 1
+
+    def recv(self, tensors, src, tag):
+        tensors[0].copy_(self.source[tag - handoff.TAG])
+        return SimpleNamespace(wait=lambda: None)
+
+    def send(self, tensors, dst, tag):
+        self.sent += 1
+        return SimpleNamespace(wait=(lambda: None) if self.alive else (lambda: self.released.wait(30)))
+
+
+def test_a_frozen_next_node_ends_the_forwarding_not_the_receiving():
+    """A next node that freezes holds its sends until gloo's timeout (minutes): once the heartbeat says it is dead
+    (downstream_lost), the chain returns with every piece received. Alive, every piece goes on."""
+    import time
+    source = [torch.arange(100, dtype=torch.float32), torch.tensor([4, 5, 6])]
+    for alive in (True, False):
+        pg, asked = _FrozenNext(source, alive), []
+        got = [torch.zeros(100), torch.zeros(3, dtype=torch.int64)]
+        t0 = time.monotonic()
+        lost = (lambda: False) if alive else (lambda: asked.append(1) or len(asked) > 3)  # noqa: E731
+        delivered = handoff.chain(pg, [0, 1, 2], got, piece_bytes=16, window=4, downstream_lost=lost, poll_s=0.01)
+        sent, seconds = pg.sent, time.monotonic() - t0
+        pg.released.set()  # the forwarding thread's frozen wait ends (gloo's timeout would)
+        assert torch.equal(got[0], source[0]) and torch.equal(got[1], source[1]), alive
+        assert delivered == alive and seconds < 5
+        assert sent == (len(handoff.pieces(source, 16)) if alive else 4)  # frozen: the window filled, then stop
 
 
 def test_the_chain_cuts_the_state_into_pieces_of_at_most_piece_bytes():

@@ -122,6 +122,25 @@ def test_plan_waits_for_every_live_member_then_drops_the_dead():
     assert straggled.members == ("a", "b")
 
 
+def test_a_formation_plan_is_forming_until_an_attempt_of_it_commits():
+    """plan.forming tells every member of a (re)formed run's first outer step to align its state on the source's
+    after the commit (engine/outer/handoff.py): the formation's plan, its retries after an abort, and never a
+    plan after a commit. It travels in the plan's JSON."""
+    arrived = {"a": Arrival(outer_step=4), "b": Arrival(outer_step=4)}
+    formed = compute_plan(BoundaryView(epoch=0, outer_step=4, attempt=0, prev=None, prev_committed=False,
+                                       arrived=arrived, min_nodes=2))
+    assert formed.forming and formed.members == ("a", "b")
+    retry = compute_plan(BoundaryView(epoch=0, outer_step=4, attempt=1, prev=formed, prev_committed=False,
+                                      arrived=arrived))
+    assert retry.forming and retry.attempt == 1
+    after = compute_plan(BoundaryView(epoch=0, outer_step=5, attempt=0, prev=retry, prev_committed=True,
+                                      arrived=arrived))
+    assert not after.forming
+    assert not compute_plan(BoundaryView(epoch=0, outer_step=5, attempt=1, prev=after, prev_committed=False,
+                                         arrived=arrived)).forming
+    assert Plan.from_json(formed.to_json()) == formed and Plan.from_json(after.to_json()) == after
+
+
 def test_plan_keeps_generation_when_membership_is_unchanged_and_bumps_it_on_retry():
     prev = _prev(["a", "b"])
     arrived = {"a": Arrival(), "b": Arrival(contributing=False)}
@@ -873,7 +892,9 @@ def test_store_restarted_empty_mid_commit_the_nodes_reform_with_their_state_and_
         sim.nodes["b"].commit(plan, True)
     again = _run_committed(sim, 1, ["a", "b"])  # a formation in the new store, same outer step
     assert again.members == ("a", "b") and again.epoch == 0 and again.generation == 1
-    assert _run_committed(sim, 2, ["a", "b"]).members == ("a", "b")
+    assert again.forming  # every member aligns on the source's state: a restarted one may hold other weights
+    later = _run_committed(sim, 2, ["a", "b"])
+    assert later.members == ("a", "b") and not later.forming
 
 
 def test_formation_takes_nodes_whose_checkpoints_are_one_outer_step_apart():

@@ -79,6 +79,9 @@ class Plan:
     the mean divides by len(contributors). epoch: the run's life (see Keys); generation names the group.
     deadline: with time rounds (diloco.round = "time"), when the round after this outer step ends, in the
     planner's wall-clock seconds: every member, and a joiner this plan admits, ends that round then.
+    forming: the first outer step of a (re)formed run, until an attempt of it commits. Its members may come from
+    checkpoints (or a store restart) that left them on different weights: after the commit every member aligns its
+    state on the source's (engine/outer/handoff.py). Read from the plan, so every member agrees on it.
     """
 
     generation: int
@@ -91,6 +94,7 @@ class Plan:
     contributors: tuple[str, ...] = ()
     epoch: int = 0
     deadline: float | None = None
+    forming: bool = False
 
     @property
     def size(self) -> int:
@@ -106,7 +110,8 @@ class Plan:
         return json.dumps({"generation": self.generation, "outer_step": self.outer_step, "attempt": self.attempt,
                            "members": list(self.members), "joiners": list(self.joiners), "source": self.source,
                            "leaving": list(self.leaving), "contributors": list(self.contributors),
-                           "epoch": self.epoch, "deadline": self.deadline}, separators=(",", ":"))
+                           "epoch": self.epoch, "deadline": self.deadline, "forming": self.forming},
+                          separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Plan":
@@ -114,7 +119,7 @@ class Plan:
         return cls(generation=d["generation"], outer_step=d["outer_step"], attempt=d["attempt"],
                    members=tuple(d["members"]), joiners=tuple(d["joiners"]), source=d["source"],
                    leaving=tuple(d["leaving"]), contributors=tuple(d.get("contributors", ())),
-                   epoch=d.get("epoch", 0), deadline=d.get("deadline"))
+                   epoch=d.get("epoch", 0), deadline=d.get("deadline"), forming=d.get("forming", False))
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,7 @@ def compute_plan(v: BoundaryView) -> Plan | None:
         core -= behind
         joiners |= behind
         generation = v.base_generation + 1
+        forming = True
     else:
         prev = v.prev
         if v.prev_committed:
@@ -320,6 +326,7 @@ def compute_plan(v: BoundaryView) -> Plan | None:
         changed = (members_now != prev.members or v.attempt > 0 or not v.prev_committed
                    or prev.outer_step >= v.outer_step)
         generation = prev.generation + (1 if changed else 0)
+        forming = prev.forming and not v.prev_committed  # a formation's aborted attempt: the retry still forms
     members = tuple(sorted(core | joiners))
     leaving = tuple(sorted(n for n in core if v.arrived[n].draining))
     contributors = tuple(sorted(n for n in core if n not in joiners and v.arrived[n].contributing))
@@ -328,7 +335,7 @@ def compute_plan(v: BoundaryView) -> Plan | None:
     source = (staying or holders or [None])[0]
     return Plan(generation=generation, outer_step=outer_step, attempt=v.attempt, members=members,
                 joiners=tuple(sorted(joiners)), source=source, leaving=leaving, contributors=contributors,
-                epoch=v.epoch)
+                epoch=v.epoch, forming=forming)
 
 
 def decide(members: Iterable[str], posted: Mapping[str, bool], dead: Iterable[str]) -> str | None:

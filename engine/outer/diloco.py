@@ -94,10 +94,6 @@ class DilocoOuter:
         self._discard = False  # this round's pseudo-gradient is not finite: not counted, the run's weights adopted
         self._left = False
         self._started = False  # mesh.start() succeeded: only then may close() say goodbye under this id
-        # committed rounds in this process. Every non-joiner member of a run's first plan (its formation, or a
-        # re-formation after all nodes stopped) has none, so they all agree to align their state on the source's:
-        # nodes resumed from checkpoints of different ages then start from one set of weights.
-        self._rounds = 0
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
         self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
         # an outer step in a background thread (overlap.py, fragments.py with fragment_delay): the thread, what it
@@ -325,10 +321,9 @@ class DilocoOuter:
             if self._discard or self.node_id in left_out:
                 self._after_discarded_round()
             progress.outer_step = plan.outer_step
-            if plan.joiners or (self._rounds == 0 and plan.size > 1):
+            if plan.joiners or (plan.forming and plan.size > 1):
                 with self.watch.phase("handoff"):
                     self.handoff.send(plan, progress, self._agreed(), self._adopt, into_mean=self._mean_is_free())
-        self._rounds += 1
         if stats is not None:
             self.links.recent_wire.append(stats.wire_s + stats.codec_s)
         # whose pseudo-gradient entered the mean, with the weights the reduce really used (off the wire)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch.distributed as dist
 
@@ -177,9 +177,11 @@ class MeshLinks:
 
     # ---- bounded collectives ----------------------------------------------------------------------------------
 
-    def bounded(self, plan: Any, what: str, fn: Callable[[], Any], *, until_decided: bool = True) -> Any:
+    def bounded(self, plan: Any, what: str, fn: Callable[[], Any], *, until_decided: bool = True,
+                watch: Collection[str] | None = None) -> Any:
         """A collective or rendezvous that a frozen, partitioned or dead peer cannot hold up for longer than the
-        heartbeat timeout (plus a poll): given up when local rank 0's heartbeat sees a member dead, or when
+        heartbeat timeout (plus a poll): given up when local rank 0's heartbeat sees a member dead (of `watch`
+        only, when given: the hand-off's chain, where a death downstream leaves this rank's part intact), or when
         the attempt was decided without this rank (read from the store by every rank; until_decided=False for
         the hand-off, which runs after the decision), or on a stop."""
         if self.store is None:
@@ -200,7 +202,7 @@ class MeshLinks:
                 if reason:
                     raise Stopped(reason, what)
             if self.mesh is not None:
-                dead = self.mesh.dead_members(plan)
+                dead = [m for m in self.mesh.dead_members(plan) if watch is None or m in watch]
                 if dead:
                     return f"{what}: {', '.join(dead)} stopped beating (mesh.heartbeat_timeout)"
             if not until_decided:
@@ -223,6 +225,10 @@ class MeshLinks:
             if stepped_out:
                 self.mesh.step_out(plan, stepped_out[0])
             raise
+
+    def dead(self, plan: Any) -> list[str]:
+        """Members of the plan local rank 0's heartbeat sees dead now (none on the other local ranks)."""
+        return self.mesh.dead_members(plan) if self.mesh is not None else []
 
     def _watch_store(self) -> Any:
         """The store client the watcher of a bounded collective reads the decision with: a clone of this rank's own

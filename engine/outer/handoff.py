@@ -7,26 +7,32 @@ received with its own state, a free check that the members agree, and adopts the
 If the hand-off fails the commit stands: a joiner that missed its state fails and is dropped at the next boundary.
 Gloo moves host tensors only, so on a GPU these are host copies (a hand-off is rare).
 
-At a run's first outer step (no joiners) the members first compare fingerprints of what the hand-off would move
-(parameters, outer momentum, counters: one small all_gather). Where every member already holds the source's state,
-as in every fresh run started from one seed, nothing moves: a 1B model's 4 GB would have taken 160 s at 200 Mbit/s.
-Members resumed from checkpoints of different ages differ, and the source's state moves to all of them.
+At a run's first outer step (plan.forming, no joiners) the members first compare fingerprints of what the
+hand-off would move (parameters and outer momentum: one small all_gather). Where every member already holds the
+source's state, as in every fresh run started from one seed, nothing moves: a 1B model's 4 GB would have taken
+160 s at 200 Mbit/s. Members that hold other weights (resumed from other checkpoints, a node restarted under a
+store restart) differ, and the source's state moves to all of them. A member that differs and did not get it (the
+transfer failed) steps out and joins again, which hands it the state.
 
-The broadcast is a chain: the source, then the joiners, then the other members, in plan order, each forwarding a piece
-(PIECE_BYTES) to the next as soon as it has it. Every uplink carries the state once, so the hand-off takes the
-state's bytes over one link plus a piece per extra hop, whatever the number of members. gloo's broadcast sent the
-whole state from the source to each member in turn: with 4 hosts its uplink carried it 3 times (1.6-2.0x the link
-bound at 200 Mbit/s, docs/performance.md).
+The broadcast is a chain: the source, then the joiners, then the other members, in plan order, each forwarding a
+piece (PIECE_BYTES) to the next as soon as it has it. Every uplink carries the state once, so the hand-off takes
+the state's bytes over one link plus a piece per extra hop, whatever the number of members. gloo's broadcast sent
+the whole state from the source to each member in turn: with 4 hosts its uplink carried it 3 times (1.6-2.0x the
+link bound at 200 Mbit/s, docs/performance.md). A node gives up only on a death before it in the chain; a next
+node that dies or freezes ends its forwarding, not its receiving.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from engine.mesh.protocol import MeshError
 from engine.outer.buffers import OuterBuffers, fingerprint
 from engine.outer.groups import GROUP_ERRORS, MeshLinks
 from engine.outer.optimizer import OuterOptimizer
@@ -48,14 +54,22 @@ class StateHandoff:
         """A member's side: the source sends `agreed` (its weights of this outer step); the others check theirs
         (into_mean: receive the parameters straight into the free mean buffer, where it is on the host)."""
         source = self.links.node_id == plan.source
+        holds = source  # this member is known to hold the source's state
         try:
-            if not plan.joiners and self._everyone_holds_the_sources(plan, progress, agreed):
-                return
+            if not plan.joiners:  # a (re)formed run's first outer step: fingerprints first
+                rows = self._fingerprints(plan, agreed)
+                theirs = rows[plan.rank_of(plan.source)]
+                if bool((rows == theirs).all()):
+                    return
+                holds = holds or bool((rows[plan.rank_of(self.links.node_id)] == theirs).all())
             tensors = self._tensors(progress, agreed, source=source, into_mean=into_mean)
             self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
             # already committed here: a joiner that missed its state fails on its side and is dropped later
-            self.emit("warning", message=f"state hand-off to {list(plan.joiners)} failed: {first_line(e, 200)}")
+            self.emit("warning", message=f"state hand-off to {list(plan.joiners) or 'the members'} failed: "
+                                         f"{first_line(e, 200)}")
+            if plan.forming and not holds:
+                self._step_out(plan, e)
             return
         if not source and not torch.equal(tensors[0], agreed.cpu()):
             self.emit("warning", message=f"outer step {plan.outer_step}: parameters differed from source "
@@ -72,18 +86,29 @@ class StateHandoff:
         adopt(tensors[0], tensors)
         progress.step, progress.outer_step, progress.tokens = (int(c) for c in tensors[-1].tolist())
 
-    def _everyone_holds_the_sources(self, plan: Any, progress: Progress, agreed: torch.Tensor) -> bool:
-        """Whether every member's parameters, outer momentum and counters are the source's (fingerprints, one
-        small all_gather; the same answer on every member)."""
+    def _fingerprints(self, plan: Any, agreed: torch.Tensor) -> torch.Tensor:
+        """Every member's row of fingerprints of its parameters and outer momentum (one small all_gather; the same
+        rows on every member). Not its counters: every member is at the plan's outer step, and with time rounds
+        each node counts its own inner steps and tokens (a member keeps its own whatever it receives)."""
         pg = self.links.group(plan)
         assert pg is not None, "a hand-off has more than one member"
         mom = self.opt.momentum if self.opt.keeps_momentum else None
-        mine = torch.tensor([int(fingerprint(agreed), 16), int(fingerprint(mom), 16) if mom is not None else -1,
-                             progress.step, progress.outer_step, progress.tokens], dtype=torch.int64)
+        mine = torch.tensor([int(fingerprint(agreed), 16), int(fingerprint(mom), 16) if mom is not None else -1],
+                            dtype=torch.int64)
         rows = torch.empty(plan.size, mine.numel(), dtype=torch.int64)
         self.links.bounded(plan, "state check", lambda: pg.allgather([[rows[i] for i in range(plan.size)]],
                                                                      [mine]).wait(), until_decided=False)
-        return bool((rows == rows[plan.rank_of(plan.source)]).all())
+        return rows
+
+    def _step_out(self, plan: Any, err: BaseException) -> None:
+        """A member of a run's first outer step that may not hold the source's weights and did not receive them
+        must not train on from its own: it steps out, and at its next boundary it asks to join again, which
+        hands it the state. (A node of several local ranks fails instead: its ranks would have to agree first.)"""
+        why = (f"the state hand-off of the run's first outer step failed ({first_line(err, 200)}) and this "
+               f"node's weights may differ from source {plan.source}'s: it joins again to receive them")
+        if self.links.local.size > 1 or self.links.mesh is None:
+            raise MeshError(f"outer step {plan.outer_step}: {why}")
+        self.links.mesh.step_out(plan, why)
 
     def _tensors(self, progress: Progress, agreed: torch.Tensor | None, *, source: bool,
                  into_mean: bool) -> list[torch.Tensor]:
@@ -105,11 +130,21 @@ class StateHandoff:
     def _broadcast(self, plan: Any, tensors: list[torch.Tensor]) -> None:
         pg = self.links.group(plan)
         assert pg is not None, "a plan with joiners has more than one member"
-        # the joiners first: a member that dies mid-chain then cuts off only members after it, which hold the
-        # state already (their part is a check), never a joiner that needs it
+        # the joiners first: a member that dies mid-chain cuts off only the nodes after it (whose part is a check
+        # of a state they already hold), never a joiner that needs it. This rank gives up on a death upstream
+        # only; a next node that dies or freezes ends its forwarding, not its receiving
         rest = [m for m in plan.members if m != plan.source]
-        order = [plan.rank_of(m) for m in [plan.source] + sorted(rest, key=lambda m: m not in plan.joiners)]
-        self.links.bounded(plan, "state hand-off", lambda: chain(pg, order, tensors), until_decided=False)
+        ids = [plan.source] + sorted(rest, key=lambda m: m not in plan.joiners)
+        at = ids.index(self.links.node_id)
+        after = ids[at + 1] if at + 1 < len(ids) else None
+        delivered = self.links.bounded(
+            plan, "state hand-off", lambda: chain(pg, [plan.rank_of(m) for m in ids], tensors,
+                                                  downstream_lost=lambda: after in self.links.dead(plan)),
+            until_decided=False, watch=ids[:at])
+        if not delivered:
+            self.emit("warning", message=f"state hand-off: {after} stopped taking the state from "
+                                         f"{self.links.node_id}; the nodes after it in the chain "
+                                         f"({', '.join(ids[at + 1:])}) did not get it")
 
 
 def pieces(tensors: list[torch.Tensor], piece_bytes: int = PIECE_BYTES) -> list[torch.Tensor]:
@@ -122,30 +157,75 @@ def pieces(tensors: list[torch.Tensor], piece_bytes: int = PIECE_BYTES) -> list[
 
 
 def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor], *, piece_bytes: int = PIECE_BYTES,
-          window: int = WINDOW) -> None:
+          window: int = WINDOW, downstream_lost: Callable[[], bool] = lambda: False,
+          poll_s: float = 0.01) -> bool:
     """A pipelined broadcast from order[0] down the chain of group ranks `order`: every rank but the first
     receives each piece from the rank before it and sends it on to the rank after it at once. At most `window`
     receives are posted ahead and `window` sends are in flight, so a model of any size holds a bounded number of
-    messages (a piece lands whenever it comes within the window)."""
+    messages (a piece lands whenever it comes within the window).
+
+    Returns whether every piece went on to the next rank (True on the last). The sends run on a thread of their
+    own (_Forward): a next rank that dies (its sends fail) or that downstream_lost() says is gone (a frozen one
+    would hold its sends until gloo's timeout) ends this rank's forwarding, never its receiving. A failed
+    receive raises: the state did not arrive."""
     at = order.index(pg.rank())
     before = order[at - 1] if at > 0 else None
     after = order[at + 1] if at + 1 < len(order) else None
     parts = pieces(tensors, piece_bytes)
+    forward = _Forward(pg, after, window) if after is not None else None
     arrivals: deque = deque()
-    sends: deque = deque()
 
     def post(i: int) -> None:
         if before is not None and i < len(parts):
             arrivals.append(pg.recv([parts[i]], before, TAG + i))
-    for i in range(window):
-        post(i)
-    for i, p in enumerate(parts):
-        if before is not None:
-            arrivals.popleft().wait()
-            post(i + window)
-        if after is not None:
-            if len(sends) >= window:
-                sends.popleft().wait()
-            sends.append(pg.send([p], after, TAG + i))
-    for work in sends:
-        work.wait()
+    try:
+        for i in range(window):
+            post(i)
+        for i, p in enumerate(parts):
+            if before is not None:
+                arrivals.popleft().wait()
+                post(i + window)
+            if forward is not None:
+                forward.put((i, p))
+    except BaseException:
+        if forward is not None:
+            forward.put(None)  # its thread ends once the sends it made are done (or fail)
+        raise
+    return forward is None or forward.finish(downstream_lost, poll_s)
+
+
+class _Forward:
+    """The sends of one hop of the chain, on a thread of their own, at most `window` in flight: a next rank that
+    stalls holds up only them."""
+
+    def __init__(self, pg: dist.ProcessGroup, to: int, window: int):
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(pg, to, window), name="diloco-handoff-forward",
+                                        daemon=True)
+        self._thread.start()
+
+    def put(self, item: tuple[int, torch.Tensor] | None) -> None:
+        self._queue.put(item)
+
+    def _run(self, pg: dist.ProcessGroup, to: int, window: int) -> None:
+        sends: deque = deque()
+        try:
+            while (item := self._queue.get()) is not None:
+                i, piece = item
+                if len(sends) >= window:
+                    sends.popleft().wait()
+                sends.append(pg.send([piece], to, TAG + i))
+            for work in sends:
+                work.wait()
+        except GROUP_ERRORS as e:  # the next rank died: what it would have forwarded is lost downstream
+            self.error = e
+
+    def finish(self, lost: Callable[[], bool], poll_s: float) -> bool:
+        """Wait for every send, or until lost() says the next rank is gone; True when every piece went."""
+        self._queue.put(None)
+        while self._thread.is_alive():
+            if lost():
+                return False  # the thread stays blocked in gloo until its timeout; nothing waits for it
+            self._thread.join(poll_s)
+        return self.error is None
