@@ -15,7 +15,8 @@ leaves `latest` naming the previous complete checkpoint; a stale `.tmp` folder i
 Nothing is overwritten and nothing is deleted: a fresh run (no ckpt.resume) that finds an older run's checkpoints
 in ckpt.dir moves that folder to `<its parent>/_archive/<time>/` first (as the console archives a node's folder),
 a save refuses an existing step folder, and export refuses a non-empty export_dir. The move comes last in start-up
-(plan_start() checks, engine.train moves once everything else is built): a bad input leaves the folder as it was.
+(plan_start() checks, engine.session.build moves once everything else is built): a bad input leaves the folder as it
+was.
 """
 
 from __future__ import annotations

@@ -481,12 +481,14 @@ class _BrokenChain:
     mid-transfer)."""
 
     def __init__(self, rows, rank):
-        self.rows, self._rank = rows, rank
+        self.rows, self._rank = rows, rank  # rows None: the check itself fails (a member died meanwhile)
 
     def rank(self):
         return self._rank
 
     def allgather(self, outputs, inputs):
+        if self.rows is None:
+            raise RuntimeError("state check: d stopped beating (mesh.heartbeat_timeout)")
         for out, row in zip(outputs[0], self.rows):
             out.copy_(torch.tensor(row))
         return SimpleNamespace(wait=lambda: None)
@@ -500,7 +502,7 @@ class _BrokenChain:
 def _failed_handoff(plan, rows, node="b"):
     """StateHandoff.send on member `node` whose chain breaks; returns (the step-outs it asked for, its warnings)."""
     stepped, warnings = [], []
-    mesh = SimpleNamespace(step_out=lambda p, why: stepped.append(why))
+    mesh = SimpleNamespace(step_out=lambda p, why, cause: stepped.append(f"{why} [{cause}]"))
     links = SimpleNamespace(node_id=node, local=SimpleNamespace(size=1), mesh=mesh, dead=lambda p: [],
                             group=lambda p: _BrokenChain(rows, p.rank_of(node)), bounded=lambda p, what, fn, **kw: fn())
     opt = OuterOptimizer("nesterov", 0.7, 0.9)
@@ -519,9 +521,10 @@ def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_t
     source's already, and any member of a later join (its weights are the run's), carry on."""
     forming = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=True)
     stepped, warnings = _failed_handoff(forming, [[1, 2], [5, 6], [1, 2]])  # b's weights differ from a's
-    assert len(stepped) == 1 and "joins again to receive them" in stepped[0], stepped
+    assert len(stepped) == 1 and "joins again to receive them [its weights differ from the run's]" in stepped[0]
     assert any("failed: Connection closed by peer" in w for w in warnings), warnings
     assert _failed_handoff(forming, [[1, 2], [1, 2], [5, 6]])[0] == []  # b holds a's state; c differs
+    assert _failed_handoff(forming, None)[0] == []  # the check failed: nothing says b differs
     join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
     assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
 
@@ -552,14 +555,20 @@ def test_a_hand_off_rank_gives_up_on_a_death_upstream_only():
     with pytest.raises(PeerLost, match="d stopped beating"):
         links.bounded(plan, "state hand-off", lambda: threading.Event().wait(10), until_decided=False,
                       watch=["a", "d"])
+    # the chain empties the list once every piece landed (received=watch.clear): a death before it no longer counts
+    links.mesh_cfg = MeshConfig(node_id="b", polling_interval=0.2)
+    watch, done = ["d"], threading.Event()
+    threading.Timer(0.6, done.set).start()
+    assert links.bounded(plan, "state hand-off", lambda: watch.clear() or (done.wait(10) and "kept"),
+                         until_decided=False, watch=watch) == "kept"
 
 
 class _FrozenNext:
     """Rank 1 of a chain 0 -> 1 -> 2 whose receives land at once (the pieces of `source`) and whose sends to rank 2
     never complete (a frozen peer) unless `alive`."""
 
-    def __init__(self, source: list[torch.Tensor], alive: bool):
-        self.source = handoff.pieces(source, 16)
+    def __init__(self, source: list[torch.Tensor], alive: bool, piece_bytes: int = 16):
+        self.source = handoff.pieces(source, piece_bytes)
         self.alive, self.released = alive, __import__("threading").Event()
         self.sent = 0
 
@@ -585,12 +594,38 @@ def test_a_frozen_next_node_ends_the_forwarding_not_the_receiving():
         got = [torch.zeros(100), torch.zeros(3, dtype=torch.int64)]
         t0 = time.monotonic()
         lost = (lambda: False) if alive else (lambda: asked.append(1) or len(asked) > 3)  # noqa: E731
-        delivered = handoff.chain(pg, [0, 1, 2], got, piece_bytes=16, window=4, downstream_lost=lost, poll_s=0.01)
+        landed: list = []
+        delivered = handoff.chain(pg, [0, 1, 2], got, piece_bytes=16, window=4, downstream_lost=lost, poll_s=0.01,
+                                  received=lambda: landed.append(pg.sent))
         sent, seconds = pg.sent, time.monotonic() - t0
         pg.released.set()  # the forwarding thread's frozen wait ends (gloo's timeout would)
         assert torch.equal(got[0], source[0]) and torch.equal(got[1], source[1]), alive
         assert delivered == alive and seconds < 5
         assert sent == (len(handoff.pieces(source, 16)) if alive else 4)  # frozen: the window filled, then stop
+        assert len(landed) == 1  # said once, when every piece had landed
+
+
+def test_a_joiner_stops_watching_the_nodes_before_it_once_its_state_landed():
+    """The joiner b of a chain a -> b -> c gives up on a's death only while pieces are still to come: once they all
+    landed the list it is watched by is empty, and it adopts the state and the counters."""
+    seen, adopted = {}, []
+
+    def bounded(plan, what, fn, until_decided, watch):
+        seen["before"] = list(watch)
+        out = fn()
+        seen["after"] = list(watch)
+        return out
+    state = [torch.ones(4), torch.full((4,), 0.5), torch.tensor([9, 3, 100])]
+    links = SimpleNamespace(node_id="b", local=SimpleNamespace(size=1), mesh=None, dead=lambda p: [],
+                            group=lambda p: _FrozenNext(state, True, handoff.PIECE_BYTES), bounded=bounded)
+    opt = OuterOptimizer("nesterov", 0.7, 0.9)
+    bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"))
+    progress = Progress()
+    handoff.StateHandoff(bufs, opt, links, lambda *a, **k: None).receive(
+        make_plan(5, 3, 0, ["a", "b", "c"], joiners=["b"], source="a"), progress,
+        lambda params, tensors: adopted.append(params.clone()), into_mean=False)
+    assert seen == {"before": ["a"], "after": []}
+    assert torch.equal(adopted[0], state[0]) and (progress.step, progress.outer_step, progress.tokens) == (9, 3, 100)
 
 
 def test_the_chain_cuts_the_state_into_pieces_of_at_most_piece_bytes():

@@ -29,7 +29,7 @@ process with gradient accumulation reads exactly the sequences that two DDP rank
 
 Position: the number of global sequences consumed (`state_dict()["position"]`), saved in checkpoints. It is
 layout-free, so a run can resume with a different number of workers; a joiner is handed the mesh's step and
-reads on from there (engine.train.follow_handoff).
+reads on from there (engine.session.follow_handoff).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ class Mesh:
         self._arrived_at = 0.0
         self._arriving_at = 0.0  # when its last arrival began (before its write): the straggler budget
         self._posted_at = 0.0
-        self._stepped_out = False  # step_out(): the next boundary excludes this node; it re-joins when healthy
+        self._stepped_out: str | None = None  # step_out()'s cause: the next boundary excludes this node; it re-joins
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -134,16 +134,18 @@ class Mesh:
         self._after_decision(plan, decision)
         return decision == COMMIT
 
-    def step_out(self, plan: Plan, why: str) -> None:
+    def step_out(self, plan: Plan, why: str, *, cause: str = "its link is slow") -> None:
         """Leave the plan's attempt because this node's own link is too slow for the run (link_slow while a
-        collective of the attempt is overdue). In state `standby` the planner neither waits for it nor admits it;
-        the abort it writes (the attempt cannot commit without this node's ok anyway) ends its peers' wait at their
-        next poll, and they re-plan without it. Its pseudo-gradient of this round is not counted. Its next
-        boundary raises Excluded; wait_admission asks to join again once the link is healthy."""
-        self._step_out(plan.epoch, plan.outer_step, plan.attempt, why)
+        collective of the attempt is overdue), or because it missed the state it needs (engine/outer/handoff.py).
+        In state `standby` the planner neither waits for it nor admits it; the abort it writes (the attempt cannot
+        commit without this node's ok anyway) ends its peers' wait at their next poll, and they re-plan without it.
+        Its pseudo-gradient of this round is not counted. Its next boundary raises Excluded; wait_admission asks to
+        join again once the link is healthy."""
+        self._step_out(plan.epoch, plan.outer_step, plan.attempt, why, cause)
 
-    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str) -> None:
-        self._stepped_out = True
+    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str,
+                  cause: str = "its link is slow") -> None:
+        self._stepped_out = cause
         try:
             self._set_state("standby")  # first: the re-plan the abort starts must find it out already
             latest = self.planner.latest()[1]
@@ -232,7 +234,7 @@ class Mesh:
             self._step_out(self._m.epoch, outer_step, attempt,
                            f"no plan read within its straggler budget ({budget:.1f}s from its arrival, "
                            f"diloco.straggler_timeout) on a slow link (mesh.slow_tick)")
-            raise Excluded(f"node {self.node_id}: stepped out at {what} (its link is slow): re-join as a joiner")
+            raise Excluded(f"node {self.node_id}: stepped out at {what} ({self._stepped_out}): re-join as a joiner")
         raw, latest = self.planner.latest()
         plan = self._plan_for(latest, outer_step, attempt)
         if plan is None and self._may_plan():
@@ -268,7 +270,7 @@ class Mesh:
         if self._m.reset:  # the store restarted while this node trained: this boundary forms the run anew
             self._m.forget_run()
         if self._stepped_out:
-            raise Excluded(f"node {self.node_id}: stepped out at {what} (its link is slow): re-join as a joiner")
+            raise Excluded(f"node {self.node_id}: stepped out at {what} ({self._stepped_out}): re-join as a joiner")
         self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
         wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
         limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
@@ -310,7 +312,7 @@ class Mesh:
         deadline = self.clock() + self.cfg.join_timeout
         while not self.link_healthy() and self.clock() < deadline:
             self.polling.idle(what)
-        self._stepped_out = False
+        self._stepped_out = None
 
     def _commit(self, plan: Plan, succeeded: bool) -> str:
         what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"

@@ -53,8 +53,9 @@ import torch.distributed as dist
 COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # The collectives an outer step runs, as a version: it is part of the mesh digest, so that engines of versions
 # whose collectives differ are refused at start-up ("config digest differs") instead of deadlocking in a
-# mismatched collective (2: "none" on the host became one all-reduce; 3: the codecs' pieces over send/recv).
-WIRE_PROTOCOL = 3
+# mismatched collective (2: "none" on the host became one all-reduce; 3: the codecs' pieces over send/recv; 4: the
+# hand-off's fingerprint check follows plan.forming, two fingerprints per member).
+WIRE_PROTOCOL = 4
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
 # One message on the wire. A transfer of one large message each way between two hosts moves at about half the

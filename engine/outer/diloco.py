@@ -88,7 +88,7 @@ class DilocoOuter:
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
         self.watch = Stopwatch(self.bufs.device)  # the outer step's seconds, by phase
         self._drain = threading.Event()
-        # polled by every mesh wait and collective (train.Signals.requested): "stopped" / "drained" end the wait
+        # polled by every mesh wait and collective (session.Signals.requested): "stopped" / "drained" end the wait
         self.interrupt: Callable[[], str | None] | None = None
         self._contributing = False  # in a round this node contributes to: a drain waits for its commit
         self._discard = False  # this round's pseudo-gradient is not finite: not counted, the run's weights adopted

@@ -54,21 +54,21 @@ class StateHandoff:
         """A member's side: the source sends `agreed` (its weights of this outer step); the others check theirs
         (into_mean: receive the parameters straight into the free mean buffer, where it is on the host)."""
         source = self.links.node_id == plan.source
-        holds = source  # this member is known to hold the source's state
+        differs = False  # this member's fingerprints were read and are not the source's
         try:
             if not plan.joiners:  # a (re)formed run's first outer step: fingerprints first
                 rows = self._fingerprints(plan, agreed)
                 theirs = rows[plan.rank_of(plan.source)]
                 if bool((rows == theirs).all()):
                     return
-                holds = holds or bool((rows[plan.rank_of(self.links.node_id)] == theirs).all())
+                differs = not bool((rows[plan.rank_of(self.links.node_id)] == theirs).all())
             tensors = self._tensors(progress, agreed, source=source, into_mean=into_mean)
             self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
             # already committed here: a joiner that missed its state fails on its side and is dropped later
             self.emit("warning", message=f"state hand-off to {list(plan.joiners) or 'the members'} failed: "
                                          f"{first_line(e, 200)}")
-            if plan.forming and not holds:
+            if plan.forming and differs:  # not when the check itself failed: then nothing says it differs
                 self._step_out(plan, e)
             return
         if not source and not torch.equal(tensors[0], agreed.cpu()):
@@ -101,14 +101,14 @@ class StateHandoff:
         return rows
 
     def _step_out(self, plan: Any, err: BaseException) -> None:
-        """A member of a run's first outer step that may not hold the source's weights and did not receive them
+        """A member of a run's first outer step whose weights differ from the source's and did not receive them
         must not train on from its own: it steps out, and at its next boundary it asks to join again, which
         hands it the state. (A node of several local ranks fails instead: its ranks would have to agree first.)"""
         why = (f"the state hand-off of the run's first outer step failed ({first_line(err, 200)}) and this "
-               f"node's weights may differ from source {plan.source}'s: it joins again to receive them")
+               f"node's weights differ from source {plan.source}'s: it joins again to receive them")
         if self.links.local.size > 1 or self.links.mesh is None:
             raise MeshError(f"outer step {plan.outer_step}: {why}")
-        self.links.mesh.step_out(plan, why)
+        self.links.mesh.step_out(plan, why, cause="its weights differ from the run's")
 
     def _tensors(self, progress: Progress, agreed: torch.Tensor | None, *, source: bool,
                  into_mean: bool) -> list[torch.Tensor]:
@@ -137,10 +137,12 @@ class StateHandoff:
         ids = [plan.source] + sorted(rest, key=lambda m: m not in plan.joiners)
         at = ids.index(self.links.node_id)
         after = ids[at + 1] if at + 1 < len(ids) else None
+        upstream = ids[:at]  # watched until every piece has landed here; then a death costs this node nothing
         delivered = self.links.bounded(
             plan, "state hand-off", lambda: chain(pg, [plan.rank_of(m) for m in ids], tensors,
-                                                  downstream_lost=lambda: after in self.links.dead(plan)),
-            until_decided=False, watch=ids[:at])
+                                                  downstream_lost=lambda: after in self.links.dead(plan),
+                                                  received=upstream.clear),
+            until_decided=False, watch=upstream)
         if not delivered:
             self.emit("warning", message=f"state hand-off: {after} stopped taking the state from "
                                          f"{self.links.node_id}; the nodes after it in the chain "
@@ -158,7 +160,7 @@ def pieces(tensors: list[torch.Tensor], piece_bytes: int = PIECE_BYTES) -> list[
 
 def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor], *, piece_bytes: int = PIECE_BYTES,
           window: int = WINDOW, downstream_lost: Callable[[], bool] = lambda: False,
-          poll_s: float = 0.01) -> bool:
+          received: Callable[[], None] = lambda: None, poll_s: float = 0.01) -> bool:
     """A pipelined broadcast from order[0] down the chain of group ranks `order`: every rank but the first
     receives each piece from the rank before it and sends it on to the rank after it at once. At most `window`
     receives are posted ahead and `window` sends are in flight, so a model of any size holds a bounded number of
@@ -167,7 +169,7 @@ def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor], 
     Returns whether every piece went on to the next rank (True on the last). The sends run on a thread of their
     own (_Forward): a next rank that dies (its sends fail) or that downstream_lost() says is gone (a frozen one
     would hold its sends until gloo's timeout) ends this rank's forwarding, never its receiving. A failed
-    receive raises: the state did not arrive."""
+    receive raises: the state did not arrive. received() is called once every piece has landed here."""
     at = order.index(pg.rank())
     before = order[at - 1] if at > 0 else None
     after = order[at + 1] if at + 1 < len(order) else None
@@ -191,6 +193,7 @@ def chain(pg: dist.ProcessGroup, order: list[int], tensors: list[torch.Tensor], 
         if forward is not None:
             forward.put(None)  # its thread ends once the sends it made are done (or fail)
         raise
+    received()
     return forward is None or forward.finish(downstream_lost, poll_s)
 
 

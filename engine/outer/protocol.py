@@ -62,7 +62,7 @@ class NoOuter:
     def __init__(self, telemetry=None) -> None:
         self.telemetry = telemetry
         self._drain = False
-        self.interrupt = None  # train.Signals.requested; nothing here waits, so nothing polls it
+        self.interrupt = None  # session.Signals.requested; nothing here waits, so nothing polls it
 
     def start(self, progress: Progress) -> None:
         pass
