@@ -193,8 +193,32 @@ class Sshd:
             self.proc.kill()
         self.proc.wait(timeout=10)
 
+    def left_behind(self) -> list[int]:
+        """The user's processes that outlived their connection in this server's folder (detached ones: the console's
+        engines, store and probe), by working folder or command line."""
+        uid, root, out = pwd.getpwnam(self.user).pw_uid, str(self.root), []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{entry}").st_uid != uid:
+                    continue
+                cwd = os.readlink(f"/proc/{entry}/cwd")
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if cwd.startswith(root) or root in cmd:
+                out.append(int(entry))
+        return out
+
     def close(self) -> None:
+        """Stop the server and end, by PID, whatever the tests started through it and left running."""
         self.stop()
+        for pid in self.left_behind():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Sshd":

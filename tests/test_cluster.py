@@ -65,9 +65,23 @@ stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 ready = {"v": 1, "type": "state", "ts": time.time(), "node": "store", "rank": -1, "state": "ready"}
 print(json.dumps(ready), flush=True)
-while not stop:
+for _ in range(6000):  # gone after 10 minutes whatever happens: a test's stand-in never outlives it for long
+    if stop:
+        break
     time.sleep(0.1)
 '''
+
+
+def write_fake_engine(root: Path) -> None:
+    """Stand-in engine and store (no torch) under root/engine. engine.store is a package, as in the project:
+    `python -m engine.store.probe` (the console starts the store's health probe) then fails to import instead of
+    running the fake store's code a second time (as a module engine/store.py, it did: a second fake store that
+    nobody stopped, left running after the SSH tests)."""
+    (root / "engine" / "store").mkdir(parents=True)
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "train.py").write_text(FAKE_TRAIN)
+    (root / "engine" / "store" / "__init__.py").write_text("")
+    (root / "engine" / "store" / "__main__.py").write_text(FAKE_STORE)
 
 PROFILE = """\
 # a test cluster
@@ -102,14 +116,7 @@ standby = true
 
 @pytest.fixture
 def workdir(tmp_path):
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "__init__.py").write_text("")
-    (tmp_path / "engine" / "train.py").write_text(FAKE_TRAIN)
-    # engine.store is a package, as in the project: `python -m engine.store.probe` (the store's health probe) then
-    # fails to import instead of running the fake store's code a second time
-    (tmp_path / "engine" / "store").mkdir()
-    (tmp_path / "engine" / "store" / "__init__.py").write_text("")
-    (tmp_path / "engine" / "store" / "__main__.py").write_text(FAKE_STORE)
+    write_fake_engine(tmp_path)
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "fake.toml").write_text("[data]\nfake = true\n")
     return tmp_path

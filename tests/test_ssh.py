@@ -66,6 +66,25 @@ async def test_run_commands_as_the_remote_user(sshd):
         await t.close()
 
 
+async def test_closing_the_test_server_ends_what_was_left_running_through_it():
+    """Defect: a stand-in store that the console started as its health probe ran on after the SSH tests, the store it
+    watched long gone. Whatever a test leaves detached through the server (the console's engines, store and probe
+    are) is ended by PID when the server closes."""
+    server = Sshd.start_new()
+    server.trust()
+    try:
+        t = make_transport(server.host_spec("node a"))
+        try:
+            pid = await t.start_detached(["sleep", "300"], "left")
+            assert await t.alive(pid)
+        finally:
+            await t.close()
+        assert server.left_behind() and pid_alive(pid)
+    finally:
+        server.close()
+    assert not pid_alive(pid)
+
+
 async def test_start_detached_tail_and_kill_with_metacharacters(sshd):
     t = make_transport(sshd.host_spec("node 'b' $(x)"))
     try:
@@ -300,13 +319,10 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
     """Stand-in engines (no torch) as the non-root user: start, link outage, re-attach, kill, stop."""
     from console.cluster import Cluster
     from console.fleet import Fleet, NodeState
-    from test_cluster import FAKE_STORE, FAKE_TRAIN
+    from test_cluster import write_fake_engine
 
     work = sshd.home / "work dir"
-    (work / "engine").mkdir(parents=True)
-    (work / "engine" / "__init__.py").write_text("")
-    (work / "engine" / "train.py").write_text(FAKE_TRAIN)
-    (work / "engine" / "store.py").write_text(FAKE_STORE)
+    write_fake_engine(work)
     (work / "fake.toml").write_text("[data]\nfake = true\n")
     run_dir = sshd.home / "runs"
     run_dir.mkdir()
@@ -420,12 +436,10 @@ async def test_cluster_bad_hosts_each_get_a_reason_and_the_good_one_trains(sshd)
     from console.fleet import Fleet, NodeState
     from console.profile import load_profile
     from sshd import keygen
-    from test_cluster import FAKE_STORE, FAKE_TRAIN
+    from test_cluster import write_fake_engine
 
     work = sshd.home / "work"
-    (work / "engine").mkdir(parents=True)
-    for name, text in (("__init__.py", ""), ("train.py", FAKE_TRAIN), ("store.py", FAKE_STORE)):
-        (work / "engine" / name).write_text(text)
+    write_fake_engine(work)
     (work / "fake.toml").write_text("[data]\nfake = true\n")
     run_dir = sshd.home / "runs"
     run_dir.mkdir()
