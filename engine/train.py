@@ -36,6 +36,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
 
 from engine.config import Config, digest, grad_accum_steps, load_config
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     telemetry = make_telemetry(None, world)
+    training: ModuleType | None = None  # engine.session, once the config passed
     session: Session | None = None
     status, code = "failed", 1
     try:
@@ -222,15 +224,15 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
             training.save_before_failing(session)
     finally:
         telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
-        shutdown(session, telemetry, status, clean=code == 0)
+        shutdown(session, telemetry, status, clean=code == 0, training=training)
     return code
 
 
-def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: bool) -> None:
+def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: bool,
+             training: ModuleType | None) -> None:
     """Close the outer loop, report, then tear down in the order that avoids gloo's exit-time abort: drop
     model/optimizer references, collect, barrier, destroy the process group (none before the session's imports)."""
     step = session.progress.step if session else 0
-    training = sys.modules.get("engine.session")  # imported once the config passed; not for a bad command line
     if session is not None:
         training.close(session, status)
     telemetry.emit("state", state="left")
