@@ -34,6 +34,8 @@ from engine.mesh.registration import Registration
 
 __all__ = ["KEEP_STEPS", "Mesh"]
 
+SLOW_LINK = "its link is slow"  # step_out()'s usual cause: the straggler rule (Mesh.poll_plan, groups.bounded)
+
 
 class Mesh:
     def __init__(self, store: Any, node_id: str, cfg: Any, *, digest: str, info: dict[str, Any], min_nodes: int,
@@ -134,7 +136,7 @@ class Mesh:
         self._after_decision(plan, decision)
         return decision == COMMIT
 
-    def step_out(self, plan: Plan, why: str, *, cause: str = "its link is slow") -> None:
+    def step_out(self, plan: Plan, why: str, *, cause: str = SLOW_LINK) -> None:
         """Leave the plan's attempt because this node's own link is too slow for the run (link_slow while a
         collective of the attempt is overdue), or because it missed the state it needs (engine/outer/handoff.py).
         In state `standby` the planner neither waits for it nor admits it; the abort it writes (the attempt cannot
@@ -143,8 +145,7 @@ class Mesh:
         join again once the link is healthy."""
         self._step_out(plan.epoch, plan.outer_step, plan.attempt, why, cause)
 
-    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str,
-                  cause: str = "its link is slow") -> None:
+    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str, cause: str = SLOW_LINK) -> None:
         self._stepped_out = cause
         try:
             self._set_state("standby")  # first: the re-plan the abort starts must find it out already
