@@ -203,22 +203,28 @@ class Sshd:
             try:
                 if os.stat(f"/proc/{entry}").st_uid != uid:
                     continue
+                if "Z" in Path(f"/proc/{entry}/status").read_text().split("State:")[1][:4]:
+                    continue  # ended, not yet reaped
                 cwd = os.readlink(f"/proc/{entry}/cwd")
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
+            except (OSError, IndexError):
                 continue
             if cwd.startswith(root) or root in cmd:
                 out.append(int(entry))
         return out
 
     def close(self) -> None:
-        """Stop the server and end, by PID, whatever the tests started through it and left running."""
+        """Stop the server and end, by PID, whatever the tests started through it and left running: again until none
+        is left (a wrapper may start a child while it is being ended; a kill lands a moment later), for 10 s at most."""
         self.stop()
-        for pid in self.left_behind():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        deadline = time.monotonic() + 10
+        while (pids := self.left_behind()) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Sshd":
