@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
 
 from engine.config import Config, digest, grad_accum_steps, load_config
-from engine.errors import SameOnEveryRank, same_on_every_rank
+from engine.errors import SameOnEveryRank, first_line, same_on_every_rank
 from engine.mesh.protocol import MeshError
 from engine.outer.protocol import Diverged
 from engine.telemetry import Telemetry, format_human
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
             cfg = load_config(config_path, overrides, environ=world.env)
             preflight(cfg, world, config_path)
         telemetry = make_telemetry(cfg, world)
-        from engine import session as training  # torch, transformers and the strategies: seconds of imports
+        training = import_session()  # torch, transformers and the strategies: seconds of imports
         if freeze:
             gc.freeze()
         telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
@@ -226,6 +226,23 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
         shutdown(session, telemetry, status, clean=code == 0, training=training)
     return code
+
+
+def import_session() -> ModuleType:
+    """engine.session, which imports torch, transformers and the strategies. A library this host's Python cannot
+    import (missing, or a version without what the engine uses) is bad input of the host: one line naming it and
+    the interpreter, exit 2, from local rank 0 only. A failed import inside the engine's own modules is a bug, and
+    stays a traceback."""
+    try:
+        from engine import session
+    except ImportError as e:
+        name = e.name or ""
+        if name == "engine" or name.startswith("engine."):
+            raise
+        raise SameOnEveryRank(f"this host's Python ({sys.executable}) cannot import {name or 'a library'}: "
+                              f"{first_line(e, 200)}. Install the engine's environment there: scripts/setup.sh, "
+                              f"or `zeroband-console PROFILE sync`") from None
+    return session
 
 
 def shutdown(session: Session | None, telemetry: Telemetry, status: str, clean: bool,

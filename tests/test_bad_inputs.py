@@ -7,6 +7,8 @@ Most run main() in-process (the CLI's code path minus interpreter start-up); the
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -241,6 +243,26 @@ def test_a_bad_command_line_and_help_are_answered_before_torch_is_imported(procs
                     if line.startswith("import time:")}
         assert "engine.config" in imported, args  # the import report was read
         assert not {"torch", "transformers", "engine.session"} & imported, args
+
+
+
+def test_a_host_whose_python_lacks_a_library_the_engine_imports_is_one_line_naming_it(procs, tmp_path):
+    """A host whose environment is not the engine's (here a transformers without AutoConfig, as an old or broken
+    install has) is bad input of that host: one line naming the library and the interpreter, exit 2, and the
+    run's events still close; before, a traceback and exit 1, as for a crash of the engine."""
+    shadow = tmp_path / "site" / "transformers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": f"{shadow.parent}{os.pathsep}{ROOT}"}
+    done = procs.run([PYTHON, "-m", "engine.train", "configs/debug.toml", f"--run.dir={tmp_path / 'run'}"],
+                     timeout=120, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert error_lines(done.stderr) == [
+        f"error: this host's Python ({PYTHON}) cannot import transformers: cannot import name 'AutoConfig' from "
+        f"'transformers' ({shadow / '__init__.py'}). Install the engine's environment there: scripts/setup.sh, or "
+        f"`zeroband-console PROFILE sync`"], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["type"] == "run_end"
 
 
 # ---------------------------------------------------------------------------------------------- item 18
