@@ -10,8 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+from forkserver import ForkServer
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+# engines started through ProcessTracker are forked from one process that imported them once (forkserver.py);
+# ZEROBAND_TEST_FORK=0 starts each as its own interpreter
+FORK = os.environ.get("ZEROBAND_TEST_FORK", "1") != "0"
 
 
 def free_port() -> int:
@@ -69,8 +74,12 @@ class ProcessTracker:
 
     def start(self, args: list[str], *, env: dict[str, str] | None = None, cwd: Path | str | None = None,
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text: bool = True) -> subprocess.Popen:
-        proc = subprocess.Popen(args, env=env or engine_env(), cwd=cwd or ROOT, stdout=stdout, stderr=stderr,
-                                text=text, start_new_session=True)
+        env, cwd = env or engine_env(), str(cwd or ROOT)
+        server = ForkServer.shared(engine_env()) if FORK and ForkServer.engine_command(args) else None
+        proc = server.start(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text) if server else None
+        if proc is None:
+            proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
+                                    start_new_session=True)
         self.procs.append(proc)
         return proc
 

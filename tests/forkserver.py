@@ -1,0 +1,283 @@
+"""Engines for the tests, forked from one process that imported them once.
+
+Each `python -m engine.train` spends 5-10 s of one core importing torch, transformers and the strategies before it
+trains (engine/session.py), and the suite starts over a hundred of them on two cores. A test that starts engines
+through ProcessTracker gets them forked from this server instead, which did those imports once, like
+multiprocessing's forkserver: each is a real process of its own (own pid, session and process group, own
+environment, working folder and pipes), running the same `engine.train.cli()` that `python -m engine.train`
+runs, in a copy of a process that has imported and done nothing else.
+
+    server = ForkServer.shared()                  # started on first use, for the whole session; None if it failed
+    proc = server.start(argv, env, cwd, stdout, stderr, text)   # argv: [PYTHON, "-m", "engine.train", ...]
+                                                  #   or [PYTHON, "-c", CODE, ...] whose CODE runs engine.train.cli()
+    proc.stdout, proc.poll(), proc.wait(t), proc.communicate(timeout=t), proc.kill(), os.killpg(proc.pid, sig)
+
+Only commands that would behave alike are forked (`forkable`): the plain interpreter with no -X or -W options, this
+checkout on PYTHONPATH, and an environment that differs from the server's only in variables read at run time (not
+the TORCH_*, HF_*, TRANSFORMERS_*, OMP_* or PYTHON* ones that imports read). The command line, --help and an
+environment that cannot import are still tested by real interpreter starts (test_bad_inputs.py), and so is every
+engine the console starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 180.0  # seconds the server may take for its imports on a loaded machine
+IMPORT_READ = ("TORCH_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "CUDA_", "NCCL_", "GLOO_",
+               "TOKENIZERS_")
+
+SERVER = r'''
+import json, os, signal, socket, sys
+path = sys.argv[1]
+import engine.train, engine.session  # the seconds every child is spared
+import gc, threading
+gc.collect()
+gc.freeze()
+assert threading.active_count() == 1, threading.enumerate()  # a fork copies only the forking thread
+assert len(os.listdir("/proc/self/task")) == 1, "the imports started a native thread: forking is not safe"
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+listener.bind(path)
+listener.listen(128)
+children = {}  # pid -> the connection that waits for its exit status
+
+
+def reap(*_):
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+signal.signal(signal.SIGCHLD, reap)
+print("ready", flush=True)
+while True:
+    conn, _ = listener.accept()
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
+    req = json.loads(msg)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # registered before its exit can be reaped
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            os.setsid()
+            for i, fd in enumerate(fds):
+                os.dup2(fd, i)
+            os.closerange(3, 1 << 16)
+            os.chdir(req["cwd"])
+            os.environ.clear()
+            os.environ.update(req["env"])
+            sys.argv = req["argv"]
+            sys.path[0] = os.getcwd() if req["code"] is None else ""  # as `python -m` and `python -c` set it
+            if req["code"] is None:
+                engine.train.cli()
+            else:
+                exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    children[pid] = conn
+    conn.sendall(f"{pid}\n".encode())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+'''
+
+
+class Forked:
+    """A forked engine, as much of subprocess.Popen as the tests use."""
+
+    def __init__(self, server: "ForkServer", args: list[str], code: str | None, argv: list[str], env: dict[str, str],
+                 cwd: str, stdout: Any, stderr: Any, text: bool):
+        self.args, self.returncode = args, None
+        self.stdout = self.stderr = None
+        mine: list[int] = []  # the ends this process keeps closed after handing them over
+        ends = [os.open(os.devnull, os.O_RDONLY)]
+        mine.append(ends[0])
+        for which, target in (("stdout", stdout), ("stderr", stderr)):
+            if target == subprocess.PIPE:
+                r, w = os.pipe()
+                setattr(self, which, open(r, "r" if text else "rb"))
+                ends.append(w)
+                mine.append(w)
+            elif target == subprocess.STDOUT:
+                ends.append(ends[1])
+            elif target is None or target == subprocess.DEVNULL:
+                fd = os.dup(1 if which == "stdout" else 2) if target is None else os.open(os.devnull, os.O_WRONLY)
+                ends.append(fd)
+                mine.append(fd)
+            else:  # a file
+                ends.append(target.fileno() if hasattr(target, "fileno") else int(target))
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(server.path)
+            request = json.dumps({"argv": argv, "code": code, "env": env, "cwd": cwd}).encode()
+            socket.send_fds(self._conn, [request], ends)
+            self._buf = b""
+            self.pid = int(self._line(timeout=30))
+        finally:
+            for fd in mine:
+                os.close(fd)
+        self._readers: list[threading.Thread] | None = None
+        self._out: dict[str, list] = {}
+
+    def _line(self, timeout: float | None) -> str:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            chunk = self._conn.recv(64)
+            if not chunk:
+                raise RuntimeError(f"the fork server closed the connection of {self.args}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                self.returncode = int(self._line(timeout=0))
+            except subprocess.TimeoutExpired:
+                return None
+            self._conn.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = int(self._line(timeout))
+            self._conn.close()
+        return self.returncode
+
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
+        if self._readers is None:
+            self._readers = []
+            for which in ("stdout", "stderr"):
+                stream = getattr(self, which)
+                if stream is not None:
+                    self._out[which] = []
+                    t = threading.Thread(target=lambda s=stream, o=self._out[which]: o.append(s.read()), daemon=True)
+                    t.start()
+                    self._readers.append(t)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        got = {w: (o[0] if o else None) for w, o in self._out.items()}
+        return got.get("stdout"), got.get("stderr")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkServer:
+    _shared: "ForkServer | None | bool" = False  # False: not tried yet; None: it failed, start real processes
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self.folder = tempfile.mkdtemp(prefix="zb-fork-")
+        self.path = os.path.join(self.folder, "sock")
+        self.log = open(os.path.join(self.folder, "log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.path], env=env, cwd=ROOT,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     start_new_session=True)
+        ready = ""
+        if select.select([self.proc.stdout], [], [], READY_TIMEOUT)[0]:
+            ready = self.proc.stdout.readline()  # an empty line: the server exited (its imports failed)
+        if ready.strip() != "ready":
+            self.close()
+            self.log.seek(0)
+            raise RuntimeError(f"the fork server did not start: {self.log.read()[-2000:]}")
+
+    @classmethod
+    def shared(cls, env: dict[str, str]) -> "ForkServer | None":
+        if cls._shared is False:
+            try:
+                cls._shared = cls(env)
+                atexit.register(cls._shared.close)
+            except (OSError, RuntimeError) as e:
+                print(f"forkserver: {e}; engines start as real interpreters", file=sys.stderr)
+                cls._shared = None
+        return cls._shared or None
+
+    @staticmethod
+    def engine_command(args: list[str]) -> bool:
+        """args run the engine's command line: `python -m engine.train ...` or a -c script that ends in it."""
+        return len(args) >= 3 and args[0] == sys.executable and (
+            args[1:3] == ["-m", "engine.train"] or (args[1] == "-c" and "engine.train.cli()" in args[2]))
+
+    def forkable(self, args: list[str], env: dict[str, str], cwd: str) -> tuple[str | None, list[str]] | None:
+        """(code, argv) for a command the server can fork alike, or None."""
+        if not self.engine_command(args) or self.proc.poll() is not None:
+            return None
+        if args[1] == "-m":
+            code, argv = None, [str(ROOT / "engine" / "train.py"), *args[3:]]
+        else:
+            code, argv = args[2], ["-c", *args[3:]]
+        if env.get("PYTHONPATH") != str(ROOT) or any(
+                env.get(k) != self.env.get(k) for k in {*env, *self.env} if k.startswith(IMPORT_READ)):
+            return None
+        return code, argv
+
+    def start(self, args: list[str], *, env: dict[str, str], cwd: str, stdout: Any, stderr: Any,
+              text: bool) -> Forked | None:
+        how = self.forkable(args, env, cwd)
+        if how is None:
+            return None
+        code, argv = how
+        return Forked(self, args, code, argv, env, cwd, stdout, stderr, text)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+        for name in ("sock", "log"):
+            try:
+                os.unlink(os.path.join(self.folder, name))
+            except OSError:
+                pass
+        os.rmdir(self.folder)
