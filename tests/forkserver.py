@@ -257,9 +257,8 @@ class ForkServer:
             code, argv = None, [str(ROOT / "engine" / "train.py"), *args[3:]]
         else:
             code, argv = args[2], ["-c", *args[3:]]
-        if env.get("PYTHONPATH") != str(ROOT) or any(
-                env.get(k) != self.env.get(k) for k in {*env, *self.env} if k.startswith(IMPORT_READ)):
-            return None
+        if any(env.get(k) != self.env.get(k) for k in {*env, *self.env} if k.startswith(IMPORT_READ)):
+            return None  # PYTHONPATH among them: the server's is this checkout
         return code, argv
 
     def start(self, args: list[str], *, env: dict[str, str], cwd: str, stdout: Any, stderr: Any,

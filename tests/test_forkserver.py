@@ -1,0 +1,70 @@
+"""The tests' fork server (tests/forkserver.py): a forked engine behaves as the command line it stands for, in a
+process of its own, and commands whose start would differ are not forked."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from forkserver import Forked
+from procs import PYTHON, ROOT, engine_env, kill_group
+
+SHOW = """import json, os, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("ZB_FORK_X"), "path0": sys.path[0],
+                  "sid": os.getsid(0), "pgid": os.getpgid(0), "pid": os.getpid()}), flush=True)
+import engine.train
+engine.train.cli()
+"""
+
+
+def test_a_forked_engine_says_and_exits_exactly_as_the_real_command_line(procs, monkeypatch):
+    args = [PYTHON, "-m", "engine.train", "configs/debug.toml", "--train.max_stepz=3"]
+    forked = procs.run(args, timeout=120)
+    assert isinstance(procs.procs[-1], Forked)
+    monkeypatch.setattr("procs.FORK", False)
+    real = procs.run(args, timeout=120)
+    assert isinstance(procs.procs[-1], subprocess.Popen)
+    assert forked.returncode == real.returncode == 2
+    assert forked.stderr == real.stderr == \
+        "error: command line: train.max_stepz: unknown key (did you mean train.max_steps?)\n"
+    assert forked.stdout.count("\n") == real.stdout.count("\n") == 3  # error, state, run_end
+
+
+def test_a_forked_engine_has_its_own_session_environment_folder_and_arguments(procs, tmp_path):
+    import json
+    proc = procs.start([PYTHON, "-c", SHOW, "--help"], env=engine_env(ZB_FORK_X="42"), cwd=tmp_path)
+    assert isinstance(proc, Forked)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    seen = json.loads(out.splitlines()[0])
+    assert seen["pid"] == proc.pid and seen["sid"] == seen["pgid"] == proc.pid  # killpg(proc.pid) reaches it all
+    assert seen["argv"] == ["-c", "--help"] and seen["x"] == "42" and seen["cwd"] == str(tmp_path)
+    assert seen["path0"] == ""  # as `python -c` sets it
+    assert out.splitlines()[1].startswith("usage: python -m engine.train CONFIG.toml")
+
+
+def test_a_forked_engine_killed_by_its_group_reports_the_signal(procs):
+    proc = procs.start([PYTHON, "-c", "import time\ntime.sleep(60)\nimport engine.train\nengine.train.cli()"])
+    assert isinstance(proc, Forked) and proc.poll() is None
+    began = time.monotonic()
+    try:
+        proc.wait(timeout=0.2)
+        raise AssertionError("it should still run")
+    except subprocess.TimeoutExpired:
+        assert time.monotonic() - began < 5
+    kill_group(proc, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    assert not os.path.exists(f"/proc/{proc.pid}")  # reaped by the server before it reported the status
+
+
+def test_commands_whose_start_would_differ_are_real_interpreters(procs, tmp_path):
+    engine = [PYTHON, "-m", "engine.train", "--help"]
+    for args, env in ((engine, engine_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")),  # another import path
+                      (engine, engine_env(TORCH_LOGS="+dynamo")),  # a variable the imports read
+                      ([PYTHON, "-X", "importtime", "-m", "engine.train", "--help"], engine_env()),
+                      ([PYTHON, "-c", "print(1)"], engine_env())):  # not the engine
+        proc = procs.start(args, env=env)
+        assert isinstance(proc, subprocess.Popen), args
+        proc.communicate(timeout=120)
