@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+SOCKET_ENV = "ZEROBAND_TEST_FORKSERVER"  # the server's socket, for forkclient.py under torchrun
+CLIENT = str(Path(__file__).with_name("forkclient.py"))
 READY_TIMEOUT = 180.0  # seconds the server may take for its imports on a loaded machine
 IMPORT_READ = ("TORCH_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "CUDA_", "NCCL_", "GLOO_",
                "TOKENIZERS_")
@@ -93,6 +95,14 @@ while True:
             os.environ.update(req["env"])
             sys.argv = req["argv"]
             sys.path[0] = os.getcwd() if req["code"] is None else ""  # as `python -m` and `python -c` set it
+            if req.get("watch"):  # started by forkclient.py (torchrun's worker): gone with it, even by SIGKILL
+                import select, threading
+                pidfd = os.pidfd_open(req["watch"])
+
+                def orphaned():
+                    select.select([pidfd], [], [])
+                    os.killpg(0, signal.SIGKILL)
+                threading.Thread(target=orphaned, name="forkclient-watch", daemon=True).start()
             if req["code"] is None:
                 engine.train.cli()
             else:
@@ -115,11 +125,31 @@ while True:
 '''
 
 
+def child_argv(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the -c script or None for -m engine.train, sys.argv as that interpreter would set it) of an engine command."""
+    if args[1] == "-m":
+        return None, [str(ROOT / "engine" / "train.py"), *args[3:]]
+    return args[2], ["-c", *args[3:]]
+
+
+def through_torchrun(args: list[str], client: str) -> list[str] | None:
+    """A torchrun command of the engine whose workers are forked: each worker is forkclient.py, which asks the
+    server for the engine and stands for it (signals in, exit status out); None for any other command."""
+    if args[1:3] != ["-m", "torch.distributed.run"]:
+        return None
+    for i in range(3, len(args) - 1):
+        if args[i:i + 2] == ["-m", "engine.train"]:
+            return [*args[:i], "--no-python", sys.executable, client, "-m", "engine.train", *args[i + 2:]]
+        if not args[i].startswith("-"):
+            return None  # the script came first: not the engine
+    return None
+
+
 class Forked:
     """A forked engine, as much of subprocess.Popen as the tests use."""
 
-    def __init__(self, server: "ForkServer", args: list[str], code: str | None, argv: list[str], env: dict[str, str],
-                 cwd: str, stdout: Any, stderr: Any, text: bool):
+    def __init__(self, path: str, args: list[str], code: str | None, argv: list[str], env: dict[str, str],
+                 cwd: str, stdout: Any, stderr: Any, text: bool, watch: int | None = None):
         self.args, self.returncode = args, None
         self.stdout = self.stderr = None
         mine: list[int] = []  # the ends this process keeps closed after handing them over
@@ -141,8 +171,8 @@ class Forked:
                 ends.append(target.fileno() if hasattr(target, "fileno") else int(target))
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._conn.connect(server.path)
-            request = json.dumps({"argv": argv, "code": code, "env": env, "cwd": cwd}).encode()
+            self._conn.connect(path)
+            request = json.dumps({"argv": argv, "code": code, "env": env, "cwd": cwd, "watch": watch}).encode()
             socket.send_fds(self._conn, [request], ends)
             self._buf = b""
             self.pid = int(self._line(timeout=30))
@@ -245,18 +275,18 @@ class ForkServer:
 
     @staticmethod
     def engine_command(args: list[str]) -> bool:
-        """args run the engine's command line: `python -m engine.train ...` or a -c script that ends in it."""
+        """args run the engine's command line: `python -m engine.train ...` or a -c script that ends in it (or
+        torchrun does, for its workers)."""
         return len(args) >= 3 and args[0] == sys.executable and (
-            args[1:3] == ["-m", "engine.train"] or (args[1] == "-c" and "engine.train.cli()" in args[2]))
+            args[1:3] == ["-m", "engine.train"] or (args[1] == "-c" and "engine.train.cli()" in args[2])
+            or through_torchrun(args, CLIENT) is not None)
 
-    def forkable(self, args: list[str], env: dict[str, str], cwd: str) -> tuple[str | None, list[str]] | None:
+    def forkable(self, args: list[str], env: dict[str, str], cwd: str = "") -> tuple[str | None, list[str]] | None:
         """(code, argv) for a command the server can fork alike, or None."""
-        if not self.engine_command(args) or self.proc.poll() is not None:
+        if not self.engine_command(args) or args[1] != "-c" and args[1:3] != ["-m", "engine.train"] \
+                or self.proc.poll() is not None:
             return None
-        if args[1] == "-m":
-            code, argv = None, [str(ROOT / "engine" / "train.py"), *args[3:]]
-        else:
-            code, argv = args[2], ["-c", *args[3:]]
+        code, argv = child_argv(args)
         if any(env.get(k) != self.env.get(k) for k in {*env, *self.env} if k.startswith(IMPORT_READ)):
             return None  # PYTHONPATH among them: the server's is this checkout
         return code, argv
@@ -266,8 +296,14 @@ class ForkServer:
         how = self.forkable(args, env, cwd)
         if how is None:
             return None
-        code, argv = how
-        return Forked(self, args, code, argv, env, cwd, stdout, stderr, text)
+        return Forked(self.path, args, *how, env, cwd, stdout, stderr, text)
+
+    def torchrun(self, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
+        """(args, env) of a torchrun command of the engine whose workers are forked, or None."""
+        rewritten = through_torchrun(args, CLIENT)
+        if rewritten is None or self.forkable([sys.executable, "-m", "engine.train"], env, "") is None:
+            return None
+        return rewritten, {**env, SOCKET_ENV: self.path}
 
     def close(self) -> None:
         if self.proc.poll() is None:

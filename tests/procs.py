@@ -77,6 +77,8 @@ class ProcessTracker:
         env, cwd = env or engine_env(), str(cwd or ROOT)
         server = ForkServer.shared(engine_env()) if FORK and ForkServer.engine_command(args) else None
         proc = server.start(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text) if server else None
+        if proc is None and server is not None:  # a torchrun of the engine: its workers are forked
+            args, env = server.torchrun(args, env) or (args, env)
         if proc is None:
             proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                     start_new_session=True)
