@@ -37,14 +37,18 @@ def free_ports(n: int) -> list[int]:
 
 
 def spawned_ranks(target, size: int, timeout: float) -> dict[int, object]:
-    """Run target(rank, port, queue) in `size` spawned processes (a gloo group on a free port) and return each
+    """Run target(rank, port, queue) in `size` new processes (a gloo group on a free port) and return each
     rank's result, which the target puts on the queue as (rank, pickle.dumps(result)), or (rank, traceback text)
     to fail the caller with it. Plain pickle: torch's queue reducers would share tensors through a server that
     dies with the child."""
     import multiprocessing as mp
     import pickle
 
-    ctx = mp.get_context("spawn")
+    if FORK:  # forked from multiprocessing's fork server, which imported the engine once (as forkserver.py)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["engine.session"])
+    else:
+        ctx = mp.get_context("spawn")
     queue, port = ctx.Queue(), free_port()
     workers = [ctx.Process(target=target, args=(r, port, queue)) for r in range(size)]
     for w in workers:
