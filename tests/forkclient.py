@@ -30,8 +30,10 @@ def main() -> None:
         signal.signal(sig, lambda s, _: forward(proc.pid, s))
     code = proc.wait()
     if code < 0:  # killed by a signal: so is this process, for torchrun to read
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled, so need no reset
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
+        os._exit(128 - code)
     sys.exit(code)
 
 

@@ -39,12 +39,16 @@ ROOT = Path(__file__).resolve().parent.parent
 SOCKET_ENV = "ZEROBAND_TEST_FORKSERVER"  # the server's socket, for forkclient.py under torchrun
 CLIENT = str(Path(__file__).with_name("forkclient.py"))
 READY_TIMEOUT = 180.0  # seconds the server may take for its imports on a loaded machine
-IMPORT_READ = ("TORCH_", "HF_", "TRANSFORMERS_", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_", "CUDA_", "NCCL_", "GLOO_",
-               "TOKENIZERS_")
+# variables that imports read (a fork would keep the server's): a command that changes one starts for real
+IMPORT_READ = ("TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_", "TRITON_", "OMP_", "MKL_", "KMP_", "PYTHON", "LD_",
+               "CUDA_", "NCCL_", "GLOO_", "TOKENIZERS_", "HOME", "XDG_", "TMPDIR", "LANG", "LC_")
 
 SERVER = r'''
-import json, os, signal, socket, sys
-path = sys.argv[1]
+import ctypes, json, os, select, signal, socket, sys
+path, parent = sys.argv[1], int(sys.argv[2])
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the test session
+if os.getppid() != parent:
+    sys.exit("the test session ended before the fork server started")
 import engine.train, engine.session  # the seconds every child is spared
 import gc, threading
 gc.collect()
@@ -55,6 +59,8 @@ listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind(path)
 listener.listen(128)
 children = {}  # pid -> the connection that waits for its exit status
+watches = {}  # pidfd of a forkclient.py -> the pid of the engine that ends with it
+gone = set()  # engines reaped whose watch is still open
 
 
 def reap(*_):
@@ -65,6 +71,7 @@ def reap(*_):
             return
         if pid == 0:
             return
+        gone.add(pid)
         conn = children.pop(pid, None)
         if conn is not None:
             try:
@@ -74,54 +81,100 @@ def reap(*_):
             conn.close()
 
 
+def child(req, fds):
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        os.setsid()
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        os.closerange(3, 1 << 16)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.argv = req["argv"]
+        sys.path[0] = os.getcwd() if req["code"] is None else ""  # as `python -m` and `python -c` set it
+        if req["code"] is None:
+            engine.train.cli()
+        else:
+            exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
+        code = 0
+    except SystemExit as e:  # as the interpreter ends on it
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter ends by the signal
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 1
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(conn):
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    try:
+        size = int.from_bytes(data[:8], "big")
+        while len(data) < 8 + size:
+            more = conn.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the request ended early")
+            data += more
+        req = json.loads(data[8:])
+        watch = os.pidfd_open(req["watch"]) if req.get("watch") else None
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # registered before its exit can be reaped
+        try:
+            pid = os.fork()
+            if pid == 0:
+                child(req, fds)
+            children[pid] = conn
+            if watch is not None:
+                watches[watch] = pid
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:  # the asker is gone: so is what it asked for
+                os.killpg(pid, signal.SIGKILL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 signal.signal(signal.SIGCHLD, reap)
 print("ready", flush=True)
 while True:
-    conn, _ = listener.accept()
-    msg, fds, _, _ = socket.recv_fds(conn, 1 << 22, 3)
-    req = json.loads(msg)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # registered before its exit can be reaped
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_SETMASK, set())
-            os.setsid()
-            for i, fd in enumerate(fds):
-                os.dup2(fd, i)
-            os.closerange(3, 1 << 16)
-            os.chdir(req["cwd"])
-            os.environ.clear()
-            os.environ.update(req["env"])
-            sys.argv = req["argv"]
-            sys.path[0] = os.getcwd() if req["code"] is None else ""  # as `python -m` and `python -c` set it
-            if req.get("watch"):  # started by forkclient.py (torchrun's worker): gone with it, even by SIGKILL
-                import select, threading
-                pidfd = os.pidfd_open(req["watch"])
-
-                def orphaned():
-                    select.select([pidfd], [], [])
-                    os.killpg(0, signal.SIGKILL)
-                threading.Thread(target=orphaned, name="forkclient-watch", daemon=True).start()
-            if req["code"] is None:
-                engine.train.cli()
-            else:
-                exec(compile(req["code"], "<string>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    for fd in fds:
-        os.close(fd)
-    children[pid] = conn
-    conn.sendall(f"{pid}\n".encode())
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+    for fd, pid in list(watches.items()):
+        if pid in gone:
+            del watches[fd]
+            os.close(fd)
+    gone.difference_update(set(gone) - set(watches.values()))
+    try:
+        ready = select.select([listener, *watches], [], [])[0]
+    except OSError:
+        continue
+    for fd in ready:
+        if fd is listener:
+            conn, _ = listener.accept()
+            try:
+                serve(conn)
+            except Exception as e:  # one bad request costs that request only
+                print(f"forkserver: a request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                if conn not in children.values():
+                    conn.close()
+        elif fd in watches:  # its forkclient.py ended (torchrun's SIGKILL too): the engine goes with it
+            try:
+                os.killpg(watches[fd], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(fd)
+            del watches[fd]
 '''
 
 
@@ -152,6 +205,7 @@ class Forked:
                  cwd: str, stdout: Any, stderr: Any, text: bool, watch: int | None = None):
         self.args, self.returncode = args, None
         self.stdout = self.stderr = None
+        self._lock = threading.Lock()  # one reader of the server's lines at a time
         mine: list[int] = []  # the ends this process keeps closed after handing them over
         ends = [os.open(os.devnull, os.O_RDONLY)]
         mine.append(ends[0])
@@ -173,16 +227,22 @@ class Forked:
         try:
             self._conn.connect(path)
             request = json.dumps({"argv": argv, "code": code, "env": env, "cwd": cwd, "watch": watch}).encode()
-            socket.send_fds(self._conn, [request], ends)
+            request = len(request).to_bytes(8, "big") + request
+            sent = socket.send_fds(self._conn, [request], ends)
+            self._conn.sendall(request[sent:])
             self._buf = b""
-            self.pid = int(self._line(timeout=30))
+            pid = self._line(timeout=30)
+            if pid is None:
+                raise ConnectionError(f"the fork server refused {args}")
+            self.pid = int(pid)
         finally:
             for fd in mine:
                 os.close(fd)
         self._readers: list[threading.Thread] | None = None
         self._out: dict[str, list] = {}
 
-    def _line(self, timeout: float | None) -> str:
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line; None when the server is gone (its connection ended)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buf:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -190,24 +250,45 @@ class Forked:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             chunk = self._conn.recv(64)
             if not chunk:
-                raise RuntimeError(f"the fork server closed the connection of {self.args}")
+                return None
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return line.decode()
 
+    def _status(self, timeout: float | None) -> int:
+        """The exit status, once the server reported it (TimeoutExpired until then). A server that died took the
+        status with it: then the process's end is watched in /proc, and its status reads 255."""
+        line = self._line(timeout)
+        if line is None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while os.path.exists(f"/proc/{self.pid}"):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                time.sleep(0.05)
+            line = "255"
+        self._conn.close()
+        return int(line)
+
     def poll(self) -> int | None:
-        if self.returncode is None:
+        if self.returncode is None and self._lock.acquire(blocking=False):  # not while another thread waits
             try:
-                self.returncode = int(self._line(timeout=0))
+                if self.returncode is None:
+                    self.returncode = self._status(0)
             except subprocess.TimeoutExpired:
-                return None
-            self._conn.close()
+                pass
+            finally:
+                self._lock.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = int(self._line(timeout))
-            self._conn.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        try:
+            if self.returncode is None:
+                self.returncode = self._status(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            self._lock.release()
         return self.returncode
 
     def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
@@ -251,7 +332,7 @@ class ForkServer:
         self.folder = tempfile.mkdtemp(prefix="zb-fork-")
         self.path = os.path.join(self.folder, "sock")
         self.log = open(os.path.join(self.folder, "log"), "w+")
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.path], env=env, cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.path, str(os.getpid())], env=env, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      start_new_session=True)
         ready = ""

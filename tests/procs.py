@@ -80,7 +80,12 @@ class ProcessTracker:
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text: bool = True) -> subprocess.Popen:
         env, cwd = env or engine_env(), str(cwd or ROOT)
         server = ForkServer.shared(engine_env()) if FORK and ForkServer.engine_command(args) else None
-        proc = server.start(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text) if server else None
+        proc = None
+        if server is not None:
+            try:
+                proc = server.start(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
+            except (OSError, subprocess.TimeoutExpired) as e:  # the server is gone or stuck: a real start
+                print(f"forkserver: {type(e).__name__}: {e}; {args[:3]} starts for real", file=sys.stderr)
         if proc is None and server is not None:  # a torchrun of the engine: its workers are forked
             args, env = server.torchrun(args, env) or (args, env)
         if proc is None:
@@ -101,8 +106,14 @@ class ProcessTracker:
         return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
     def kill_all(self) -> None:
-        for proc in self.procs:
-            kill_group(proc)
+        errors = []
+        for proc in self.procs:  # every one, whatever one of them raises
+            try:
+                kill_group(proc)
+            except Exception as e:  # noqa: BLE001 - raised once the others are killed
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:

@@ -68,3 +68,31 @@ def test_commands_whose_start_would_differ_are_real_interpreters(procs, tmp_path
         proc = procs.start(args, env=env)
         assert isinstance(proc, subprocess.Popen), args
         proc.communicate(timeout=120)
+
+
+def test_under_torchrun_each_worker_is_a_client_and_its_engine_ends_with_it_even_by_sigkill(procs, tmp_path):
+    import json
+
+    import psutil
+
+    proc = procs.start([PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                        "engine.train", "configs/debug.toml", "--train.max_steps=100000", "--train.eval_interval=0",
+                        "--train.log_interval=1", "--data.seq_len=32", "--train.micro_batch_size=2",
+                        "--train.batch_size=4", f"--run.dir={tmp_path / 'run'}"])
+    assert "--no-python" in proc.args and any(a.endswith("forkclient.py") for a in proc.args)
+    engine = None
+    for line in proc.stdout:  # rank 0's events
+        if line.startswith("{") and json.loads(line)["type"] == "run_start":
+            engine = json.loads(line)["pid"]
+            break
+    assert engine is not None, proc.communicate(timeout=30)
+    clients = [c for c in psutil.Process(proc.pid).children() if any("forkclient" in a for a in c.cmdline())]
+    assert len(clients) == 2 and engine not in {c.pid for c in clients}  # the engine is the server's fork
+    for client in clients:
+        client.kill()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(engine) and psutil.Process(engine).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the engine outlived its SIGKILLed client by 10 s"
+        time.sleep(0.05)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
