@@ -563,6 +563,74 @@ def test_a_hand_off_rank_gives_up_on_a_death_upstream_only():
                          until_decided=False, watch=watch) == "kept"
 
 
+
+def _tcp_store() -> dist.TCPStore:
+    from procs import free_port
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def test_a_rank_without_the_heartbeat_reads_the_members_liveness_itself():
+    """PeerWatch, local rank > 0's view: a member whose counter keeps changing lives; one whose counter stopped is
+    dead after mesh.heartbeat_timeout; a clean exit (negative counter) and a key the leader pruned are dead at
+    once. Read from a real TCPStore, on an injected clock."""
+    from engine.mesh import Keys
+    from engine.mesh.group import PeerWatch
+    store, keys, now = _tcp_store(), Keys(), [0.0]
+    for node, value in (("a", 5), ("b", 9), ("c", 3)):
+        store.add(keys.hb(node), value)
+    store.add(keys.hb("c"), -10)  # c left cleanly: -7
+    watch = PeerWatch(store, timeout=1.0, clock=lambda: now[0])
+    assert watch.dead(["a", "b", "c", "d"]) == ["c", "d"]
+    while now[0] < 1.0:
+        now[0] += 0.2
+        store.add(keys.hb("a"), 1)
+        assert watch.dead(["a", "b"]) == []  # b has had its timeout of grace not yet
+    now[0] += 0.2
+    store.add(keys.hb("a"), 1)
+    assert watch.dead(["a", "b"]) == ["b"]  # silent for 1.2 s
+
+
+def test_a_hand_off_on_a_local_rank_without_the_heartbeat_gives_up_on_a_death_upstream():
+    """Defect: only local rank 0 holds the heartbeat, so the hand-off chains of a node's other local ranks waited
+    for gloo's timeout (diloco.allreduce_timeout, 30 s by default) after a member before them died, while their
+    node stood still. They read the members' heartbeats from the store themselves now (MeshLinks.dead)."""
+    import threading
+    import time
+    from engine.mesh import Keys
+    from engine.outer.groups import MeshLinks, PeerLost
+    store, keys = _tcp_store(), Keys()
+    links = MeshLinks(DilocoConfig(enabled=True), MeshConfig(node_id="b", polling_interval=0.05,
+                                                            heartbeat_interval=0.1, heartbeat_timeout=1.0),
+                      SimpleNamespace(size=2, rank=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    links.store = store  # a local rank > 0: a store client, no mesh
+    plan = make_plan(2, 5, 0, ["a", "b", "c"], source="a")
+    stop = threading.Event()
+
+    def beat(node: str) -> None:
+        while not stop.wait(0.1):
+            store.add(keys.hb(node), 1)
+    for node in ("a", "c"):
+        store.add(keys.hb(node), 1)
+    beats = [threading.Thread(target=beat, args=(n,), daemon=True) for n in ("a", "c")]
+    try:
+        for t in beats:
+            t.start()
+        done = threading.Event()
+        threading.Timer(1.5, done.set).start()  # a slow chain while everyone beats: it ends on its own
+        assert links.bounded(plan, "state hand-off", lambda: done.wait(10) and "arrived", until_decided=False,
+                             watch=["a"]) == "arrived"
+        stop.set()  # a and c die
+        began = time.monotonic()
+        with pytest.raises(PeerLost, match=r"a stopped beating \(mesh.heartbeat_timeout, as local rank 1 read it\)"):
+            links.bounded(plan, "state hand-off", lambda: threading.Event().wait(20), until_decided=False,
+                          watch=["a"])
+        assert time.monotonic() - began < 3.0  # the heartbeat timeout and a few polls, not gloo's 20-30 s
+        assert links.dead(plan) == ["a", "c"]  # what the chain's forwarding asks about the next node
+    finally:
+        stop.set()
+
+
 class _FrozenNext:
     """Rank 1 of a chain 0 -> 1 -> 2 whose receives land at once (the pieces of `source`) and whose sends to rank 2
     never complete (a frozen peer) unless `alive`."""

@@ -82,3 +82,41 @@ def attempt_decided(store: Any, plan: Plan) -> bool:
     rank (only local rank 0 owns a Mesh). A collective still running after the decision is of no use."""
     key = Keys().decision(plan.epoch, plan.outer_step, plan.attempt)
     return bool(store.check([key]) and store.get(key))
+
+
+class PeerWatch:
+    """The liveness of a few members, for a local rank that holds no Mesh (local rank > 0 of a node): their heartbeat
+    counters read from the store on each look and judged as the heartbeat judges them (Liveness). A node's hand-off
+    chains run on every local rank, and without this only local rank 0 could give up on a dead member: the others
+    waited for gloo's timeout (diloco.allreduce_timeout) while their node stood still.
+
+    A member first seen gets a full mesh.heartbeat_timeout of grace; a key gone from a store with leases (etcd) is
+    death at once, and so is a key gone from any store (the leader pruned a long-dead id) or a negative counter (a
+    clean exit)."""
+
+    def __init__(self, store: Any, timeout: float, clock: Any = None) -> None:
+        import time
+
+        from engine.mesh.protocol import Liveness
+        self.store, self.liveness, self.clock = store, Liveness(timeout), clock or time.monotonic
+        self.keys = Keys()
+
+    def dead(self, nodes: list[str]) -> list[str]:
+        if not nodes:
+            return []
+        now = self.clock()
+        self.liveness.look(now)
+        keys = [self.keys.hb(n) for n in nodes]
+        if hasattr(self.store, "multi_get_or_none"):
+            values = self.store.multi_get_or_none(keys)
+        elif self.store.check(keys):  # torch's TCPStore: a read of a missing key would wait for it
+            values = self.store.multi_get(keys)
+        else:
+            values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
+        for node, raw in zip(nodes, values):
+            if raw is None:
+                self.liveness.expire(node, now)
+            else:
+                counter = int(raw.decode() if isinstance(raw, bytes) else raw)
+                self.liveness.observe(node, counter, now, gone=counter < 0)
+        return [n for n in nodes if self.liveness.is_dead(n, now)]

@@ -83,6 +83,9 @@ class MeshLinks:
         self.arrived: tuple[int, int, float] | None = None
         self.recent_wire: collections.deque[float] = collections.deque(maxlen=5)  # seconds of recent all-reduces
         self._watch: tuple[Any, Any] | None = None  # (a store client, the clone bounded collectives' watcher reads)
+        self._peers: Any = None  # local ranks > 0: their own view of the members' heartbeats (dead())
+        self._peers_read: tuple[float, list[str]] = (-float("inf"), [])
+        self._peers_lock = threading.Lock()
 
     # ---- connection -------------------------------------------------------------------------------------------
 
@@ -181,7 +184,8 @@ class MeshLinks:
                 watch: Collection[str] | None = None) -> Any:
         """A collective or rendezvous that a frozen, partitioned or dead peer cannot hold up for longer than the
         heartbeat timeout (plus a poll): given up when local rank 0's heartbeat sees a member dead (of `watch`
-        only, when given: the hand-off's chain, where a death downstream leaves this rank's part intact), or when
+        only, when given: the hand-off's chain, where a death downstream leaves this rank's part intact; there a
+        local rank > 0 reads the members' heartbeats itself, dead()), or when
         the attempt was decided without this rank (read from the store by every rank; until_decided=False for
         the hand-off, which runs after the decision), or on a stop."""
         if self.store is None:
@@ -205,6 +209,11 @@ class MeshLinks:
                 dead = [m for m in self.mesh.dead_members(plan) if watch is None or m in watch]
                 if dead:
                     return f"{what}: {', '.join(dead)} stopped beating (mesh.heartbeat_timeout)"
+            elif watch is not None:  # the hand-off runs after the decision: no decision key says the state is lost
+                dead = [m for m in self.dead(plan) if m in watch]
+                if dead:
+                    return (f"{what}: {', '.join(dead)} stopped beating (mesh.heartbeat_timeout, as local rank "
+                            f"{self.local.rank} read it)")
             if not until_decided:
                 return None
             if self.mesh is not None and time.monotonic() - began > overdue and self.mesh.link_slow():
@@ -227,8 +236,24 @@ class MeshLinks:
             raise
 
     def dead(self, plan: Any) -> list[str]:
-        """Members of the plan local rank 0's heartbeat sees dead now (none on the other local ranks)."""
-        return self.mesh.dead_members(plan) if self.mesh is not None else []
+        """Members of the plan seen dead now: local rank 0's heartbeat table. A local rank > 0 holds no heartbeat:
+        it reads the members' counters itself (PeerWatch), at most once per mesh.polling_interval, so that its
+        hand-off chain can give up on a death as rank 0's does instead of waiting for gloo's timeout."""
+        if self.mesh is not None:
+            return self.mesh.dead_members(plan)
+        if self.store is None:
+            return []
+        with self._peers_lock:  # the bounded wait's watcher thread and the chain's forwarding both ask
+            now = time.monotonic()
+            if self._peers is None:
+                from engine.mesh.group import PeerWatch
+                self._peers = PeerWatch(self._watch_store(), self.mesh_cfg.heartbeat_timeout)
+            if now - self._peers_read[0] >= self.mesh_cfg.polling_interval:
+                try:
+                    self._peers_read = (now, self._peers.dead([m for m in plan.members if m != self.node_id]))
+                except GROUP_ERRORS:
+                    pass  # the store is away: the last read stands
+            return self._peers_read[1]
 
     def _watch_store(self) -> Any:
         """The store client the watcher of a bounded collective reads the decision with: a clone of this rank's own
