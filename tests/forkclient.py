@@ -24,8 +24,13 @@ def forward(pid: int, sig: int) -> None:
 def main() -> None:
     args = [sys.executable, *sys.argv[1:]]
     env = {k: v for k, v in os.environ.items() if k != SOCKET_ENV}
-    proc = Forked(os.environ[SOCKET_ENV], args, *child_argv(args), env, os.getcwd(), None, None, False,
-                  watch=os.getpid())
+    try:
+        proc = Forked(os.environ[SOCKET_ENV], args, *child_argv(args), env, os.getcwd(), None, None, False,
+                      watch=os.getpid())
+    except (OSError, ValueError) as e:  # the server is gone or refused (no pidfd_open, say): a real start
+        print(f"forkclient: {type(e).__name__}: {e}; the engine starts for real", file=sys.stderr, flush=True)
+        os.environ.pop(SOCKET_ENV, None)
+        os.execv(sys.executable, args)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda s, _: forward(proc.pid, s))
     code = proc.wait()
