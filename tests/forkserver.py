@@ -56,7 +56,7 @@ gc.freeze()
 assert threading.active_count() == 1, threading.enumerate()  # a fork copies only the forking thread
 assert len(os.listdir("/proc/self/task")) == 1, "the imports started a native thread: forking is not safe"
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind(path)
+listener.bind("\0" + path[1:] if path.startswith("@") else path)
 listener.listen(128)
 children = {}  # pid -> the connection that waits for its exit status
 watches = {}  # pidfd of a forkclient.py -> the pid of the engine that ends with it
@@ -178,6 +178,11 @@ while True:
 '''
 
 
+def address(path: str) -> str:
+    """The socket address of a server path: "@name" is the abstract name (a leading NUL), as ss(8) writes it."""
+    return "\0" + path[1:] if path.startswith("@") else path
+
+
 def child_argv(args: list[str]) -> tuple[str | None, list[str]]:
     """(the -c script or None for -m engine.train, sys.argv as that interpreter would set it) of an engine command."""
     if args[1] == "-m":
@@ -225,7 +230,7 @@ class Forked:
                 ends.append(target.fileno() if hasattr(target, "fileno") else int(target))
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._conn.connect(path)
+            self._conn.connect(address(path))
             request = json.dumps({"argv": argv, "code": code, "env": env, "cwd": cwd, "watch": watch}).encode()
             request = len(request).to_bytes(8, "big") + request
             sent = socket.send_fds(self._conn, [request], ends)
@@ -329,9 +334,10 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]):
         self.env = env
-        self.folder = tempfile.mkdtemp(prefix="zb-fork-")
-        self.path = os.path.join(self.folder, "sock")
-        self.log = open(os.path.join(self.folder, "log"), "w+")
+        # an abstract socket ("@" for the leading NUL, which no environment variable can hold) and an unlinked log:
+        # a server killed with the session leaves no file behind
+        self.path = f"@zb-fork-{os.getpid()}-{os.urandom(6).hex()}"
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER, self.path, str(os.getpid())], env=env, cwd=ROOT,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      start_new_session=True)
@@ -391,9 +397,3 @@ class ForkServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
         self.log.close()
-        for name in ("sock", "log"):
-            try:
-                os.unlink(os.path.join(self.folder, name))
-            except OSError:
-                pass
-        os.rmdir(self.folder)

@@ -105,3 +105,17 @@ def test_a_worker_whose_fork_server_is_gone_starts_the_engine_for_real(procs, tm
     assert done.returncode == 0, done.stderr
     assert done.stderr.startswith("forkclient: FileNotFoundError") and "the engine starts for real" in done.stderr
     assert done.stdout.startswith("usage: python -m engine.train CONFIG.toml")
+
+
+def test_the_server_dies_with_the_session_that_started_it_even_by_sigkill(procs):
+    import psutil
+    session = procs.start([PYTHON, "-c", "import sys, time\nsys.path.insert(0, 'tests')\n"
+                           "from forkserver import ForkServer\nfrom procs import engine_env\n"
+                           "print(ForkServer.shared(engine_env()).proc.pid, flush=True)\ntime.sleep(120)\n"])
+    server = int(session.stdout.readline())
+    assert psutil.pid_exists(server)
+    os.kill(session.pid, signal.SIGKILL)  # no atexit, no fixture teardown
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the fork server outlived its session by 10 s"
+        time.sleep(0.05)
