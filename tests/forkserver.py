@@ -7,12 +7,13 @@ multiprocessing's forkserver: each is a real process of its own (own pid, sessio
 environment, working folder and pipes), running the same `engine.train.cli()` that `python -m engine.train`
 runs, in a copy of a process that has imported and done nothing else.
 
-    server = ForkServer.shared()                  # started on first use, for the whole session; None if it failed
-    proc = server.start(argv, env, cwd, stdout, stderr, text)   # argv: [PYTHON, "-m", "engine.train", ...]
+    server = ForkServer.shared(env)               # started on first use, for the whole session; None if it failed
+    proc = server.start(args, env=, cwd=, stdout=, stderr=, text=)   # args: [PYTHON, "-m", "engine.train", ...]
                                                   #   or [PYTHON, "-c", CODE, ...] whose CODE runs engine.train.cli()
+    args, env = server.torchrun(args, env)        # a torchrun of the engine, its workers forkclient.py
     proc.stdout, proc.poll(), proc.wait(t), proc.communicate(timeout=t), proc.kill(), os.killpg(proc.pid, sig)
 
-Only commands that would behave alike are forked (`forkable`): the plain interpreter with no -X or -W options, this
+Only commands that would behave alike are forked (`forkable`): the plain interpreter with no -X or -W option, this
 checkout on PYTHONPATH, and an environment that differs from the server's only in variables read at run time (not
 the TORCH_*, HF_*, TRANSFORMERS_*, OMP_* or PYTHON* ones that imports read). The command line, --help and an
 environment that cannot import are still tested by real interpreter starts (test_bad_inputs.py), and so is every
@@ -56,7 +57,7 @@ gc.freeze()
 assert threading.active_count() == 1, threading.enumerate()  # a fork copies only the forking thread
 assert len(os.listdir("/proc/self/task")) == 1, "the imports started a native thread: forking is not safe"
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-listener.bind("\0" + path[1:] if path.startswith("@") else path)
+listener.bind("\0" + path[1:])  # "@name": the abstract name (address())
 listener.listen(128)
 children = {}  # pid -> the connection that waits for its exit status
 watches = {}  # pidfd of a forkclient.py -> the pid of the engine that ends with it
@@ -179,8 +180,8 @@ while True:
 
 
 def address(path: str) -> str:
-    """The socket address of a server path: "@name" is the abstract name (a leading NUL), as ss(8) writes it."""
-    return "\0" + path[1:] if path.startswith("@") else path
+    """The socket address of a server path "@name": the abstract name (a leading NUL), as ss(8) writes it."""
+    return "\0" + path[1:]
 
 
 def child_argv(args: list[str]) -> tuple[str | None, list[str]]:
@@ -190,14 +191,14 @@ def child_argv(args: list[str]) -> tuple[str | None, list[str]]:
     return args[2], ["-c", *args[3:]]
 
 
-def through_torchrun(args: list[str], client: str) -> list[str] | None:
+def through_torchrun(args: list[str]) -> list[str] | None:
     """A torchrun command of the engine whose workers are forked: each worker is forkclient.py, which asks the
     server for the engine and stands for it (signals in, exit status out); None for any other command."""
     if args[1:3] != ["-m", "torch.distributed.run"]:
         return None
     for i in range(3, len(args) - 1):
         if args[i:i + 2] == ["-m", "engine.train"]:
-            return [*args[:i], "--no-python", sys.executable, client, "-m", "engine.train", *args[i + 2:]]
+            return [*args[:i], "--no-python", sys.executable, CLIENT, "-m", "engine.train", *args[i + 2:]]
         if not args[i].startswith("-"):
             return None  # the script came first: not the engine
     return None
@@ -362,16 +363,15 @@ class ForkServer:
 
     @staticmethod
     def engine_command(args: list[str]) -> bool:
-        """args run the engine's command line: `python -m engine.train ...` or a -c script that ends in it (or
-        torchrun does, for its workers)."""
+        """args run the engine's command line (`python -m engine.train ...` or a -c script that ends in it), or
+        torchrun runs it in its workers."""
         return len(args) >= 3 and args[0] == sys.executable and (
             args[1:3] == ["-m", "engine.train"] or (args[1] == "-c" and "engine.train.cli()" in args[2])
-            or through_torchrun(args, CLIENT) is not None)
+            or through_torchrun(args) is not None)
 
-    def forkable(self, args: list[str], env: dict[str, str], cwd: str = "") -> tuple[str | None, list[str]] | None:
-        """(code, argv) for a command the server can fork alike, or None."""
-        if not self.engine_command(args) or args[1] != "-c" and args[1:3] != ["-m", "engine.train"] \
-                or self.proc.poll() is not None:
+    def forkable(self, args: list[str], env: dict[str, str]) -> tuple[str | None, list[str]] | None:
+        """(code, argv) for a command the server can fork alike, or None (torchrun's included: see torchrun())."""
+        if not self.engine_command(args) or through_torchrun(args) is not None or self.proc.poll() is not None:
             return None
         code, argv = child_argv(args)
         if any(env.get(k) != self.env.get(k) for k in {*env, *self.env} if k.startswith(IMPORT_READ)):
@@ -380,15 +380,15 @@ class ForkServer:
 
     def start(self, args: list[str], *, env: dict[str, str], cwd: str, stdout: Any, stderr: Any,
               text: bool) -> Forked | None:
-        how = self.forkable(args, env, cwd)
+        how = self.forkable(args, env)
         if how is None:
             return None
         return Forked(self.path, args, *how, env, cwd, stdout, stderr, text)
 
     def torchrun(self, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]] | None:
         """(args, env) of a torchrun command of the engine whose workers are forked, or None."""
-        rewritten = through_torchrun(args, CLIENT)
-        if rewritten is None or self.forkable([sys.executable, "-m", "engine.train"], env, "") is None:
+        rewritten = through_torchrun(args)
+        if rewritten is None or self.forkable([sys.executable, "-m", "engine.train"], env) is None:
             return None
         return rewritten, {**env, SOCKET_ENV: self.path}
 

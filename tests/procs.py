@@ -81,13 +81,13 @@ class ProcessTracker:
         env, cwd = env or engine_env(), str(cwd or ROOT)
         server = ForkServer.shared(engine_env()) if FORK and ForkServer.engine_command(args) else None
         proc = None
-        if server is not None:
+        if server is not None and (through := server.torchrun(args, env)) is not None:
+            args, env = through  # torchrun itself runs for real; its workers are forked
+        elif server is not None:
             try:
                 proc = server.start(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text)
             except (OSError, subprocess.TimeoutExpired) as e:  # the server is gone or stuck: a real start
                 print(f"forkserver: {type(e).__name__}: {e}; {args[:3]} starts for real", file=sys.stderr)
-        if proc is None and server is not None:  # a torchrun of the engine: its workers are forked
-            args, env = server.torchrun(args, env) or (args, env)
         if proc is None:
             proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, text=text,
                                     start_new_session=True)

@@ -101,9 +101,9 @@ def test_under_torchrun_each_worker_is_a_client_and_its_engine_ends_with_it_even
 def test_a_worker_whose_fork_server_is_gone_starts_the_engine_for_real(procs, tmp_path):
     from forkserver import CLIENT, SOCKET_ENV
     done = procs.run([PYTHON, CLIENT, "-m", "engine.train", "--help"],
-                     env=engine_env(**{SOCKET_ENV: str(tmp_path / "no-server")}), timeout=120)
+                     env=engine_env(**{SOCKET_ENV: f"@zb-fork-no-server-{tmp_path.name}"}), timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stderr.startswith("forkclient: FileNotFoundError") and "the engine starts for real" in done.stderr
+    assert done.stderr.startswith("forkclient: ConnectionRefusedError") and "the engine starts for real" in done.stderr
     assert done.stdout.startswith("usage: python -m engine.train CONFIG.toml")
 
 

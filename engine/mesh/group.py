@@ -14,11 +14,13 @@ most one such key per live node and local rank.
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 from engine.errors import first_line
-from engine.mesh.protocol import Keys, MeshError, Plan
+from engine.mesh.membership import text
+from engine.mesh.protocol import Keys, Liveness, MeshError, Plan
 
 _groups: dict[tuple[str, int], tuple[int, Any]] = {}  # (node_id, local_rank) -> (generation, group)
 _own_keys: dict[tuple[str, int], str] = {}  # (node_id, local_rank) -> this rank's rendezvous key of its last group
@@ -95,9 +97,6 @@ class PeerWatch:
     clean exit)."""
 
     def __init__(self, store: Any, timeout: float, clock: Any = None) -> None:
-        import time
-
-        from engine.mesh.protocol import Liveness
         self.store, self.liveness, self.clock = store, Liveness(timeout), clock or time.monotonic
         self.keys = Keys()
 
@@ -114,9 +113,5 @@ class PeerWatch:
         else:
             values = [self.store.get(k) if self.store.check([k]) else None for k in keys]
         for node, raw in zip(nodes, values):
-            if raw is None:
-                self.liveness.expire(node, now)
-            else:
-                counter = int(raw.decode() if isinstance(raw, bytes) else raw)
-                self.liveness.observe(node, counter, now, gone=counter < 0)
+            self.liveness.see(node, None if raw is None else int(text(raw)), now)
         return [n for n in nodes if self.liveness.is_dead(n, now)]

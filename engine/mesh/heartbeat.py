@@ -180,12 +180,8 @@ class Heartbeat:
             fresh = m.liveness.look(now)
             for node in set(m.liveness.known()) - set(others):
                 m.liveness.forget(node)
-            for node, raw in zip(others, values[2:]):
-                if raw is None:  # its leased heartbeat key vanished (etcd): dead now, no timeout to wait
-                    m.liveness.expire(node, now)
-                    continue
-                counter = int(text(raw))
-                m.liveness.observe(node, counter, now, gone=counter < 0)
+            for node, raw in zip(others, values[2:]):  # a leased key that vanished (etcd): dead now, no timeout
+                m.liveness.see(node, None if raw is None else int(text(raw)), now)
             dead = {n: m.liveness.is_dead(n, now) for n in others}
             m.last_look = now
         if not fresh:

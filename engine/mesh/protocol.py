@@ -212,6 +212,14 @@ class Liveness:
         else:
             self._gone.discard(node)
 
+    def see(self, node: str, counter: int | None, now: float) -> None:
+        """One look's reading of a node's heartbeat counter (negative: it left); None: its key is gone (a lease that
+        expired, or an id the leader pruned)."""
+        if counter is None:
+            self.expire(node, now)
+        else:
+            self.observe(node, counter, now, gone=counter < 0)
+
     def expire(self, node: str, now: float) -> None:
         """The node's leased heartbeat key vanished: it stopped renewing its lease for a whole TTL. Dead now, but
         not gone (a death, not a clean exit); its counter seen again (a frozen process woke up) revives it."""
