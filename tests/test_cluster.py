@@ -83,6 +83,7 @@ def write_fake_engine(root: Path) -> None:
     (root / "engine" / "store" / "__init__.py").write_text("")
     (root / "engine" / "store" / "__main__.py").write_text(FAKE_STORE)
 
+
 PROFILE = """\
 # a test cluster
 [run]
