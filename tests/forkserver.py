@@ -45,7 +45,7 @@ IMPORT_READ = ("TORCH_", "PYTORCH_", "HF_", "TRANSFORMERS_", "TRITON_", "OMP_", 
                "CUDA_", "NCCL_", "GLOO_", "TOKENIZERS_", "HOME", "XDG_", "TMPDIR", "LANG", "LC_")
 
 SERVER = r'''
-import ctypes, json, os, select, signal, socket, sys
+import ctypes, json, os, selectors, signal, socket, sys
 path, parent = sys.argv[1], int(sys.argv[2])
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the test session
 if os.getppid() != parent:
@@ -59,33 +59,16 @@ assert len(os.listdir("/proc/self/task")) == 1, "the imports started a native th
 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 listener.bind("\0" + path[1:])  # "@name": the abstract name (address())
 listener.listen(128)
-children = {}  # pid -> the connection that waits for its exit status
-watches = {}  # pidfd of a forkclient.py -> the pid of the engine that ends with it
-gone = set()  # engines reaped whose watch is still open
-
-
-def reap(*_):
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        gone.add(pid)
-        conn = children.pop(pid, None)
-        if conn is not None:
-            try:
-                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-            except OSError:
-                pass
-            conn.close()
+# Every wait is one epoll on file descriptors, no signal handler: a SIGCHLD that lands between a handler's last
+# check and the blocking call waits for the next event (a status lost for minutes, once in a few thousand forks).
+# A pidfd of each child becomes readable when it exits; until this process reaps it there, its pid and process
+# group cannot be reused, so killing the group of a child whose client died never reaches a stranger.
+events = selectors.DefaultSelector()
+events.register(listener, selectors.EVENT_READ, None)
 
 
 def child(req, fds):
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
         os.setsid()
         for i, fd in enumerate(fds):
             os.dup2(fd, i)
@@ -129,53 +112,63 @@ def serve(conn):
             data += more
         req = json.loads(data[8:])
         watch = os.pidfd_open(req["watch"]) if req.get("watch") else None
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # registered before its exit can be reaped
+        pid = os.fork()
+        if pid == 0:
+            child(req, fds)
         try:
-            pid = os.fork()
-            if pid == 0:
-                child(req, fds)
-            children[pid] = conn
+            ended = os.pidfd_open(pid)
+        except OSError:  # untracked, it could never report: it ends here
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
             if watch is not None:
-                watches[watch] = pid
-            try:
-                conn.sendall(f"{pid}\n".encode())
-            except OSError:  # the asker is gone: so is what it asked for
-                os.killpg(pid, signal.SIGKILL)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                os.close(watch)
+            raise
+        events.register(ended, selectors.EVENT_READ, ("ended", pid, conn, watch))
+        if watch is not None:
+            events.register(watch, selectors.EVENT_READ, ("client gone", pid))
+        try:
+            conn.sendall(f"{pid}\n".encode())
+        except OSError:  # the asker is gone: so is what it asked for
+            os.killpg(pid, signal.SIGKILL)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-signal.signal(signal.SIGCHLD, reap)
+def drop(fd):
+    events.unregister(fd)
+    os.close(fd)
+
+
 print("ready", flush=True)
 while True:
-    for fd, pid in list(watches.items()):
-        if pid in gone:
-            del watches[fd]
-            os.close(fd)
-    gone.difference_update(set(gone) - set(watches.values()))
-    try:
-        ready = select.select([listener, *watches], [], [])[0]
-    except OSError:
-        continue
-    for fd in ready:
-        if fd is listener:
+    for key, _ in events.select():
+        if events.get_map().get(key.fd) is not key:  # dropped by an earlier event of this batch
+            continue
+        if key.data is None:
             conn, _ = listener.accept()
             try:
                 serve(conn)
             except Exception as e:  # one bad request costs that request only
                 print(f"forkserver: a request failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                if conn not in children.values():
-                    conn.close()
-        elif fd in watches:  # its forkclient.py ended (torchrun's SIGKILL too): the engine goes with it
+                conn.close()
+        elif key.data[0] == "ended":
+            _, pid, conn, watch = key.data
+            _, status = os.waitpid(pid, 0)
+            drop(key.fd)
+            if watch is not None and watch in events.get_map():
+                drop(watch)
             try:
-                os.killpg(watches[fd], signal.SIGKILL)
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+        elif key.data[0] == "client gone":  # its forkclient.py ended (torchrun's SIGKILL too): the engine goes too
+            try:
+                os.killpg(key.data[1], signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            os.close(fd)
-            del watches[fd]
+            drop(key.fd)
 '''
 
 
