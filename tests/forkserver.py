@@ -146,7 +146,10 @@ while True:
         if events.get_map().get(key.fd) is not key:  # dropped by an earlier event of this batch
             continue
         if key.data is None:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # the asker left before it was heard
+                continue
             try:
                 serve(conn)
             except Exception as e:  # one bad request costs that request only
@@ -156,7 +159,8 @@ while True:
             _, pid, conn, watch = key.data
             _, status = os.waitpid(pid, 0)
             drop(key.fd)
-            if watch is not None and watch in events.get_map():
+            watched = events.get_map().get(watch) if watch is not None else None
+            if watched is not None and watched.data == ("client gone", pid):  # not a number reused since
                 drop(watch)
             try:
                 conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
