@@ -24,11 +24,24 @@ def port() -> int:
     return free_port()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"report_{report.when}", report)  # the procs fixture reads whether its test failed
+
+
 @pytest.fixture
-def procs():
-    """Start processes through this; every one still running at teardown is killed with its process group."""
+def procs(request):
+    """Start processes through this; every one still running at teardown is killed with its process group. A
+    failed test first prints those processes, with their state and what each waits on."""
     tracker = ProcessTracker()
     yield tracker
+    call = getattr(request.node, "report_call", None)
+    if call is not None and call.failed:
+        running = tracker.describe()
+        if running:
+            print(f"processes of this test still running:\n{running}")
     tracker.kill_all()
 
 

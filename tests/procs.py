@@ -105,6 +105,20 @@ class ProcessTracker:
             raise AssertionError(f"timed out after {timeout}s: {' '.join(args)}\n--- stdout\n{out}\n--- stderr\n{err}")
         return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
+    def describe(self) -> str:
+        """The processes of this test that still run: each tracked one, its descendants and the fork server's
+        children, with state and kernel wait channel (what a hung test waits on: a worker in ep_poll whose engine
+        is a zombie of the server, say)."""
+        table = processes()
+        names = {p.pid: " ".join(map(str, p.args)) for p in self.procs if p.poll() is None}
+        roots = list(names)
+        server = ForkServer._shared
+        if roots and server:
+            roots.append(server.proc.pid)
+            names[server.proc.pid] = "the fork server (tests/forkserver.py); its children are forked engines"
+        tree = descendants(roots, table)
+        return "\n".join(process_line(pid, table, depth, names.get(pid)) for pid, depth in tree)
+
     def kill_all(self) -> None:
         errors = []
         for proc in self.procs:  # every one, whatever one of them raises
@@ -114,6 +128,48 @@ class ProcessTracker:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state letter) of every process now, from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)", which may hold spaces
+            out[int(entry)] = (int(fields[1]), fields[0])
+    return out
+
+
+def descendants(roots: list[int], table: dict[int, tuple[int, str]]) -> list[tuple[int, int]]:
+    """(pid, depth) of the roots and every descendant, depth first."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo, seen = [], [(pid, 0) for pid in reversed(roots) if pid in table], set()
+    while todo:
+        pid, depth = todo.pop()
+        if pid in seen:  # a forked engine: a root, and a child of the fork server
+            continue
+        seen.add(pid)
+        out.append((pid, depth))
+        todo += [(c, depth + 1) for c in sorted(children.get(pid, []), reverse=True)]
+    return out
+
+
+def process_line(pid: int, table: dict[int, tuple[int, str]], depth: int, name: str | None) -> str:
+    """One line: pid, state (R, S, D, Z for a zombie), kernel wait channel and what it runs (`name`, else its
+    command line: a fork of the server shows the server's)."""
+    def read(what: str) -> str:
+        try:
+            return Path(f"/proc/{pid}/{what}").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return "?"
+    what = " ".join((name or read("cmdline")).split())  # on one line
+    return f"{'  ' * depth}{pid} {table[pid][1]} wchan={read('wchan') or '-'} {what[:200]}"
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:

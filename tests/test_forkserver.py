@@ -59,6 +59,23 @@ def test_a_forked_engine_killed_by_its_group_reports_the_signal(procs):
     assert not os.path.exists(f"/proc/{proc.pid}")  # reaped by the server before it reported the status
 
 
+def test_a_failed_test_can_say_what_its_running_processes_wait_on(procs):
+    """procs.describe(), which the procs fixture prints when a test fails: a hung CI test named no process."""
+    sleeper = procs.start([PYTHON, "-c", "import time\ntime.sleep(60)\nimport engine.train\nengine.train.cli()"])
+    real = procs.start([PYTHON, "-c", "import time; time.sleep(60)"])
+    time.sleep(0.5)  # both asleep
+    lines = procs.describe().splitlines()
+    mine = {int(line.split()[0]): line for line in lines if not line.startswith(" ")}
+    assert mine[sleeper.pid].split()[1] == "S" and "time.sleep(60)" in mine[sleeper.pid], lines
+    assert mine[real.pid].split()[1] == "S" and "time.sleep(60)" in mine[real.pid], lines
+    assert any("the fork server" in line for line in lines), lines
+    pids = [int(line.split()[0]) for line in lines]
+    assert len(pids) == len(set(pids)), lines  # a forked engine is a root and the server's child: listed once
+    kill_group(sleeper)
+    kill_group(real)
+    assert procs.describe() == ""
+
+
 def test_commands_whose_start_would_differ_are_real_interpreters(procs, tmp_path):
     engine = [PYTHON, "-m", "engine.train", "--help"]
     for args, env in ((engine, engine_env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")),  # another import path
