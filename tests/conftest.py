@@ -37,12 +37,14 @@ def procs(request):
     failed test first prints those processes, with their state and what each waits on."""
     tracker = ProcessTracker()
     yield tracker
-    call = getattr(request.node, "report_call", None)
-    if call is not None and call.failed:
-        running = tracker.describe()
-        if running:
-            print(f"processes of this test still running:\n{running}")
-    tracker.kill_all()
+    try:
+        call = getattr(request.node, "report_call", None)
+        if call is not None and call.failed:
+            running = tracker.describe()
+            if running:
+                print(f"processes of this test still running:\n{running}")
+    finally:
+        tracker.kill_all()
 
 
 @pytest.fixture(autouse=True)

@@ -101,8 +101,20 @@ def child(req, fds):
     os._exit(code)
 
 
+def kill(pid):
+    """SIGKILL a child and its process group. The child itself first: until its setsid() the group does not exist
+    yet. Its pid is safe to use until this process reaps it."""
+    for send in (os.kill, os.killpg):
+        try:
+            send(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def serve(conn):
+    conn.settimeout(10)  # a client that connects and says nothing must not hold up every exit status
     data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    watch = None
     try:
         size = int.from_bytes(data[:8], "big")
         while len(data) < 8 + size:
@@ -110,29 +122,34 @@ def serve(conn):
             if not more:
                 raise ConnectionError("the request ended early")
             data += more
+        conn.settimeout(None)
         req = json.loads(data[8:])
         watch = os.pidfd_open(req["watch"]) if req.get("watch") else None
         pid = os.fork()
         if pid == 0:
-            child(req, fds)
+            try:
+                child(req, fds)
+            finally:
+                os._exit(1)  # never back into this loop, whatever child() raised on its way out
         try:
             ended = os.pidfd_open(pid)
         except OSError:  # untracked, it could never report: it ends here
-            os.killpg(pid, signal.SIGKILL)
+            kill(pid)
             os.waitpid(pid, 0)
-            if watch is not None:
-                os.close(watch)
             raise
         events.register(ended, selectors.EVENT_READ, ("ended", pid, conn, watch))
         if watch is not None:
             events.register(watch, selectors.EVENT_READ, ("client gone", pid))
+            watch = None  # the event owns it now
         try:
             conn.sendall(f"{pid}\n".encode())
         except OSError:  # the asker is gone: so is what it asked for
-            os.killpg(pid, signal.SIGKILL)
+            kill(pid)
     finally:
         for fd in fds:
             os.close(fd)
+        if watch is not None:
+            os.close(watch)
 
 
 def drop(fd):
@@ -140,6 +157,8 @@ def drop(fd):
     os.close(fd)
 
 
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an inherited SIG_IGN would reap the children before waitpid
+os.close(os.pidfd_open(os.getpid()))  # no pidfds (Linux < 5.3): fail now, and the tests start real interpreters
 print("ready", flush=True)
 while True:
     for key, _ in events.select():
@@ -168,10 +187,7 @@ while True:
                 pass
             conn.close()
         elif key.data[0] == "client gone":  # its forkclient.py ended (torchrun's SIGKILL too): the engine goes too
-            try:
-                os.killpg(key.data[1], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill(key.data[1])
             drop(key.fd)
 '''
 

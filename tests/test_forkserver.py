@@ -63,9 +63,13 @@ def test_a_failed_test_can_say_what_its_running_processes_wait_on(procs):
     """procs.describe(), which the procs fixture prints when a test fails: a hung CI test named no process."""
     sleeper = procs.start([PYTHON, "-c", "import time\ntime.sleep(60)\nimport engine.train\nengine.train.cli()"])
     real = procs.start([PYTHON, "-c", "import time; time.sleep(60)"])
-    time.sleep(0.5)  # both asleep
-    lines = procs.describe().splitlines()
-    mine = {int(line.split()[0]): line for line in lines if not line.startswith(" ")}
+    deadline = time.monotonic() + 60
+    while True:  # until both are asleep (a real interpreter starts for a while on a loaded machine)
+        lines = procs.describe().splitlines()
+        mine = {int(line.split()[0]): line for line in lines if not line.startswith(" ")}
+        if all(mine.get(p.pid, "0 R").split()[1] == "S" for p in (sleeper, real)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert mine[sleeper.pid].split()[1] == "S" and "time.sleep(60)" in mine[sleeper.pid], lines
     assert mine[real.pid].split()[1] == "S" and "time.sleep(60)" in mine[real.pid], lines
     assert any("the fork server" in line for line in lines), lines
