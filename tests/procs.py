@@ -108,16 +108,36 @@ class ProcessTracker:
     def describe(self) -> str:
         """The processes of this test that still run: each tracked one, its descendants and the fork server's
         children, with state and kernel wait channel (what a hung test waits on: a worker in ep_poll whose engine
-        is a zombie of the server, say)."""
-        table = processes()
+        is a zombie of the server, say). A forked engine is a root and the server's child: listed once."""
+        import psutil
+
         names = {p.pid: " ".join(map(str, p.args)) for p in self.procs if p.poll() is None}
-        roots = list(names)
         server = ForkServer._shared
-        if roots and server:
-            roots.append(server.proc.pid)
+        if names and server:
             names[server.proc.pid] = "the fork server (tests/forkserver.py); its children are forked engines"
-        tree = descendants(roots, table)
-        return "\n".join(process_line(pid, table, depth, names.get(pid)) for pid, depth in tree)
+        lines: list[str] = []
+        seen: set[int] = set()
+
+        def walk(proc: "psutil.Process", depth: int) -> None:
+            if proc.pid in seen:
+                return
+            seen.add(proc.pid)
+            try:
+                what = " ".join((names.get(proc.pid) or " ".join(proc.cmdline())).split())  # on one line
+                wchan = Path(f"/proc/{proc.pid}/wchan").read_text().strip() or "-"
+                lines.append(f"{'  ' * depth}{proc.pid} {proc.status()} wchan={wchan} {what[:200]}")
+                children = proc.children()
+            except (psutil.Error, OSError):  # gone meanwhile
+                return
+            for c in children:
+                walk(c, depth + 1)
+
+        for pid in names:
+            try:
+                walk(psutil.Process(pid), 0)
+            except psutil.NoSuchProcess:
+                pass
+        return "\n".join(lines)
 
     def kill_all(self) -> None:
         errors = []
@@ -128,48 +148,6 @@ class ProcessTracker:
                 errors.append(e)
         if errors:
             raise errors[0]
-
-
-def processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state letter) of every process now, from /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:  # gone meanwhile
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()  # after "(comm)", which may hold spaces
-            out[int(entry)] = (int(fields[1]), fields[0])
-    return out
-
-
-def descendants(roots: list[int], table: dict[int, tuple[int, str]]) -> list[tuple[int, int]]:
-    """(pid, depth) of the roots and every descendant, depth first."""
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    out, todo, seen = [], [(pid, 0) for pid in reversed(roots) if pid in table], set()
-    while todo:
-        pid, depth = todo.pop()
-        if pid in seen:  # a forked engine: a root, and a child of the fork server
-            continue
-        seen.add(pid)
-        out.append((pid, depth))
-        todo += [(c, depth + 1) for c in sorted(children.get(pid, []), reverse=True)]
-    return out
-
-
-def process_line(pid: int, table: dict[int, tuple[int, str]], depth: int, name: str | None) -> str:
-    """One line: pid, state (R, S, D, Z for a zombie), kernel wait channel and what it runs (`name`, else its
-    command line: a fork of the server shows the server's)."""
-    def read(what: str) -> str:
-        try:
-            return Path(f"/proc/{pid}/{what}").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            return "?"
-    what = " ".join((name or read("cmdline")).split())  # on one line
-    return f"{'  ' * depth}{pid} {table[pid][1]} wchan={read('wchan') or '-'} {what[:200]}"
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 10.0) -> None:

@@ -67,11 +67,12 @@ def test_a_failed_test_can_say_what_its_running_processes_wait_on(procs):
     while True:  # until both are asleep (a real interpreter starts for a while on a loaded machine)
         lines = procs.describe().splitlines()
         mine = {int(line.split()[0]): line for line in lines if not line.startswith(" ")}
-        if all(mine.get(p.pid, "0 R").split()[1] == "S" for p in (sleeper, real)) or time.monotonic() > deadline:
+        asleep = all(mine.get(p.pid, "0 running").split()[1] == "sleeping" for p in (sleeper, real))
+        if asleep or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert mine[sleeper.pid].split()[1] == "S" and "time.sleep(60)" in mine[sleeper.pid], lines
-    assert mine[real.pid].split()[1] == "S" and "time.sleep(60)" in mine[real.pid], lines
+    assert mine[sleeper.pid].split()[1] == "sleeping" and "time.sleep(60)" in mine[sleeper.pid], lines
+    assert mine[real.pid].split()[1] == "sleeping" and "time.sleep(60)" in mine[real.pid], lines
     assert any("the fork server" in line for line in lines), lines
     pids = [int(line.split()[0]) for line in lines]
     assert len(pids) == len(set(pids)), lines  # a forked engine is a root and the server's child: listed once
