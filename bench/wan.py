@@ -687,7 +687,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.bare_worker is not None:
         bare_worker(json.loads(args.bare_worker))
-        return 0
+        # as engine.train.cli(): no C++ static destructors, where gloo's exit-time abort lives ("terminate called
+        # without an active exception", exit -6: one bench run in a few lost all of its arms to it)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     work = Path(tempfile.mkdtemp(prefix="zb-wan-"))
     work.chmod(0o755)
     for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through lab()'s finally: no namespace is left behind

@@ -255,6 +255,12 @@ def _reduce_checks(pg, rank: int) -> dict:
     for name in compression.COMPRESSIONS:
         mean, stats = compression.weighted_mean(_inputs(rank), weights[rank], pg, name)
         out[name] = (mean, stats.bytes_sent, stats.total_weight)
+        # prepared (DilocoOuter.start): the mean then takes every buffer it uses from the prepared ones
+        ex = compression.Exchange()
+        ex.prepare(NUMEL, SIZE, name)
+        prepared = {key: (t.data_ptr(), t.shape) for key, t in ex._bufs.items()}
+        compression.weighted_mean(_inputs(rank), weights[rank], pg, name, exchange=ex)
+        out[f"prepared {name}"] = (prepared, {key: (t.data_ptr(), t.shape) for key, t in ex._bufs.items()})
     return out
 
 
@@ -282,17 +288,20 @@ def _handoff_checks(store, rank: int) -> dict:
     plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
     outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8", outer_lr=0.7, outer_momentum=0.9,
-                       group_factory=lambda p, n, r: recording.append(_Recording(
+                       min_nodes=3, group_factory=lambda p, n, r: recording.append(_Recording(
                            _group(store, p.rank_of(n), p.size, "gen7/"))) or recording[-1])
     progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
     if not joiner:
         outer.opt.momentum = torch.full((36,), 0.01)  # as if 3 outer steps were done
     outer.start(progress)
+    wire = outer.bufs.exchange._bufs
+    prepared = {key: (t.data_ptr(), t.shape) for key, t in wire.items()}  # min_nodes = 3: a mean of three
     if not joiner:
         inner.train_step(10 + rank)
         progress.step = 12
         outer.after_inner_step(progress)
-    return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
+    return {"prepared": prepared, "used": {key: (t.data_ptr(), t.shape) for key, t in wire.items()},
+            "params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
             "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step,
             "sent": [x for r in recording for x in r.sent]}
 
@@ -382,6 +391,18 @@ def test_weighted_mean_ignores_weight_zero_joiner_and_is_identical_everywhere(gr
         assert all(torch.equal(got[0], g) for g in got[1:]), f"{name}: ranks disagree"
         assert group_results[0]["reduce"][name][2] == 3.0
     torch.testing.assert_close(group_results[0]["reduce"]["none"][0], exact, rtol=1e-6, atol=1e-6)
+
+
+def test_a_prepared_exchange_holds_every_buffer_the_mean_uses(group_results):
+    """Exchange.prepare allocates at start what a mean of that size takes, so the run's first outer step faults in
+    no fresh pages (docs/performance.md, "The hand-off's first touches"): the mean allocated nothing more."""
+    for rank in range(SIZE):
+        for name in compression.COMPRESSIONS:
+            prepared, used = group_results[rank]["reduce"][f"prepared {name}"]
+            assert prepared and used == prepared, (rank, name)
+        # and DilocoOuter.start prepares them for diloco.min_nodes members: its first outer step allocated none
+        got = group_results[rank]["handoff"]
+        assert got["prepared"] and got["used"] == got["prepared"], rank
 
 
 def test_bytes_sent_match_ring_cost_and_int8_is_a_quarter(group_results):

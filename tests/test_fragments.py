@@ -102,7 +102,7 @@ def _sync_scenario(rank: int, store) -> dict:
                                outer_momentum=0.9, fragment_alpha=0.25)
     progress = Progress()
     outer.start(progress)
-    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": [], "prepared": _wire(outer)}
     left = False
     for step in range(1, steps + 1):
         inner.train_step(100 * rank + step)
@@ -119,7 +119,14 @@ def _sync_scenario(rank: int, store) -> dict:
     out["events"] = [e for e in events if e["type"] in ("outer_step", "drained")]
     out["final"] = fingerprint(outer.bufs.snapshot)
     out["state"] = outer.state_dict()
+    out["used"] = _wire(outer)
     return out
+
+
+def _wire(outer) -> list[dict]:
+    """Each fragment's wire buffers (address, shape), then the whole model's (which fragments never use)."""
+    return [{k: (t.data_ptr(), t.shape) for k, t in ex._bufs.items()}
+            for ex in [fb.exchange for fb in outer.frag_bufs] + [outer.bufs.exchange]]
 
 
 def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_drain_sends_the_rest(two_nodes):
@@ -196,6 +203,15 @@ def _end_scenario(rank: int, store) -> dict:
                                             if e["type"] == "outer_step"]}
 
 
+def test_every_fragments_wire_buffers_are_prepared_at_start_and_no_others(two_nodes):
+    """With min_nodes = 2, start() allocates each fragment's wire buffers for a mean of two (Exchange.prepare):
+    the outer steps then allocate none, and the whole model's, which fragments never use, is never allocated."""
+    for node in two_nodes["sync"]:
+        *fragments, whole = node["prepared"]
+        assert all(fragments) and not whole
+        assert node["used"] == node["prepared"]
+
+
 def test_the_run_ends_with_every_fragment_synced_and_every_member_on_the_agreed_weights(two_nodes):
     a, b = two_nodes["end"]
     # step 4 syncs fragment 0; then fragments 1 and 2 at once, without training: every fragment synced at step 4
@@ -218,7 +234,7 @@ def _delay_scenario(rank: int, store) -> dict:
                             outer_lr=0.7, outer_momentum=0.5, fragment_alpha=0.5, fragment_delay=2)
     progress = Progress()
     outer.start(progress)
-    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": []}
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": [], "prepared": _wire(outer)}
     while not outer.finished(progress, 15):
         inner.train_step(100 * rank + progress.step + 1)
         progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]

@@ -152,6 +152,9 @@ class DilocoOuter:
         """Join the mesh. A joiner waits for admission, takes part in that outer step with weight 0 and then
         receives parameters, outer state and progress from the plan's source."""
         self.node_id = self.links.node_id = self.local.share(self.node_id)  # local rank 0's id names the node
+        if self.cfg.min_nodes >= 2:  # a run that may stay one node has no mean to send, and allocates nothing
+            for ex, numel in self._exchanges():
+                ex.prepare(numel, self.cfg.min_nodes, self.cfg.compression)
         self.links.connect()
         joiner = self.local.on_leader("mesh start", lambda: self.mesh.start())
         self._started = True
@@ -464,6 +467,10 @@ class DilocoOuter:
     def _exchange_bufs(self, plan: Any) -> Any:
         """The buffers this outer step's exchange writes its mean into (and renews after an abandoned collective)."""
         return self.bufs
+
+    def _exchanges(self) -> list[tuple[allreduce.Exchange, int]]:
+        """Every Exchange an outer step's mean may use, with the values it averages (prepared at start)."""
+        return [(self.bufs.exchange, self.bufs.numel)]
 
     def _outer_step_fields(self) -> dict[str, Any]:
         """More fields of the outer_step event."""

@@ -214,6 +214,9 @@ class FragmentedDiloco(DilocoOuter):
         self._frag = f  # a joiner sends zeros of the fragment's size
         return self.frag_bufs[f]
 
+    def _exchanges(self) -> list[tuple[Any, int]]:
+        return [(fb.exchange, fb.hi - fb.lo) for fb in self.frag_bufs]
+
     @torch.no_grad()
     def _pseudo_gradient(self) -> torch.Tensor:
         """pgrad[f] = snapshot[f] - params[f] for this outer step's fragment f (a view of the pgrad buffer)."""
