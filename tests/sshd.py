@@ -14,6 +14,7 @@ sshd is started with `-D` and killed by PID; the connection processes are found 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pwd
 import shutil
@@ -33,15 +34,19 @@ SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
 def ensure_user(name: str = USER) -> pwd.struct_passwd:
-    try:
+    """The login user of the SSH tests and labs, created once. Two test workers may ask at once on a fresh machine:
+    the first creates it under a lock, the second then finds it (useradd would fail on /etc/passwd's lock)."""
+    with open("/run/zbtest-user.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held for a useradd at most
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            pass
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True, capture_output=True,
+                       timeout=30)
+        # useradd leaves the password field "!" (locked); sshd without PAM refuses locked accounts even for keys
+        subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
         return pwd.getpwnam(name)
-    except KeyError:
-        pass
-    subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True, capture_output=True,
-                   timeout=30)
-    # useradd leaves the password field "!" (locked); sshd without PAM refuses locked accounts even for keys
-    subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
-    return pwd.getpwnam(name)
 
 
 def _others_can_run(path: str) -> bool:

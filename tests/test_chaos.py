@@ -5,8 +5,6 @@ heartbeat_timeout + 2 s outside store outages, nothing left behind."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
 import socket
@@ -19,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lab import net
-from lab.lab import LOCK
+from lab.lab import holding_lock as holding_lab_lock
 from lab.schedule import KINDS, LEADER, Timing, make_schedule
 from lab.verdict import agreement, frontier, judge, losses, stalls
 
@@ -165,21 +163,6 @@ def test_verdict_fails_on_each_goal_and_says_which():
 
 
 # ---- the network faults, for real (root, ip netns, nftables) ---------------------------------------------------
-@contextlib.contextmanager
-def holding_lab_lock():
-    """The chaos lab's lock: nothing of another lab is half set up or half torn down while it is held."""
-    with open(LOCK, "a+") as lock:
-        deadline = time.monotonic() + 600  # a chaos run holds it for a few minutes at most
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                assert time.monotonic() < deadline, "another chaos lab held the lock for 10 minutes"
-                time.sleep(1)
-        yield
-
-
 @pytest.fixture
 def lab_lock():
     with holding_lab_lock():
@@ -194,6 +177,7 @@ def reachable(address: str, port: int, timeout: float = 1.0) -> bool:
         return False
 
 
+@pytest.mark.timeout(900)  # up to 600 s waiting for another test worker's lab to give up the lock
 def test_link_loss_and_blackhole_in_a_namespace_and_nothing_left_behind(lab_lock):
     net.cleanup_leftovers()
     host = net.NetHost("t", 10)
@@ -264,34 +248,42 @@ def test_short_chaos_run_meets_every_goal(tmp_path):
     assert (out / "timeline.png").stat().st_size > 10_000 and (out / "report.txt").read_text()
 
 
-def test_cleanup_removes_what_a_killed_lab_left():
-    """`scripts/chaos.py --cleanup`: namespaces with what runs in them, links, the lab's consoles, its temp dirs."""
+@pytest.mark.timeout(900)  # up to 600 s waiting for another test worker's lab to give up the lock
+def test_cleanup_removes_what_a_killed_lab_left(capsys):
+    """`scripts/chaos.py --cleanup`: namespaces with what runs in them, links, the lab's consoles, its temp dirs. It
+    refuses while a lab holds the lock. The test holds the lock throughout (the tests run two at a time: a cleanup
+    between a release and the removal would take another worker's running lab apart), so the removal under it is
+    remove_leftovers, what --cleanup runs once it has the lock."""
     from lab.cli import main
+    from lab.lab import remove_leftovers
 
     with holding_lab_lock():
-        pass  # no lab is running now (--cleanup refuses while one is)
-    net.cleanup_leftovers()
-    net.sh(["ip", "netns", "add", "zbc-left"])
-    net.sh(["ip", "link", "add", "zbc-lbr", "type", "bridge"])  # a link in the root namespace
-    lab_dir = Path(tempfile.mkdtemp(prefix="zbc-lab-"))
-    console = subprocess.Popen(["sh", "-c", "sleep 600", str(lab_dir / "chaos.toml")], start_new_session=True)
-    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)  # not the lab's: must survive
-    sleeper = subprocess.Popen(["ip", "netns", "exec", "zbc-left", "sleep", "600"], start_new_session=True)
-    (lab_dir / "console.pids").write_text(f"{console.pid}\n{stranger.pid}\n")
-    try:
-        assert net.leftovers() == (["zbc-left"], ["zbc-lbr"])
-        time.sleep(0.3)  # the sleeper has entered the namespace
-        assert main(["--cleanup"]) == 0
-        assert net.leftovers() == ([], [])
-        assert not lab_dir.exists()
-        assert console.wait(timeout=10) == -9 and sleeper.wait(timeout=10) == -9
-        assert stranger.poll() is None
-    finally:
-        for proc in (console, stranger, sleeper):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
         net.cleanup_leftovers()
+        net.sh(["ip", "netns", "add", "zbc-left"])
+        net.sh(["ip", "link", "add", "zbc-lbr", "type", "bridge"])  # a link in the root namespace
+        lab_dir = Path(tempfile.mkdtemp(prefix="zbc-lab-"))
+        console = subprocess.Popen(["sh", "-c", "sleep 600", str(lab_dir / "chaos.toml")], start_new_session=True)
+        stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)  # not the lab's: must survive
+        sleeper = subprocess.Popen(["ip", "netns", "exec", "zbc-left", "sleep", "600"], start_new_session=True)
+        (lab_dir / "console.pids").write_text(f"{console.pid}\n{stranger.pid}\n")
+        try:
+            assert net.leftovers() == (["zbc-left"], ["zbc-lbr"])
+            time.sleep(0.3)  # the sleeper has entered the namespace
+            assert main(["--cleanup"]) != 0  # a lab (this test) holds the lock: nothing removed
+            assert "a chaos lab is running" in capsys.readouterr().err
+            assert net.leftovers() == (["zbc-left"], ["zbc-lbr"]) and lab_dir.exists() and console.poll() is None
+            gone = remove_leftovers()
+            assert {"zbc-left", "zbc-lbr", f"console {console.pid}", str(lab_dir)} <= set(gone), gone
+            assert net.leftovers() == ([], [])
+            assert not lab_dir.exists()
+            assert console.wait(timeout=10) == -9 and sleeper.wait(timeout=10) == -9
+            assert stranger.poll() is None
+        finally:
+            for proc in (console, stranger, sleeper):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            net.cleanup_leftovers()
 
 
 def test_with_time_rounds_the_stall_limit_is_one_round_longer():

@@ -287,20 +287,25 @@ def _handoff_checks(store, rank: int) -> dict:
     joiner = node == "c"
     plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
+    prepared: list = []  # the wire buffers when the group is first fetched, just before the first mean
+
+    def group(p, n, r):
+        if not prepared:
+            prepared.append({key: (t.data_ptr(), t.shape) for key, t in outer.bufs.exchange._bufs.items()})
+        recording.append(_Recording(_group(store, p.rank_of(n), p.size, "gen7/")))
+        return recording[-1]
     outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8", outer_lr=0.7, outer_momentum=0.9,
-                       min_nodes=3, group_factory=lambda p, n, r: recording.append(_Recording(
-                           _group(store, p.rank_of(n), p.size, "gen7/"))) or recording[-1])
+                       min_nodes=3, group_factory=group)
     progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
     if not joiner:
         outer.opt.momentum = torch.full((36,), 0.01)  # as if 3 outer steps were done
     outer.start(progress)
     wire = outer.bufs.exchange._bufs
-    prepared = {key: (t.data_ptr(), t.shape) for key, t in wire.items()}  # min_nodes = 3: a mean of three
     if not joiner:
         inner.train_step(10 + rank)
         progress.step = 12
         outer.after_inner_step(progress)
-    return {"prepared": prepared, "used": {key: (t.data_ptr(), t.shape) for key, t in wire.items()},
+    return {"prepared": prepared[0], "used": {key: (t.data_ptr(), t.shape) for key, t in wire.items()},
             "params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
             "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step,
             "sent": [x for r in recording for x in r.sent]}

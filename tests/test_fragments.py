@@ -206,7 +206,7 @@ def _end_scenario(rank: int, store) -> dict:
 def test_every_fragments_wire_buffers_are_prepared_at_start_and_no_others(two_nodes):
     """With min_nodes = 2, start() allocates each fragment's wire buffers for a mean of two (Exchange.prepare):
     the outer steps then allocate none, and the whole model's, which fragments never use, is never allocated."""
-    for node in two_nodes["sync"]:
+    for node in two_nodes["sync"] + two_nodes["delay"]:  # the delayed fragments' means run in a thread
         *fragments, whole = node["prepared"]
         assert all(fragments) and not whole
         assert node["used"] == node["prepared"]
@@ -245,6 +245,7 @@ def _delay_scenario(rank: int, store) -> dict:
     out["snapshot"] = outer.bufs.snapshot.clone()
     out["outer"] = [(e["outer_step"], e["fragment"], e["step"], e["weights"]) for e in events
                     if e["type"] == "outer_step"]
+    out["used"] = _wire(outer)
     return out
 
 

@@ -14,16 +14,13 @@ console/sync.py).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import fcntl
 import io
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -459,23 +456,6 @@ python = "{python}"
 """
 
 
-@contextlib.contextmanager
-def lab_lock():
-    """The chaos lab's lock: namespaces, the bridge and the subnet are shared by every lab (tests/lab/lab.py)."""
-    from lab.lab import LOCK
-
-    with open(LOCK, "a+") as lock:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                assert time.monotonic() < deadline, "another lab held the lock for 10 minutes"
-                time.sleep(1)
-        yield
-
-
 class PreflightLab:
     """Namespaces zbc-a .. zbc-store on one bridge, an sshd in each, a workdir per host (one file system)."""
 
@@ -573,7 +553,9 @@ def test_lab_check_names_every_planted_problem_then_sync_and_fixes_make_it_train
     assert here is not None and here.commit
     older = subprocess.run(["git", "-C", str(ROOT), "log", "-n", "2", "--format=%H", "HEAD", "--", "engine"],
                            capture_output=True, text=True, check=True, timeout=30).stdout.split()[-1]
-    with lab_lock():
+    from lab.lab import holding_lock
+
+    with holding_lock():
         net.cleanup_leftovers()
         root = Path(tempfile.mkdtemp(prefix="zbc-lab-preflight-"))  # lab cleanup (scripts/chaos.py) knows the prefix
         root.chmod(0o755)

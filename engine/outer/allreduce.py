@@ -111,7 +111,8 @@ class Exchange:
         """Allocate and touch, now, every buffer a weighted mean of `numel` values over `size` ranks takes from here
         on the host, so that the first one does not fault in fresh pages at a boundary, where every member waits
         for the slowest (a first touch of a 15m model's 80 MB of wire buffers took 0.05 s of the run's first
-        outer step; docs/performance.md). Buffers on a GPU come from the caching allocator and are left to it."""
+        outer step; docs/performance.md). Not on a GPU: its device buffers come from the caching allocator, and
+        its pinned host copies (slow to allocate too) are not prepared yet, untested without a GPU here."""
         if not self.on_host or size < 2:
             return
         if compression == "none":

@@ -13,6 +13,7 @@ every node back the schedule is aborted. docs/reliability.md has the definitions
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -608,28 +609,51 @@ class Lab:
         return done.returncode, text[:400]
 
 
+@contextlib.contextmanager
+def holding_lock(wait_s: float = 600.0):
+    """The labs' lock, held for the block: nothing of another lab (a chaos run, the wan bench, the preflight lab, a
+    test of either, in this or another test worker) is half set up or half torn down meanwhile. Waits up to
+    wait_s for the lab that holds it."""
+    with open(LOCK, "a+") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LabError(f"another lab held the lock {LOCK} for {wait_s:.0f} s") from None
+                time.sleep(1)
+        yield
+
+
 def cleanup_leftovers() -> list[str]:
-    """What a killed lab left: namespaces and links (net), its consoles (by the pids it recorded, checked against
-    their command line), its temp dirs. Refuses while a lab holds the lock."""
+    """What a killed lab left (remove_leftovers). Refuses while a lab holds the lock."""
     with open(LOCK, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise LabError(f"a chaos lab is running (lock {LOCK}): nothing removed") from None
-        gone = net.cleanup_leftovers()
-        for lab_dir in Path(tempfile.gettempdir()).glob("zbc-lab-*"):
-            pids = lab_dir / CONSOLE_PIDS
-            for word in (pids.read_text().split() if pids.exists() else []):
-                try:
-                    cmdline = Path(f"/proc/{int(word)}/cmdline").read_bytes()
-                except (FileNotFoundError, ValueError):
-                    continue
-                if str(lab_dir).encode() in cmdline:  # its profile lives in that dir: not a reused pid
-                    os.killpg(int(word), signal.SIGKILL)
-                    gone.append(f"console {word}")
-            shutil.rmtree(lab_dir, ignore_errors=True)
-            gone.append(str(lab_dir))
-        return gone
+        return remove_leftovers()
+
+
+def remove_leftovers() -> list[str]:
+    """Namespaces and links (net), the labs' consoles (by the pids each recorded, checked against their command
+    line), their temp dirs. The caller holds the lock: without it this would take a running lab apart."""
+    gone = net.cleanup_leftovers()
+    for lab_dir in Path(tempfile.gettempdir()).glob("zbc-lab-*"):
+        pids = lab_dir / CONSOLE_PIDS
+        for word in (pids.read_text().split() if pids.exists() else []):
+            try:
+                cmdline = Path(f"/proc/{int(word)}/cmdline").read_bytes()
+            except (FileNotFoundError, ValueError):
+                continue
+            if str(lab_dir).encode() in cmdline:  # its profile lives in that dir: not a reused pid
+                os.killpg(int(word), signal.SIGKILL)
+                gone.append(f"console {word}")
+        shutil.rmtree(lab_dir, ignore_errors=True)
+        gone.append(str(lab_dir))
+    return gone
 
 
 def lab_env() -> dict[str, str]:
