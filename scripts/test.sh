@@ -3,7 +3,7 @@
 #
 # The tests run on min(cores, 4) pytest-xdist workers: about half of a test's time is spent waiting (on engines
 # starting, heartbeats, timeouts, a shaped link), so on 2 cores one test at a time left 44 % of the CPU idle and two
-# at a time took pytest from 1180 s to 789-832 s (docs/reliability.md, "The test machine").
+# at a time took pytest from 1180 s to 786-832 s (docs/reliability.md, "The test machine").
 # ZEROBAND_TEST_WORKERS=N runs N at a time; 0 or 1, one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
