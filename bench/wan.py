@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -68,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the lab's namespace code lives beside the chaos tests
 
 from lab import net  # noqa: E402
-from lab.lab import LOCK  # noqa: E402 (one lab at a time: they share the names and the subnet)
+from lab.lab import LabError, holding_lock  # noqa: E402
 
 NAMES = "abcd"
 STORE_PORT = 29600
@@ -185,16 +184,7 @@ def lab(args):
     """The shaped hosts, under the chaos lab's lock; everything of the lab's prefix is removed before and after."""
     if os.geteuid() != 0:
         raise LabFailed("needs root (network namespaces, tc, nftables)")
-    with open(LOCK, "a+") as lock:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise LabFailed(f"another lab held {LOCK} for 10 minutes") from None
-                time.sleep(1)
+    with holding_lock(600):  # one lab at a time: they share the names and the subnet
         net.cleanup_leftovers()
         hosts = [net.NetHost(NAMES[i], 10 + i) for i in range(args.hosts)]
         try:
@@ -698,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _raise_exit)
     try:
         summary, slow_start = measure(args, work)
-    except (LabFailed, net.NetError) as e:
+    except (LabFailed, LabError, net.NetError) as e:
         print(f"wan: {e}", file=sys.stderr)
         return 2
     finally:

@@ -253,19 +253,8 @@ class Lab:
     def take_lock(self) -> None:
         """One lab at a time (they share the names and the subnet): wait up to lock_wait_s for another to end."""
         self._lock_file = open(LOCK, "a+")  # noqa: SIM115 (held for the whole run)
-        end, said = time.monotonic() + self.o.lock_wait_s, False
-        while True:
-            try:
-                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > end:
-                    raise LabError(f"another chaos lab is running (lock {LOCK}; waited "
-                                   f"{self.o.lock_wait_s:.0f}s)") from None
-                if not said:
-                    self.say(f"[lab] waiting up to {self.o.lock_wait_s:.0f}s for another chaos lab to end ({LOCK})")
-                    said = True
-                time.sleep(1)
+        wait_for_lock(self._lock_file, self.o.lock_wait_s, on_wait=lambda: self.say(
+            f"[lab] waiting up to {self.o.lock_wait_s:.0f}s for another lab to end ({LOCK})"))
         self.t0 = time.time()  # the run's clock and deadline start once the lab has the machine
         self.deadline = time.monotonic() + self.o.deadline_s
 
@@ -609,30 +598,38 @@ class Lab:
         return done.returncode, text[:400]
 
 
+def wait_for_lock(file, wait_s: float, on_wait=None) -> None:
+    """Take the labs' lock on an open `file` of LOCK, waiting up to wait_s for the lab that holds it (on_wait() is
+    called once, when it first has to wait). One lab at a time: they share the names and the subnet."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LabError(f"another lab is running (lock {LOCK}; waited {wait_s:.0f}s)") from None
+            if on_wait is not None:
+                on_wait()
+                on_wait = None
+            time.sleep(1)
+
+
 @contextlib.contextmanager
 def holding_lock(wait_s: float = 600.0):
     """The labs' lock, held for the block: nothing of another lab (a chaos run, the wan bench, the preflight lab, a
-    test of either, in this or another test worker) is half set up or half torn down meanwhile. Waits up to
-    wait_s for the lab that holds it."""
-    with open(LOCK, "a+") as lock:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise LabError(f"another lab held the lock {LOCK} for {wait_s:.0f} s") from None
-                time.sleep(1)
+    test of either, in this or another test worker) is half set up or half torn down meanwhile."""
+    with open(LOCK, "a+") as file:
+        wait_for_lock(file, wait_s)
         yield
 
 
 def cleanup_leftovers() -> list[str]:
     """What a killed lab left (remove_leftovers). Refuses while a lab holds the lock."""
-    with open(LOCK, "a+") as lock:
+    with open(LOCK, "a+") as file:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            wait_for_lock(file, 0)
+        except LabError:
             raise LabError(f"a chaos lab is running (lock {LOCK}): nothing removed") from None
         return remove_leftovers()
 
