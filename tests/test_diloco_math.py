@@ -506,37 +506,43 @@ class _BrokenChain:
     """A plan's group whose fingerprint all_gather answers with the given rows and whose chain breaks (a peer died
     mid-transfer)."""
 
-    def __init__(self, rows, rank):
-        self.rows, self._rank = rows, rank  # rows None: the check itself fails (a member died meanwhile)
+    def __init__(self, rows, rank, error=RuntimeError("Connection closed by peer")):
+        self.rows, self._rank = rows, rank  # rows None: the check itself fails with `error` too
+        self.error = error
 
     def rank(self):
         return self._rank
 
     def allgather(self, outputs, inputs):
         if self.rows is None:
-            raise RuntimeError("state check: d stopped beating (mesh.heartbeat_timeout)")
+            raise self.error
         for out, row in zip(outputs[0], self.rows):
             out.copy_(torch.tensor(row))
         return SimpleNamespace(wait=lambda: None)
 
     def send(self, *args):
-        raise RuntimeError("Connection closed by peer")
+        raise self.error
 
     recv = send
 
 
-def _failed_handoff(plan, rows, node="b"):
-    """StateHandoff.send on member `node` whose chain breaks; returns (the step-outs it asked for, its warnings)."""
-    stepped, warnings = [], []
+def _failed_handoff(plan, rows, node="b", error=RuntimeError("Connection closed by peer"), into_mean=False,
+                    seen=None):
+    """StateHandoff.send on member `node` whose chain breaks with `error`; returns (the step-outs it asked for, its
+    warnings). `seen` collects the groups it reported failed and the scratch renewals."""
+    stepped, warnings, seen = [], [], {} if seen is None else seen
     mesh = SimpleNamespace(step_out=lambda p, why, cause: stepped.append(f"{why} [{cause}]"))
     links = SimpleNamespace(node_id=node, local=SimpleNamespace(size=1), mesh=mesh, dead=lambda p: [],
-                            group=lambda p: _BrokenChain(rows, p.rank_of(node)), bounded=lambda p, what, fn, **kw: fn())
+                            group=lambda p: _BrokenChain(rows, p.rank_of(node), error),
+                            bounded=lambda p, what, fn, **kw: fn(),
+                            failed=lambda p, e: seen.setdefault("failed", []).append((p.generation, type(e))))
     opt = OuterOptimizer("nesterov", 0.7, 0.9)
     opt.momentum = torch.zeros(4)
-    bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"))
+    bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"),
+                           renew_scratch=lambda: seen.setdefault("renewed", []).append(1))
     emit = lambda kind, message: warnings.append(message)  # noqa: E731
     handoff.StateHandoff(bufs, opt, links, emit).send(plan, Progress(), torch.ones(4), lambda *a: None,
-                                                        into_mean=False)
+                                                        into_mean=into_mean)
     return stepped, warnings
 
 
@@ -553,6 +559,27 @@ def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_t
     assert _failed_handoff(forming, None)[0] == []  # the check failed: nothing says b differs
     join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
     assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
+
+
+def test_a_failed_hand_off_retires_its_group_and_a_given_up_one_its_mean_buffer():
+    """Defect: a hand-off that failed left its generation's group in the cache (a store that went away under it
+    was not noticed either), and one given up on a death upstream left the mean buffer to the abandoned chain's
+    thread, which writes the pieces still coming from a frozen node that wakes up into it: into the next outer
+    step's mean, as an abandoned collective would (exchange.py renews its buffers for this)."""
+    from engine.outer.groups import PeerLost
+    join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
+    lost = PeerLost("state hand-off: a stopped beating (mesh.heartbeat_timeout)")
+    for error, into_mean, renewed in ((lost, True, [1]), (lost, False, []),
+                                      (RuntimeError("Connection closed by peer"), True, [])):
+        seen: dict = {}
+        _, warnings = _failed_handoff(join, None, error=error, into_mean=into_mean, seen=seen)
+        assert seen.get("failed") == [(4, type(error))], (error, seen)
+        assert seen.get("renewed", []) == renewed, (error, into_mean, seen)
+        assert any("state hand-off to ['c'] failed" in w for w in warnings), warnings
+    # the fingerprint check given up (nothing was handed the mean buffer): the group goes, the buffer stays
+    forming, seen = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=True), {}
+    _failed_handoff(forming, None, error=lost, into_mean=True, seen=seen)
+    assert seen.get("failed") == [(3, PeerLost)] and "renewed" not in seen, seen
 
 
 def test_a_node_whose_next_in_the_chain_died_keeps_the_state_it_received(group_results):

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from engine.mesh.protocol import MeshError
 from engine.outer.buffers import OuterBuffers, fingerprint
-from engine.outer.groups import GROUP_ERRORS, MeshLinks
+from engine.outer.groups import GROUP_ERRORS, MeshLinks, PeerLost
 from engine.outer.optimizer import OuterOptimizer
 from engine.outer.progress import Progress
 from engine.errors import first_line
@@ -55,6 +55,7 @@ class StateHandoff:
         (into_mean: receive the parameters straight into the free mean buffer, where it is on the host)."""
         source = self.links.node_id == plan.source
         differs = False  # this member's fingerprints were read and are not the source's
+        tensors: list[torch.Tensor] = []
         try:
             if not plan.joiners:  # a (re)formed run's first outer step: fingerprints first
                 rows = self._fingerprints(plan, agreed)
@@ -66,6 +67,11 @@ class StateHandoff:
             self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
             # already committed here: a joiner that missed its state fails on its side and is dropped later
+            self.links.failed(plan, e)  # the next outer step of this generation builds a new group
+            if isinstance(e, PeerLost) and tensors and tensors[0] is self.bufs.mean:
+                # the abandoned chain's thread may still write pieces into the mean buffer when a frozen node
+                # before this one wakes up, as an abandoned collective may (exchange.py)
+                self.bufs.renew_scratch()
             self.emit("warning", message=f"state hand-off to {list(plan.joiners) or 'the members'} failed: "
                                          f"{first_line(e, 200)}")
             if plan.forming and differs:  # not when the check itself failed: then nothing says it differs
