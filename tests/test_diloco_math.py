@@ -58,6 +58,33 @@ def test_sgd_momentum_and_average_by_hand():
     assert torch.allclose(avg.propose(s, g).params, torch.tensor([0.8]))
 
 
+def test_a_reserved_momentum_is_the_memory_the_first_step_writes_into():
+    """reserve() takes the momentum's memory at start (touched), so the first outer step does not fault in 4 bytes
+    per parameter at a boundary; the step's numbers are those of an optimizer without it, and momentum stays None
+    (no outer step yet) until that step. A proposal never takes the reserve; a restored momentum frees it."""
+    s, g = torch.randn(6), torch.randn(6)
+    plain, opt = OuterOptimizer("nesterov", 0.7, 0.9), OuterOptimizer("nesterov", 0.7, 0.9)
+    opt.reserve(6, "cpu")
+    assert opt.momentum is None
+    reserved = opt._spare.data_ptr()
+    proposal = opt.propose(s, g)
+    assert opt.momentum is None and opt._spare is not None  # nothing of the optimizer changed
+    assert proposal.momentum.data_ptr() != reserved  # nor does the proposal share its memory
+    a, b = s.clone(), s.clone()
+    plain.step_(a, g.clone())
+    opt.step_(b, g.clone())
+    assert torch.equal(a, b) and torch.equal(plain.momentum, opt.momentum)
+    assert opt.momentum.data_ptr() == reserved and opt._spare is None
+    restored = OuterOptimizer("nesterov", 0.7, 0.9)
+    restored.reserve(6, "cpu")
+    restored.load_state_dict({"kind": "nesterov", "momentum": torch.ones(6)})
+    assert restored._spare is None
+    for kind, beta in (("average", 0.9), ("sgd", 0.0)):  # keeps no momentum: reserves nothing
+        none = OuterOptimizer(kind, 0.7, beta)
+        none.reserve(6, "cpu")
+        assert none._spare is None, kind
+
+
 def test_propose_leaves_state_untouched_until_commit():
     opt = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
     s, g = torch.randn(5), torch.randn(5)
@@ -288,10 +315,12 @@ def _handoff_checks(store, rank: int) -> dict:
     plan = make_plan(7, 4, 0, ["a", "b", "c"], joiners=["c"], source="a")
     mesh = FakeMesh([plan], [True], joiner=joiner)
     prepared: list = []  # the wire buffers when the group is first fetched, just before the first mean
+    reserved: list = []  # and the momentum's reserved memory (the joiner's: the others restored one)
 
     def group(p, n, r):
         if not prepared:
             prepared.append({key: (t.data_ptr(), t.shape) for key, t in outer.bufs.exchange._bufs.items()})
+            reserved.append(None if outer.opt._spare is None else outer.opt._spare.data_ptr())
         recording.append(_Recording(_group(store, p.rank_of(n), p.size, "gen7/")))
         return recording[-1]
     outer = make_outer(inner, mesh, node=node, inner_steps=3, compression="int8", outer_lr=0.7, outer_momentum=0.9,
@@ -306,6 +335,7 @@ def _handoff_checks(store, rank: int) -> dict:
         progress.step = 12
         outer.after_inner_step(progress)
     return {"prepared": prepared[0], "used": {key: (t.data_ptr(), t.shape) for key, t in wire.items()},
+            "reserved": reserved[0], "momentum_at": outer.opt.momentum.data_ptr(),
             "params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
             "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step,
             "sent": [x for r in recording for x in r.sent]}
@@ -447,6 +477,8 @@ def test_joiner_receives_weights_momentum_and_progress(group_results):
     h = [group_results[r]["handoff"] for r in range(SIZE)]
     assert torch.equal(h[0]["params"], h[1]["params"]) and torch.equal(h[0]["params"], h[2]["params"])
     assert torch.equal(h[0]["momentum"], h[2]["momentum"])
+    # the joiner received the momentum into the memory it reserved at start; the members, which had one, reserved none
+    assert h[2]["reserved"] == h[2]["momentum_at"] and h[0]["reserved"] is h[1]["reserved"] is None
     assert h[0]["progress"] == h[2]["progress"] == (12, 4, 12345)
     assert h[0]["checksum"]["checksum"] == h[1]["checksum"]["checksum"] == h[2]["checksum"]["checksum"]
     assert h[0]["checksum"]["members"] == ["a", "b", "c"]

@@ -155,6 +155,7 @@ class DilocoOuter:
         if self.cfg.min_nodes >= 2:  # a run that may stay one node has no mean to send, and allocates nothing
             for ex, numel in self._exchanges():
                 ex.prepare(numel, self.cfg.min_nodes, self.cfg.compression)
+        self.opt.reserve(self.bufs.numel, self.bufs.device)  # where a momentum is kept and none was restored
         self.links.connect()
         joiner = self.local.on_leader("mesh start", lambda: self.mesh.start())
         self._started = True
@@ -393,7 +394,7 @@ class DilocoOuter:
         """Make params this node's weights and snapshot (and, from a hand-off, the outer momentum too)."""
         if handoff is not None and self.opt.keeps_momentum:
             if self.opt.momentum is None:
-                self.opt.momentum = handoff[1].to(self.bufs.device, torch.float32, copy=True)
+                self.opt.momentum = self.opt.first_momentum(handoff[1], self.bufs.device)
             else:
                 self.opt.momentum.copy_(handoff[1])
         self._land(params)

@@ -33,10 +33,26 @@ class OuterOptimizer:
         self.kind, self.lr, self.beta = kind, lr, momentum
         # created on the first step (buf = g, like torch's SGD), then updated in place for the life of the run
         self.momentum: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # reserve(): the memory the first momentum is written into
 
     @property
     def keeps_momentum(self) -> bool:
         return self.kind != "average" and self.beta > 0
+
+    def reserve(self, numel: int, device: torch.device | str) -> None:
+        """Allocate and touch the momentum's memory now (zeros), where a config keeps one and none was restored: the
+        first outer step (or a joiner's hand-off) writes into it instead of a fresh copy, whose first touch of 4
+        bytes per parameter would fall in a boundary, where every member waits for the slowest. `momentum` stays
+        None until then: the checkpoint, the hand-off and the fingerprints tell "no outer step yet" by it."""
+        if self.keeps_momentum and self.momentum is None:
+            self._spare = torch.zeros(numel, dtype=torch.float32, device=device)
+
+    def first_momentum(self, buf: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+        """The run's first momentum: a fp32 copy of buf on `device`, in the reserved memory when it fits."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.shape == buf.shape and spare.device == torch.device(device):
+            return spare.copy_(buf)
+        return buf.to(device, torch.float32, copy=True)
 
     @torch.no_grad()
     def step_(self, snapshot: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> None:
@@ -50,7 +66,7 @@ class OuterOptimizer:
             torch.add(snapshot, g, alpha=-self.lr, out=out)
             return
         if self.momentum is None:
-            self.momentum = g.clone()  # once per run: buf = g
+            self.momentum = self.first_momentum(g, g.device)  # once per run: buf = g
         else:
             torch.add(g, self.momentum, alpha=self.beta, out=self.momentum)  # beta * buf + g, one pass
         step = g.add_(self.momentum, alpha=self.beta) if self.kind == "nesterov" else self.momentum
@@ -75,13 +91,13 @@ class OuterOptimizer:
 
     def propose(self, snapshot: torch.Tensor, pgrad: torch.Tensor) -> Proposal:
         """The update step_ would make, into copies: nothing of this optimizer changes."""
-        params, kept = snapshot.clone(), self.momentum
-        self.momentum = None if kept is None else kept.clone()
+        params, kept, spare = snapshot.clone(), self.momentum, self._spare
+        self.momentum, self._spare = None if kept is None else kept.clone(), None
         try:
             self.step_(params, pgrad.clone())
             return Proposal(params, self.momentum if self.keeps_momentum else None)
         finally:
-            self.momentum = kept
+            self.momentum, self._spare = kept, spare
 
     def commit(self, proposal: Proposal) -> None:
         self.momentum = proposal.momentum
@@ -93,6 +109,8 @@ class OuterOptimizer:
         if sd.get("kind") != self.kind:
             raise ValueError(f"outer state: saved for outer_optimizer {sd.get('kind')!r}, config says {self.kind!r}")
         self.momentum = sd["momentum"]
+        if self.momentum is not None:
+            self._spare = None
 
 
 def flat_params(tensors: list[torch.Tensor]) -> torch.Tensor:
