@@ -96,6 +96,11 @@ def test_quick_lab_prints_every_figure_and_the_last_line(tmp_path):
         assert row["handoff"]["chain_s"] >= 0.95 * row["handoff"]["chain_bound_s"], row["handoff"]
         assert row["tokens_per_s_sync"] > 0
     assert int8["tokens_per_s_overlap"] > 0 and s["tokens_per_s_no_diloco"] > 0
+    # R1's floor on this machine: the bare ring of int8's bytes and int8's other time, over none's outer step
+    floor = (int8["bare"]["warm_s"] + int8["other_s"]) / none["outer_s"]
+    assert s["r1_floor"] == pytest.approx(floor) and 0 < floor < 1, s
+    said = "its floor here: gloo's bare ring of int8's bytes plus int8's other_s, over none's outer step"
+    assert f"{said}: {floor:.2f})" in stdout, stdout
     for codec in ("none", "int8"):  # --phases: the mesh's waits timed from outside the engine
         assert s["phases"][codec]["mesh_boundary"] > 0 and s["phases"][codec]["mesh_commit"] > 0, s["phases"]
     print(f"bench/wan.py --quick: {took:.0f} s")
