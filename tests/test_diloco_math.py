@@ -79,6 +79,10 @@ def test_a_reserved_momentum_is_the_memory_the_first_step_writes_into():
     restored.reserve(6, "cpu")
     restored.load_state_dict({"kind": "nesterov", "momentum": torch.ones(6)})
     assert restored._spare is None
+    committed = OuterOptimizer("nesterov", 0.7, 0.9)
+    committed.reserve(6, "cpu")
+    committed.commit(committed.propose(s, g))  # a committed proposal brings its own momentum
+    assert committed._spare is None and torch.equal(committed.momentum, plain.momentum)
     for kind, beta in (("average", 0.9), ("sgd", 0.0)):  # keeps no momentum: reserves nothing
         none = OuterOptimizer(kind, 0.7, beta)
         none.reserve(6, "cpu")

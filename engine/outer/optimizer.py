@@ -101,6 +101,8 @@ class OuterOptimizer:
 
     def commit(self, proposal: Proposal) -> None:
         self.momentum = proposal.momentum
+        if self.momentum is not None:
+            self._spare = None  # the proposal brought its own
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "momentum": self.momentum}
