@@ -266,7 +266,7 @@ def test_config_mismatch_rejected_without_disturbing_the_run(three_nodes):
 
 
 def test_follower_sigkill_survivors_redo_without_it_and_finish(three_nodes):
-    survivors, c = three_nodes["survivors"], three_nodes["c"]
+    survivors = three_nodes["survivors"]
     after = three_nodes["killed_after"] + 1
     for n in survivors:
         assert n.outer()[after]["members"] == ["a", "b", "d"], n.report()

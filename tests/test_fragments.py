@@ -15,7 +15,7 @@ import torch.distributed as dist
 from engine.config import DilocoConfig
 from engine.outer import Progress
 from engine.outer.buffers import fingerprint
-from engine.outer.fragments import FragmentedDiloco, spans
+from engine.outer.fragments import spans
 from engine.outer.optimizer import OuterOptimizer
 from procs import spawned_ranks
 from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
@@ -154,7 +154,6 @@ def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_
     # the arithmetic, fragment by fragment, with an outer optimizer of its own per fragment (momentum per element)
     opts = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in parts]
     snap = a["s0"].clone()
-    mine = {"a": None, "b": None}
     recs = {"a": a["records"], "b": b["records"]}
     for k in range(1, 8):  # outer step k: a trained up to step k, b up to step min(k, 5)
         f = (k - 1) % P

@@ -66,7 +66,7 @@ def test_time_rounds_end_at_the_plans_deadline_whatever_the_speed():
                 r.begin(p)  # no plan: the next deadline is chained
         if steps["fast"] and steps["slow"]:
             break
-    (fs, ftok, ft), (ss, stok, st) = steps["fast"], steps["slow"]
+    (_, ftok, ft), (_, stok, st) = steps["fast"], steps["slow"]
     assert ft == st == 1010.0  # both end their round at the deadline, on the same tick
     assert ftok == 2 * stok == 2000  # ... having trained what their speed allowed: the fast one twice the tokens
     assert fast.deadline == slow.deadline == 1020.0  # chained: one round later

@@ -225,7 +225,7 @@ def _network(plan: HostPlan, f: dict[str, Any], result: HostResult) -> list[Prob
         target = next((t for t in plan.binds if (t.address, t.port) == (address, port)), None)
         if error is None or target is None:
             continue
-        fix = (f"set store.bind (or store.address) to one of the host's addresses" if "EADDRNOTAVAIL" in error else
+        fix = ("set store.bind (or store.address) to one of the host's addresses" if "EADDRNOTAVAIL" in error else
                f"end what listens there (ss -ltnp 'sport = :{port}') or choose another port in [store]")
         out.append(Problem(plan.name, "bind", f"cannot listen on {address}:{port} for {target.what}: {error}", fix))
     for address, port, status, detail in result.links:
