@@ -562,23 +562,30 @@ class _BrokenChain:
     recv = send
 
 
+def _raise(error):
+    raise error
+
+
 def _failed_handoff(plan, rows, node="b", error=RuntimeError("Connection closed by peer"), into_mean=False,
-                    seen=None):
+                    seen=None, agreed_is_mean=False, give_up=False):
     """StateHandoff.send on member `node` whose chain breaks with `error`; returns (the step-outs it asked for, its
-    warnings). `seen` collects the groups it reported failed and the scratch renewals."""
+    warnings). `seen` collects the groups it reported failed and the scratch renewals. agreed_is_mean: the agreed
+    weights it sends are the mean buffer (an overlapped node's while its outer step is in flight). give_up: the
+    watchdog (MeshLinks.bounded) gives the chain up with `error`, its thread left running."""
     stepped, warnings, seen = [], [], {} if seen is None else seen
     mesh = SimpleNamespace(step_out=lambda p, why, cause: stepped.append(f"{why} [{cause}]"))
     links = SimpleNamespace(node_id=node, local=SimpleNamespace(size=1), mesh=mesh, dead=lambda p: [],
                             group=lambda p: _BrokenChain(rows, p.rank_of(node), error),
-                            bounded=lambda p, what, fn, **kw: fn(),
+                            bounded=lambda p, what, fn, **kw: _raise(error) if give_up and what != "state check"
+                            else fn(),
                             failed=lambda p, e: seen.setdefault("failed", []).append((p.generation, type(e))))
     opt = OuterOptimizer("nesterov", 0.7, 0.9)
     opt.momentum = torch.zeros(4)
     bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"),
                            renew_scratch=lambda: seen.setdefault("renewed", []).append(1))
     emit = lambda kind, message: warnings.append(message)  # noqa: E731
-    handoff.StateHandoff(bufs, opt, links, emit).send(plan, Progress(), torch.ones(4), lambda *a: None,
-                                                        into_mean=into_mean)
+    agreed = bufs.mean if agreed_is_mean else torch.ones(4)
+    handoff.StateHandoff(bufs, opt, links, emit).send(plan, Progress(), agreed, lambda *a: None, into_mean=into_mean)
     return stepped, warnings
 
 
@@ -597,25 +604,33 @@ def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_t
     assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
 
 
-def test_a_failed_hand_off_retires_its_group_and_a_given_up_one_its_mean_buffer():
-    """Defect: a hand-off that failed left its generation's group in the cache (a store that went away under it
-    was not noticed either), and one given up on a death upstream left the mean buffer to the abandoned chain's
-    thread, which writes the pieces still coming from a frozen node that wakes up into it: into the next outer
-    step's mean, as an abandoned collective would (exchange.py renews its buffers for this)."""
+def test_a_hand_off_given_up_upstream_leaves_its_mean_buffer_to_the_abandoned_chain():
+    """Defect: a hand-off given up on a death upstream left the mean buffer to the abandoned chain's thread, which
+    writes the pieces still coming from a frozen node that wakes up into it: into the next outer step's mean, as an
+    abandoned collective would (exchange.py renews its buffers for this). The receiving member takes fresh scratch
+    now. Not otherwise: not when it received elsewhere, not on a failure that ended the chain's thread, not when
+    the check before the chain failed, and never on the source, whose agreed weights may be the mean buffer
+    itself (overlap, an outer step in flight). The generation's group is kept in every case: the hand-off follows
+    a commit, the members that got the state keep it, and one rebuilt on this node alone would meet none of them
+    at its rendezvous."""
     from engine.outer.groups import PeerLost
     join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
     lost = PeerLost("state hand-off: a stopped beating (mesh.heartbeat_timeout)")
     for error, into_mean, renewed in ((lost, True, [1]), (lost, False, []),
                                       (RuntimeError("Connection closed by peer"), True, [])):
         seen: dict = {}
-        _, warnings = _failed_handoff(join, None, error=error, into_mean=into_mean, seen=seen)
-        assert seen.get("failed") == [(4, type(error))], (error, seen)
-        assert seen.get("renewed", []) == renewed, (error, into_mean, seen)
+        _, warnings = _failed_handoff(join, None, error=error, into_mean=into_mean, seen=seen,
+                                      give_up=isinstance(error, PeerLost))
+        assert seen.get("renewed", []) == renewed and "failed" not in seen, (error, into_mean, seen)
         assert any("state hand-off to ['c'] failed" in w for w in warnings), warnings
-    # the fingerprint check given up (nothing was handed the mean buffer): the group goes, the buffer stays
+    seen = {}  # the source given up (a stop), its agreed weights in the mean buffer
+    _, warnings = _failed_handoff(join, None, node="a", error=lost, into_mean=True, seen=seen, agreed_is_mean=True,
+                                  give_up=True)
+    assert seen == {} and any("failed: state hand-off: a stopped" in w for w in warnings), (seen, warnings)
+    # the fingerprint check given up (nothing was handed the mean buffer)
     forming, seen = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=True), {}
     _failed_handoff(forming, None, error=lost, into_mean=True, seen=seen)
-    assert seen.get("failed") == [(3, PeerLost)] and "renewed" not in seen, seen
+    assert seen == {}, seen
 
 
 def test_a_node_whose_next_in_the_chain_died_keeps_the_state_it_received(group_results):

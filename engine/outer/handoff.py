@@ -67,10 +67,13 @@ class StateHandoff:
             self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
             # already committed here: a joiner that missed its state fails on its side and is dropped later
-            self.links.failed(plan, e)  # the next outer step of this generation builds a new group
-            if isinstance(e, PeerLost) and tensors and tensors[0] is self.bufs.mean:
-                # the abandoned chain's thread may still write pieces into the mean buffer when a frozen node
-                # before this one wakes up, as an abandoned collective may (exchange.py)
+            # The group stays: the hand-off follows a commit, the members that got the state keep the generation's
+            # group, and one rebuilt here alone would meet none of them at its rendezvous (a lost attempt). The
+            # abandoned chain's receives use tags of their own (TAG + i), clear of the mean's.
+            if isinstance(e, PeerLost) and not source and tensors and tensors[0] is self.bufs.mean:
+                # but its thread may still write pieces into the mean buffer when a frozen node before this one
+                # wakes up, as an abandoned collective may (exchange.py). (The source's tensors are its agreed
+                # weights, which with overlap are the mean buffer itself: they stay.)
                 self.bufs.renew_scratch()
             self.emit("warning", message=f"state hand-off to {list(plan.joiners) or 'the members'} failed: "
                                          f"{first_line(e, 200)}")
