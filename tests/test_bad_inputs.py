@@ -68,8 +68,11 @@ def test_torchrun_batch_arithmetic_is_one_line_naming_file_and_keys_and_moves_no
 ])
 def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, extra, fragment):
     """The data (read before the process group) and the strategies' rules (after it) are the same on every rank:
-    local rank 0 reports them, the other ranks leave quietly with the same code."""
-    done = procs.run([*TORCHRUN, *SMALL, f"--run.dir={tmp_path / 'run'}", *extra], timeout=120)
+    local rank 0 reports them, the other ranks leave quietly with the same code. torchrun looks at its workers
+    every 5 s here (--monitor-interval): at its default 0.1 s it SIGTERMed rank 1 as soon as rank 0 had exited,
+    before a rank slowed by a loaded machine reached the same check (a CI run on two test workers)."""
+    launcher = [*TORCHRUN[:3], "--monitor-interval=5", *TORCHRUN[3:]]
+    done = procs.run([*launcher, *SMALL, f"--run.dir={tmp_path / 'run'}", *extra], timeout=120)
     assert done.returncode != 0
     lines = error_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith(fragment), done.stderr
