@@ -530,7 +530,8 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
     r2 = rows["int8"]["outer_s"] / rows["int8"]["link_bound_s"]
     r3 = rows["int8"]["tokens_per_s_overlap"] / base
     # what R1 could be on these links and cores with a codec that cost nothing: gloo's own ring of int8's bytes plus
-    # the part of int8's outer step that is neither wire nor codec (docs/performance.md, "The all-gather started inside the reduce-scatter")
+    # the part of int8's outer step that is neither wire nor codec (docs/performance.md, "The all-gather started
+    # inside the reduce-scatter")
     bare8 = rows["int8"]["bare"] or {}
     floor = ((bare8["warm_s"] + rows["int8"]["other_s"]) / rows["none"]["outer_s"]
              if bare8.get("warm_s") is not None else None)

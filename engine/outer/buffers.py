@@ -17,9 +17,9 @@ What is kept between rounds, per parameter (fp32, 4 bytes each), on the paramete
 
 plus the wire buffers of compression.Exchange (about 2-3 x bytes per element of the codec; on CUDA as many again
 in pinned host memory), on the host prepared at start for diloco.min_nodes members (Exchange.prepare). Nothing of
-the model's size is allocated per outer step. The flat buffers and the prepared wire buffers are touched before
-the first one; the momentum (created at the first outer step) and wire buffers for another number of members, or
-on a GPU, are not. Every parameter tensor maps to a view of each flat buffer, so the copies in and out are one
+the model's size is allocated per outer step. The flat buffers, the prepared wire buffers and the momentum's
+reserved memory (OuterOptimizer.reserve) are touched before the first one; wire buffers for another number of
+members, or on a GPU, are not. Every parameter tensor maps to a view of each flat buffer, so the copies in and out are one
 torch._foreach_copy_ over the parameter list (cast to each parameter's dtype on the way back).
 
 The fingerprint (`fingerprint(flat)`) is the cross-node checksum: the wrapping 64-bit integer sum of the fp32
