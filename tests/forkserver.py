@@ -359,9 +359,10 @@ class ForkServer:
         if select.select([self.proc.stdout], [], [], READY_TIMEOUT)[0]:
             ready = self.proc.stdout.readline()  # an empty line: the server exited (its imports failed)
         if ready.strip() != "ready":
-            self.close()
             self.log.seek(0)
-            raise RuntimeError(f"the fork server did not start: {self.log.read()[-2000:]}")
+            why = self.log.read()[-2000:]  # before close(), which closes the log
+            self.close()
+            raise RuntimeError(f"the fork server did not start: {why}")
 
     @classmethod
     def shared(cls, env: dict[str, str]) -> "ForkServer | None":
