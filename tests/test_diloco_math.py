@@ -117,6 +117,14 @@ def test_int8_codec_roundtrip_bound_and_constant_chunks():
     assert torch.equal(back[2], rows[2])
 
 
+def test_a_mean_puts_the_same_bytes_on_the_wire_from_a_cpu_and_a_gpu_node():
+    """Every rank of a run runs the same collectives, whatever its device (a run may mix CPU and GPU nodes; the
+    GPU side is in tests/test_gpu.py): what a mean sends depends on the codec and the group alone."""
+    for codec in compression.COMPRESSIONS:
+        cpu, gpu = (compression.bytes_sent(15_000_017, 3, codec, device) for device in ("cpu", "cuda"))
+        assert cpu == gpu > 0, codec
+
+
 # ------------------------------------------------------------------------------------------ fakes
 
 def make_plan(generation, outer_step, attempt, members, joiners=(), source=None, leaving=(), forming=False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from procs import free_port
 from test_train import PARITY_TOL, run_engine
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -46,3 +47,25 @@ def test_nccl_two_gpus_match_one_gpu(procs, tmp_path, strategy):
     a, b = one.losses(), two.losses()
     # NCCL reductions in another order than one process: looser than the gloo PARITY_TOL
     assert all(abs(a[s] - b[s]) < 100 * PARITY_TOL for s in a), (a, b)
+
+
+@one_gpu
+@pytest.mark.parametrize("second,codec", [("cuda", "int8"), ("cpu", "int8"), ("cpu", "none")])
+def test_diloco_on_the_gpu_keeps_every_node_identical(procs, tmp_path, second, codec):
+    """Two DiLoCo nodes, the first on the GPU and the second on the GPU too or on the CPU (mixed hardware), with
+    the outer step's CUDA paths on: buffers beside the parameters, the codec, Nesterov with momentum (its memory
+    reserved at start on the device), the overlapped outer step on its background thread. Every outer step's
+    checksum agrees across the nodes and moves, and the run finishes. With "none", a GPU node once ran other
+    collectives than a CPU node (the all-reduce was the host's alone) and a mixed run hung."""
+    from test_diloco_e2e import assert_identical, finish, start_node, start_store
+
+    port = free_port()
+    start_store(procs, port)
+    steps = ["--train.max_steps=12", "--diloco.min_nodes=2", "--diloco.overlap=true", "--diloco.outer_lr=0.7",
+             "--diloco.outer_momentum=0.9", f"--diloco.compression={codec}"]
+    nodes = [start_node(procs, port, "gpu", tmp_path, *steps, "--inner.device=cuda"),
+             start_node(procs, port, second, tmp_path, *steps, f"--inner.device={second}")]
+    for n in nodes:
+        assert finish(n, 240, nodes) == 0, n.report()
+    assert_identical(nodes)
+    assert sorted(nodes[0].outer()) == [1, 2, 3, 4]

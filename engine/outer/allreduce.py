@@ -19,9 +19,12 @@ The messages are gloo send/recv of the pieces, every receive posted before the f
 between two hosts leaves the link half idle over gloo's TCP pairs, and pieces keep both directions busy
 (docs/performance.md, "Pieces").
 
-For "none" on the host the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight
-appended (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already
-runs at the link's rate).
+For "none" the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight appended
+(`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already runs at the
+link's rate). A GPU node takes this path too, through pinned host memory: every rank of a run must run the same
+collectives, and a run may mix CPU and GPU nodes. The arithmetic that decides the bytes is what a CPU and a GPU round
+alike: single multiplications (CUDA divides a tensor by a Python number as a multiplication by its reciprocal, the
+CPU divides), so the two report the same checksums (tests/test_gpu.py).
 
 Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
@@ -54,8 +57,9 @@ COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # The collectives an outer step runs, as a version: it is part of the mesh digest, so that engines of versions
 # whose collectives differ are refused at start-up ("config digest differs") instead of deadlocking in a
 # mismatched collective (2: "none" on the host became one all-reduce; 3: the codecs' pieces over send/recv; 4: the
-# hand-off's fingerprint check follows plan.forming, two fingerprints per member).
-WIRE_PROTOCOL = 4
+# hand-off's fingerprint check follows plan.forming, two fingerprints per member; 5: "none" on a GPU as on the
+# host, one all-reduce).
+WIRE_PROTOCOL = 5
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
 # One message on the wire. A transfer of one large message each way between two hosts moves at about half the
@@ -156,7 +160,9 @@ def encode_into(dst: torch.Tensor, rows: torch.Tensor, compression: str, work: t
     elif compression == "int8":
         # two plain reductions: on CPU torch.aminmax over dim 1 of a few long rows runs ~4x slower
         lo, hi = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
-        scale = (hi - lo) / 255.0
+        # times the reciprocal, not / 255: CUDA divides a tensor by a Python number as a multiplication by its
+        # reciprocal and the CPU divides, so a CPU node and a GPU node would put other bytes on the wire
+        scale = (hi - lo) * (1.0 / 255.0)
         # a constant chunk: any scale decodes it exactly (q = 0)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         # q = round((x - lo) / scale), in the scratch rows, then narrowed into dst
@@ -245,7 +251,7 @@ def bytes_sent(numel: int, size: int, compression: str, device: torch.device | s
     """What one rank puts on the wire for a mean of `numel` values over `size` ranks (ReduceStats.bytes_sent)."""
     if size == 1:
         return 0
-    if compression == "none" and torch.device(device).type == "cpu":  # one ring all-reduce of values + weights
+    if compression == "none":  # one ring all-reduce of values + weights, on every device
         return 2 * (size - 1) * -(-(numel + size) // size) * 4
     g = _pieces(numel, size, compression, torch.device(device))
     return (size - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
@@ -346,7 +352,7 @@ def _reduce_scatter(job: _Job) -> None:
                 decode_into(part[:c1 - c0], job.device("recv", recv, (j, slice(c0, c1))), job.compression,
                             meta_at=g.width)
                 acc[c0:c1].add_(part[:c1 - c0])
-            acc[c0:c1].div_(job.total)
+            acc[c0:c1].mul_(1.0 / job.total)  # as every device rounds it (encode_into)
             encode_into(mine[c0:c1], acc[c0:c1], job.compression)
             job.codec_s += time.perf_counter() - t0
     for ws in list(arrivals.values()) + [sends]:  # all of it, also when there is no mean
@@ -432,7 +438,7 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
                                 codec_s=time.perf_counter() - start)
     assert pg is not None
     ex = exchange if exchange is not None else Exchange(flat.device)
-    if compression == "none" and flat.device.type == "cpu":
+    if compression == "none":  # on every rank alike: a CPU node and a GPU node of one run meet in one collective
         return _allreduce_mean(flat, weight, pg, ex, out, start)
     rank = pg.rank()
     job = _Job(pg, flat, weight, out, compression, ex, _pieces(flat.numel(), size, compression, flat.device),
@@ -449,13 +455,16 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
 
 def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex: Exchange, out: torch.Tensor,
                     start: float) -> tuple[torch.Tensor, ReduceStats]:
-    """compression "none" on the host: one gloo all-reduce (sum) of [weight x flat | weights], rank r's weight in
+    """compression "none": one gloo all-reduce (sum) of [weight x flat | weights], rank r's weight in
     slot r of a tail of `size` floats, so every rank's weight comes off the wire too. Gloo's ring all-reduce
     reduces each segment once and then copies it to every rank, so the result is bit-identical everywhere (as the
     two-collective path makes it for the codecs), in one collective instead of two and with no codec passes."""
     size, rank, numel = pg.size(), pg.rank(), flat.numel()
-    buf = ex.buf("sum", (numel + size,), torch.float32)
-    torch.mul(flat, weight, out=buf[:numel])  # flat stays intact: a retry sends it again
+    buf = ex.buf("sum", (numel + size,), torch.float32, host=True)  # pinned host memory beside a GPU
+    if ex.on_host:
+        torch.mul(flat, weight, out=buf[:numel])  # flat stays intact: a retry sends it again
+    else:  # the same multiplication on the host: every device rounds one product alike
+        buf[:numel].copy_(flat).mul_(weight)
     buf[numel:].zero_()
     buf[numel + rank] = weight
     opts = dist.AllreduceOptions()
@@ -467,7 +476,11 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     total = float(sum(weights))
     if not total > 0:
         raise NothingToAverage("every rank of the group has weight 0")
-    torch.div(buf[:numel], total, out=out)
+    # every rank computes the mean itself: times the reciprocal, which CPUs and GPUs round alike (encode_into)
+    if ex.on_host:
+        torch.mul(buf[:numel], 1.0 / total, out=out)
+    else:
+        out.copy_(buf[:numel].mul_(1.0 / total))
     sent = bytes_sent(numel, size, "none")  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, total, weights, wire_s=wire, codec_s=seconds - wire)
