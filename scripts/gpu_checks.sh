@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, which CI (CPU only) cannot run. By hand, on a host with one GPU and the
+# project's Python packages installed, from anywhere:
+#
+#     bash scripts/gpu_checks.sh [OUT_DIR]        # ~8 min on one H100/H200; a log per step in OUT_DIR
+#
+#   tests   pytest -m gpu: tests/test_outer_buffers.py, tests/test_zero.py, tests/test_gpu.py (the two-GPU cases
+#           skip on one GPU; their gloo paths are tested in CI)
+#   outer   bench/outer_step.py at 150m, H 50 on the GPU: none, int8, int8 with overlap (R1 goal <= 0.05)
+#   inner   bench/inner_loop.py at 150m, seq 1024, bf16: the engine's step against a plain loop, and MFU
+#
+# Each step has its own time limit; a failed step does not stop the next; the exit status is 1 if any failed.
+# ZB_GPU_DEADLINE=SECONDS skips the steps that would start after that many seconds (a lease with a hard end).
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-/tmp/zb-gpu-checks}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+deadline=${ZB_GPU_DEADLINE:-100000}
+export PYTHONUNBUFFERED=1
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in OUT/NAME.log
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    if (( SECONDS + 20 > deadline )); then
+        echo "== $name: skipped (ZB_GPU_DEADLINE)"; failed+=("$name"); return
+    fi
+    (( SECONDS + limit > deadline )) && limit=$(( deadline - SECONDS ))
+    timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+    rc=$?
+    echo "== $name: rc $rc in $(( SECONDS - t0 )) s (limit $limit s)"
+    tail -n "${TAIL:-12}" "$out/$name.log"
+    (( rc == 0 )) || failed+=("$name")
+}
+
+{ nvidia-smi -L; $py -c 'import torch, deepspeed, pydantic, transformers
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+print("deepspeed", deepspeed.__version__, "pydantic", pydantic.VERSION, "transformers", transformers.__version__)'
+} 2>&1 | tee "$out/env.log"
+
+# DeepSpeedCPUAdam (ZeRO offload) is JIT-built once per machine: build it beside the first tests, not inside one
+timeout -k 5 240 $py -c 'import torch
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+DeepSpeedCPUAdam([torch.zeros(4, requires_grad=True)])
+print("DeepSpeedCPUAdam built")' >"$out/cpu_adam.log" 2>&1 &
+build=$!
+
+# test_zero last: its offload case waits on the build's lock if the build is not done
+step tests "${ZB_GPU_TESTS_S:-330}" $py -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/test_outer_buffers.py \
+    tests/test_gpu.py tests/test_zero.py
+wait $build; echo "== cpu_adam build: $(tail -n 1 "$out/cpu_adam.log")"
+
+outer() {  # one bench/outer_step.py run per codec, the figures as JSON beside the log
+    for spec in none int8 int8:overlap; do
+        local codec=${spec%%:*} flag=()
+        [[ $spec == *:overlap ]] && flag=(--overlap)
+        echo "--- $spec"
+        $py bench/outer_step.py --device cuda --preset 150m --inner-steps 50 --rounds 2 --compression "$codec" \
+            "${flag[@]}" --json "$out/outer_${spec/:/_}.json" || return 1
+    done
+}
+step outer "${ZB_GPU_OUTER_S:-180}" bash -c "$(declare -f outer); py=$py out=$out; outer"
+step inner "${ZB_GPU_INNER_S:-90}" $py bench/inner_loop.py --preset 150m --seq-len 1024 --micro-batch 8 --steps 20 \
+    --rounds 3 --nproc 0 --precision bf16-mixed --device cuda
+
+if (( ${#failed[@]} )); then echo "FAILED: ${failed[*]}"; exit 1; fi
+echo "all GPU checks passed"
