@@ -1,6 +1,7 @@
 """engine.outer.allreduce.weighted_mean divides by the sum of the weights, not by the group size: 3 real gloo processes
-with weight sets whose sum is not 3 (two members and a joiner: 1, 1, 0; unequal weights: 2, 1, 0.5). The weights
-reported back (ReduceStats.weights, what the outer_step event's `weights` come from) are the senders' own.
+with weight sets whose sum is not 3 (two members and a joiner: 1, 1, 0; unequal weights: 2, 1, 0.5; the tokens of
+a large round, 2^24 + 1, 3, 1). The weights reported back (ReduceStats.weights, what the outer_step event's
+`weights` come from) are the senders' own, as the fp32 they travel as, the same on every rank.
 
 Each mean runs twice: whole (each chunk one piece, as for any small model) and cut into many small pieces in codec
 batches of a few (PIECE_BYTES and BATCH_PIECES made small here, as a large model's outer step cuts them), with a
@@ -22,7 +23,10 @@ from procs import spawned_ranks
 SIZE = 3
 NUMEL = 1_001  # not a multiple of 3: the padded chunk is divided as well
 PIECES = {"whole": (64 * 1024, 16), "pieces": (40, 3)}  # (PIECE_BYTES, BATCH_PIECES)
-WEIGHT_SETS = {"member-member-joiner": (1.0, 1.0, 0.0), "unequal": (2.0, 1.0, 0.5)}
+# the tokens of a large round: past 2^24 a weight is not an fp32, and every rank must see the one that travelled;
+# times the inputs it is past fp16's 65504, which the pieces must not carry
+WEIGHT_SETS = {"member-member-joiner": (1.0, 1.0, 0.0), "unequal": (2.0, 1.0, 0.5),
+               "past-2^24": (2.0**24 + 1, 3.0, 1.0)}
 
 
 def _inputs(rank: int) -> torch.Tensor:
@@ -58,7 +62,7 @@ def results():
 @pytest.mark.parametrize("cut", PIECES)
 @pytest.mark.parametrize("name", WEIGHT_SETS)
 def test_mean_is_divided_by_the_sum_of_the_weights(results, name, cut):
-    weights = WEIGHT_SETS[name]
+    weights = [float(torch.tensor(w, dtype=torch.float32)) for w in WEIGHT_SETS[name]]  # as they travel
     exact = sum(w * _inputs(r) for r, w in enumerate(weights)) / sum(weights)
     by_size = sum(w * _inputs(r) for r, w in enumerate(weights)) / SIZE  # the bug this test exists for
     assert float((exact - by_size).abs().max()) > 0.1  # the two differ by far more than any codec's error

@@ -5,7 +5,9 @@
 One algorithm for every compression, so the bytes counted are the bytes sent (INTELLECT-1's int8 all-reduce):
 
     1. every rank scales its tensor by its weight and cuts it into `size` equal chunks, each of equal pieces
-       (padded; a piece is one message of about PIECE_BYTES);
+       (padded; a piece is one message of about PIECE_BYTES); what it sends is scaled by weight / 2^k in [1, 2)
+       instead (`_unit`), and the owner multiplies by the exact 2^k back: weights are tokens (millions), and
+       fp16 overflows past 65504;
     2. reduce-scatter: piece c of chunk j goes, encoded, to rank j; the codec encodes a batch of pieces while the
        batches before it are on the wire;
     3. rank j sums the pieces of its chunk as they arrive, in fp32 (accumulation is never compressed; its own part
@@ -22,9 +24,10 @@ between two hosts leaves the link half idle over gloo's TCP pairs, and pieces ke
 For "none" the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight appended
 (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already runs at the
 link's rate). A GPU node takes this path too, through pinned host memory: every rank of a run must run the same
-collectives, and a run may mix CPU and GPU nodes. The arithmetic that decides the bytes is what a CPU and a GPU round
-alike: single multiplications (CUDA divides a tensor by a Python number as a multiplication by its reciprocal, the
-CPU divides), so the two report the same checksums (tests/test_gpu.py).
+collectives, and a run may mix CPU and GPU nodes. What every rank computes for itself rounds alike on both: the
+products and the division by the total run on the host, and int8's scale is a multiplication (CUDA divides a tensor
+by a Python number as a multiplication by its reciprocal, the CPU divides), so the two put the same bytes on the
+wire and report the same checksums (tests/test_gpu.py).
 
 Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
@@ -47,6 +50,8 @@ peer") as a RuntimeError. This module never catches it: the caller decides wheth
 
 from __future__ import annotations
 
+import math
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +63,7 @@ COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # whose collectives differ are refused at start-up ("config digest differs") instead of deadlocking in a
 # mismatched collective (2: "none" on the host became one all-reduce; 3: the codecs' pieces over send/recv; 4: the
 # hand-off's fingerprint check follows plan.forming, two fingerprints per member; 5: "none" on a GPU as on the
-# host, one all-reduce).
+# host, one all-reduce, and the pieces scaled by weight / 2^k).
 WIRE_PROTOCOL = 5
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
@@ -257,6 +262,13 @@ def bytes_sent(numel: int, size: int, compression: str, device: torch.device | s
     return (size - 1) * g.pieces * (2 * (g.width + g.meta) + _WEIGHT)
 
 
+def _unit(weight: float) -> float:
+    """The power of two 2^k with weight / 2^k in [1, 2) (1 for weight 0): a rank's pieces travel scaled by
+    weight / 2^k, near the pseudo-gradient's own size, and the owner's product by 2^k is exact. Weights are the
+    tokens of a round, and the pseudo-gradient times millions put fp16 past its 65504 (inf on the wire)."""
+    return math.ldexp(1.0, math.frexp(weight)[1] - 1) if weight > 0 else 1.0
+
+
 def _pieces(numel: int, size: int, compression: str, device: torch.device) -> _Pieces:
     bpe = bytes_per_element(compression)
     chunk = -(-numel // size)
@@ -283,12 +295,12 @@ class _Job:
     total: float = 0.0
     weights: list[float] = field(default_factory=list)
 
-    def scaled(self, chunk: int, c0: int, c1: int) -> torch.Tensor:
-        """This rank's pieces c0..c1-1 of a chunk times its weight, fp32 rows [c1-c0, pc] in scratch."""
+    def scaled(self, chunk: int, c0: int, c1: int, factor: float) -> torch.Tensor:
+        """This rank's pieces c0..c1-1 of a chunk times factor, fp32 rows [c1-c0, pc] in scratch."""
         g = self.geo
         rows = self.ex.buf("scaled", (g.batch, g.pc), torch.float32)[:c1 - c0]
         a, b = g.span(chunk, c0, c1)
-        torch.mul(self.flat[a:b], self.weight, out=rows.view(-1)[:b - a])
+        torch.mul(self.flat[a:b], factor, out=rows.view(-1)[:b - a])
         rows.view(-1)[b - a:].zero_()
         return rows
 
@@ -325,10 +337,11 @@ def _reduce_scatter(job: _Job) -> None:
                                         .view(torch.uint8).expand(g.size, g.pieces, _WEIGHT))
     job.codec_s += time.perf_counter() - t0
     sends = []
+    sent_factor = job.weight / _unit(job.weight)  # exact: a power of two divides it
     for c0, c1 in g.batches():
         for j in job.peers:
             t0 = time.perf_counter()
-            rows = job.scaled(j, c0, c1)
+            rows = job.scaled(j, c0, c1, sent_factor)
             encode_into(send[j, c0:c1], rows, job.compression, work=rows)
             wire = job.host("send", send, (j, slice(c0, c1)))
             job.codec_s += time.perf_counter() - t0
@@ -347,12 +360,13 @@ def _reduce_scatter(job: _Job) -> None:
                 for c in range(c0, c1):
                     _landed(arrivals[j], c)
             t0 = time.perf_counter()
-            acc[c0:c1].copy_(job.scaled(rank, c0, c1))
+            acc[c0:c1].copy_(job.scaled(rank, c0, c1, job.weight))
             for j in sorted(job.peers):
                 decode_into(part[:c1 - c0], job.device("recv", recv, (j, slice(c0, c1))), job.compression,
                             meta_at=g.width)
-                acc[c0:c1].add_(part[:c1 - c0])
-            acc[c0:c1].mul_(1.0 / job.total)  # as every device rounds it (encode_into)
+                # times 2^k, exact: the sum is the one of the weighted tensors, bit for bit
+                acc[c0:c1].add_(part[:c1 - c0], alpha=_unit(job.weights[j]))
+            acc[c0:c1].div_(job.total)
             encode_into(mine[c0:c1], acc[c0:c1], job.compression)
             job.codec_s += time.perf_counter() - t0
     for ws in list(arrivals.values()) + [sends]:  # all of it, also when there is no mean
@@ -426,6 +440,9 @@ def weighted_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup | Non
     A rank of weight 0 (a joiner) takes part in the collectives but adds nothing. At least one rank must have a
     positive weight. pg None or of size 1: no communication and no compression (nothing is sent)."""
     _check(flat, weight, compression, out)
+    # the others see this weight as the fp32 it travels as: so must this rank, or past 2^24 tokens the ranks'
+    # weights and totals (and the chunks' divisors) differ in the last bits
+    weight = struct.unpack("f", struct.pack("f", weight))[0]
     start = time.perf_counter()
     out = torch.empty_like(flat) if out is None else out
     size = 1 if pg is None else pg.size()
@@ -476,11 +493,12 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     total = float(sum(weights))
     if not total > 0:
         raise NothingToAverage("every rank of the group has weight 0")
-    # every rank computes the mean itself: times the reciprocal, which CPUs and GPUs round alike (encode_into)
+    # every rank divides on the host, whatever its device: CUDA divides by a number as a multiplication by its
+    # reciprocal, which rounds otherwise (encode_into)
     if ex.on_host:
-        torch.mul(buf[:numel], 1.0 / total, out=out)
+        torch.div(buf[:numel], total, out=out)
     else:
-        out.copy_(buf[:numel].mul_(1.0 / total))
+        out.copy_(buf[:numel].div_(total))
     sent = bytes_sent(numel, size, "none")  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, total, weights, wire_s=wire, codec_s=seconds - wire)
