@@ -117,9 +117,9 @@ def test_int8_codec_roundtrip_bound_and_constant_chunks():
     assert torch.equal(back[2], rows[2])
 
 
-def test_a_mean_puts_the_same_bytes_on_the_wire_from_a_cpu_and_a_gpu_node():
-    """Every rank of a run runs the same collectives, whatever its device (a run may mix CPU and GPU nodes; the
-    GPU side is in tests/test_gpu.py): what a mean sends depends on the codec and the group alone."""
+def test_what_a_mean_sends_does_not_depend_on_the_device():
+    """Every rank of a run runs the same collectives, whatever its device (a run may mix CPU and GPU nodes; a
+    mixed run is in tests/test_gpu.py): the bytes a mean counts depend on the codec and the group alone."""
     for codec in compression.COMPRESSIONS:
         cpu, gpu = (compression.bytes_sent(15_000_017, 3, codec, device) for device in ("cpu", "cuda"))
         assert cpu == gpu > 0, codec
@@ -456,7 +456,7 @@ def test_bytes_sent_match_ring_cost_and_int8_is_a_quarter(group_results):
     sent = {name: group_results[0]["reduce"][name][1] for name in compression.COMPRESSIONS}
     chunk = -(-NUMEL // SIZE)
     # 2 * (size-1) chunks each way, plus the weights (4 bytes to each peer) and int8's scale/offset
-    # "none" on the host: one ring all-reduce of the tensor and the size weights appended to it
+    # "none": one ring all-reduce of the tensor and the size weights appended to it
     assert sent["none"] == 2 * (SIZE - 1) * -(-(NUMEL + SIZE) // SIZE) * 4
     assert sent["bf16"] == sent["fp16"] == 2 * (SIZE - 1) * chunk * 2 + 4 * (SIZE - 1)
     assert sent["int8"] == 2 * (SIZE - 1) * (chunk + 8) + 4 * (SIZE - 1)

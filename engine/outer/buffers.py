@@ -15,12 +15,13 @@ What is kept between rounds, per parameter (fp32, 4 bytes each), on the paramete
     mean       the members' weighted mean; also the codec's scratch and, after the commit, the optimizer's
     (momentum) the outer optimizer's buffer, held by OuterOptimizer (nesterov and sgd with momentum > 0)
 
-plus the wire buffers of compression.Exchange (about 2-3 x bytes per element of the codec; on CUDA as many again
-in pinned host memory), on the host prepared at start for diloco.min_nodes members (Exchange.prepare). Nothing of
-the model's size is allocated per outer step. The flat buffers, the prepared wire buffers and the momentum's
-reserved memory (OuterOptimizer.reserve) are touched before the first one; wire buffers for another number of
-members, or on a GPU, are not. Every parameter tensor maps to a view of each flat buffer, so the copies in and out are one
-torch._foreach_copy_ over the parameter list (cast to each parameter's dtype on the way back).
+plus the wire buffers of compression.Exchange (the codecs: about 2-3 x bytes per element, on CUDA as many again in
+pinned host memory; "none": 4 bytes per element on the host, pinned beside a GPU), on the host prepared at start for
+diloco.min_nodes members (Exchange.prepare). Nothing of the model's size is allocated per outer step. The flat
+buffers, the prepared wire buffers and the momentum's reserved memory (OuterOptimizer.reserve) are touched before
+the first one; wire buffers for another number of members, or on a GPU, are not. Every parameter tensor maps to a
+view of each flat buffer, so the copies in and out are one torch._foreach_copy_ over the parameter list (cast to
+each parameter's dtype on the way back).
 
 The fingerprint (`fingerprint(flat)`) is the cross-node checksum: the wrapping 64-bit integer sum of the fp32
 bit patterns (every element counts; integer addition is exact and order-free, so it is the same on any device,
