@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, which CI (CPU only) cannot run. By hand, on a host with one GPU and the
 # project's Python packages installed, from anywhere:
 #
-#     bash scripts/gpu_checks.sh [OUT_DIR]        # ~8 min on one H100/H200; a log per step in OUT_DIR
+#     bash scripts/gpu_checks.sh [OUT_DIR]        # ~5 min on one H200; a log per step in OUT_DIR
 #
 #   tests   pytest -m gpu: tests/test_outer_buffers.py, tests/test_zero.py, tests/test_gpu.py (the two-GPU cases
 #           skip on one GPU; their gloo paths are tested in CI)
