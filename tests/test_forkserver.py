@@ -8,7 +8,9 @@ import signal
 import subprocess
 import time
 
-from forkserver import Forked
+import pytest
+
+from forkserver import Forked, ForkServer
 from procs import PYTHON, ROOT, engine_env, kill_group
 
 SHOW = """import json, os, sys
@@ -141,3 +143,14 @@ def test_the_server_dies_with_the_session_that_started_it_even_by_sigkill(procs)
     while psutil.pid_exists(server) and psutil.Process(server).status() != psutil.STATUS_ZOMBIE:
         assert time.monotonic() < deadline, "the fork server outlived its session by 10 s"
         time.sleep(0.05)
+
+
+def test_a_server_that_cannot_start_says_why_and_engines_start_for_real(monkeypatch):
+    """A server whose interpreter fails (here: no standard library under PYTHONHOME) raises RuntimeError with what
+    it printed, and shared() falls back to real interpreters. The failure path once closed the log before reading
+    it: a ValueError escaped, and every engine test failed without the reason (on a GPU machine)."""
+    broken = engine_env(PYTHONHOME="/nonexistent")
+    with pytest.raises(RuntimeError, match=r"(?s)the fork server did not start: .*encodings"):
+        ForkServer(broken)
+    monkeypatch.setattr(ForkServer, "_shared", False)
+    assert ForkServer.shared(broken) is None
