@@ -51,16 +51,10 @@ step tests "${ZB_GPU_TESTS_S:-330}" $py -m pytest -p no:cacheprovider -q -rfEs -
     tests/test_gpu.py tests/test_zero.py
 wait $build; echo "== cpu_adam build: $(tail -n 1 "$out/cpu_adam.log")"
 
-outer() {  # one bench/outer_step.py run per codec, the figures as JSON beside the log
-    for spec in none int8 int8:overlap; do
-        local codec=${spec%%:*} flag=()
-        [[ $spec == *:overlap ]] && flag=(--overlap)
-        echo "--- $spec"
-        $py bench/outer_step.py --device cuda --preset 150m --inner-steps 50 --rounds 2 --compression "$codec" \
-            "${flag[@]}" --json "$out/outer_${spec/:/_}.json" || return 1
-    done
-}
-step outer "${ZB_GPU_OUTER_S:-180}" bash -c "$(declare -f outer); py=$py out=$out; outer"
+outer=(bench/outer_step.py --device cuda --preset 150m --inner-steps 50 --rounds 2)
+step outer_none 60 $py "${outer[@]}" --compression none
+step outer_int8 60 $py "${outer[@]}" --compression int8
+step outer_int8_overlap 60 $py "${outer[@]}" --compression int8 --overlap
 step inner "${ZB_GPU_INNER_S:-90}" $py bench/inner_loop.py --preset 150m --seq-len 1024 --micro-batch 8 --steps 20 \
     --rounds 3 --nproc 0 --precision bf16-mixed --device cuda
 
