@@ -6,8 +6,8 @@ hand-written PyTorch loop over the same model, batch and data, in the same run; 
 
 Both single-process loops run in this process, one step each in alternation, so that drift in machine load hits
 both alike; each reports tokens/s from its median step time, and the peak memory it adds while running (CUDA:
-max_memory_allocated; CPU: RSS sampled every 2 ms; both above the level when the loop starts). The multi-process part launches
-torchrun and reports per-worker throughput relative to the one-process engine: overhead = 1 - that ratio.
+max_memory_allocated; CPU: RSS sampled every 2 ms; both above the level when the loop starts). The multi-process
+part launches torchrun and reports per-worker throughput relative to the one-process engine: overhead = 1 - that ratio.
 The last line is the engine/plain ratio (goal >= 0.95).
 
 On CUDA every line also gives MFU: model FLOPs per token (6 x the matmul parameters, lm_head included and the

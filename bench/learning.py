@@ -635,8 +635,8 @@ def table(results: list[Result], ddp: Result | None, single: Result | None) -> s
     lines = [head, "-" * len(head)]
     for r in results:
         a = r.arm
-        outer = "" if a.kind != "diloco" else \
-            (f"{a.outer_optimizer} {a.outer_lr:g}/{a.outer_momentum:g}" + (f" w{a.outer_warmup}" if a.outer_warmup else ""))
+        warmup = f" w{a.outer_warmup}" if a.outer_warmup else ""
+        outer = f"{a.outer_optimizer} {a.outer_lr:g}/{a.outer_momentum:g}{warmup}" if a.kind == "diloco" else ""
         vs_ddp = f"{r.eval_loss / ddp.eval_loss:.3f}" if ddp else "-"
         vs_single = f"{r.eval_loss / single.eval_loss:.3f}" if single else "-"
         lines.append(f"{a.name:<30} {a.k:>2} {a.inner_steps if a.kind == 'diloco' else '-':>4} {outer:>20} "

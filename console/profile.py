@@ -1,6 +1,6 @@
 """Profiles: which hosts run the cluster, how to reach them, and what they train. TOML, read and written with tomlkit.
 
-    profile = load_profile("profiles/lab.toml")   # a Profile, or ProfileError("profiles/lab.toml:14: hosts.x.port: ...")
+    profile = load_profile("profiles/lab.toml")   # a Profile, or ProfileError("profiles/lab.toml:14: hosts.x.port")
     add_host("profiles/lab.toml", "node-d", address="10.0.0.4")   # comments and layout of the file are kept
 
 Layout (profiles/lab.toml documents every option):

@@ -24,8 +24,9 @@ class LocalTransport(Transport):
                         stdin: bytes | None = None) -> tuple[int, bytes, str]:
         try:
             proc = await asyncio.create_subprocess_shell(
-                cmd, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, start_new_session=True)  # its own group: a timeout kills it all
+                cmd, stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                start_new_session=True)  # its own group: a timeout kills it all
         except OSError as e:
             raise TransportError(f"cannot run a shell here: {e}") from None
         try:

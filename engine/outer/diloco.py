@@ -244,10 +244,11 @@ class DilocoOuter:
     # ------------------------------------------------------------------ one outer step, with retries
 
     def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int) -> None:
-        """One outer step of a round of `tokens` (the node's weight). plan is given for a joiner (its admission); members ask the mesh for it. A member the
-        mesh left out (it arrived late, Excluded) re-joins: its pseudo-gradient is stale, it takes the state.
-        A plan that lists a member as a joiner (a formation at a newer outer step than its checkpoint) makes it
-        one too. After a store restart (Reformed) the round starts over in the re-formed run."""
+        """One outer step of a round of `tokens` (the node's weight). plan is given for a joiner (its admission);
+        members ask the mesh for it. A member the mesh left out (it arrived late, Excluded) re-joins: its
+        pseudo-gradient is stale, it takes the state. A plan that lists a member as a joiner (a formation at a
+        newer outer step than its checkpoint) makes it one too. After a store restart (Reformed) the round starts
+        over in the re-formed run."""
         joining = plan is not None
         index = plan.outer_step if joining else progress.outer_step + 1
         attempt = plan.attempt if joining else 0
