@@ -454,17 +454,35 @@ def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, str
         raise ConfigError(_format_error(e, source, origins)) from None
 
 
-def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco")) -> str:
-    """A short hash of the parts of the config every node of one run must share."""
+# the diloco settings a checkpoint's run is resumed with (digest); min_nodes, timeouts and how each node lands
+# an overlapped round or mixes a fragment (overlap_update, overlap_delay, fragment_alpha, fragment_delay) may differ
+# between nodes without harm
+DILOCO_SHARED = ("enabled", "inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "overlap")
+# and those the nodes of a run must share while they run together (run_digest), or their outer steps disagree: the
+# fragment each outer step syncs and its size, when a round ends, and the sentinel's verdict, which every member
+# computes from the same rows. A resume may change them: the checkpoint's state is the same whatever they are.
+DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sentinel_min_cosine")
+
+
+def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
+           run_wide: bool = False) -> str:
+    """A short hash of the parts of the config a checkpoint is resumed with: the model, data.seq_len and the
+    DILOCO_SHARED settings; with run_wide also the DILOCO_RUN_WIDE ones (what the mesh compares: run_digest)."""
     dumped = cfg.model_dump()
     picked: dict[str, Any] = {}
     for name in sections:
         head, _, tail = name.partition(".")
         picked[name] = dumped[head][tail] if tail else dumped[head]
-    # min_nodes and timeouts may differ between nodes without harm
     if "diloco" in picked:
-        picked["diloco"] = {k: v for k, v in picked["diloco"].items()
-                            if k in ("enabled", "inner_steps", "outer_optimizer", "outer_lr",
-                                     "outer_momentum", "compression", "overlap")}
+        defaults = DilocoConfig()
+        picked["diloco"] = {k: v for k, v in picked["diloco"].items() if k in DILOCO_SHARED or (
+            # a run-wide setting at its default leaves the digest as it was before run-wide settings counted
+            run_wide and k in DILOCO_RUN_WIDE and v != getattr(defaults, k))}
     blob = json.dumps(picked, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def run_digest(cfg: Config) -> str:
+    """What the mesh compares (with the workers per node and the wire protocol): digest() and the diloco settings
+    every node of a running run must share."""
+    return digest(cfg, run_wide=True)

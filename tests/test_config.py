@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides
+from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides, run_digest
 
 
 def write(tmp_path, text: str):
@@ -75,6 +75,25 @@ def test_digest_ignores_per_node_knobs(tmp_path):
     base = digest(load_config(path))
     assert digest(load_config(path, ["--optim.lr=1e-2", "--diloco.min_nodes=3"])) == base
     assert digest(load_config(path, ["--data.seq_len=64"])) != base
+
+
+@pytest.mark.parametrize("override", ["--diloco.fragments=2", "--diloco.round=time", "--diloco.round_seconds=30",
+                                      "--diloco.sentinel_ratio=5", "--diloco.sentinel_min_cosine=0"])
+def test_the_mesh_digest_carries_what_running_nodes_must_share_and_a_resume_may_change(tmp_path, override):
+    # nodes that split the model into other fragments, end rounds otherwise or judge the sentinel otherwise would
+    # run outer steps that disagree: the mesh refuses them. A resume of the whole run may change them.
+    path = write(tmp_path, "[data]\nfake = true\n[diloco]\nenabled = true\nround_seconds = 10\n")
+    base = load_config(path)
+    other = load_config(path, [override])
+    assert run_digest(other) != run_digest(base)
+    assert digest(other) == digest(base)  # the checkpoint's digest
+    # knobs of one node's own landing and mixing differ without harm
+    for knob in ("--diloco.overlap_delay=2", "--diloco.fragment_alpha=0.5", "--diloco.overlap_update=eager",
+                 "--diloco.min_nodes=3", "--diloco.straggler_grace=4"):
+        assert run_digest(load_config(path, [knob])) == run_digest(base), knob
+    # a run that leaves them at their defaults keeps the digest it had before they counted
+    assert run_digest(load_config(write(tmp_path, "[data]\nfake = true\n"))) == \
+        digest(load_config(write(tmp_path, "[data]\nfake = true\n")))
 
 
 @pytest.mark.parametrize("override, strategy, message", [

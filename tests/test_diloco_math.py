@@ -831,3 +831,21 @@ def test_the_mesh_digest_carries_the_workers_and_the_wire_protocol(monkeypatch):
     assert outer.digest == f"d/w1/p{compression.WIRE_PROTOCOL}"
     monkeypatch.setattr(compression, "WIRE_PROTOCOL", compression.WIRE_PROTOCOL + 1)
     assert make_outer(TinyInner(0), FakeMesh([], [])).digest != outer.digest
+
+
+@pytest.mark.parametrize("shared", [{"fragments": 2}, {"sentinel_ratio": 4.0}])
+def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
+    """Nodes that split the model into other fragments put collectives of other sizes on the wire (a hang until
+    allreduce_timeout), and nodes that judge the sentinel otherwise compute other means: the mesh must refuse
+    them at start-up, so the digest that build_outer gives the mesh carries those settings."""
+    from engine.config import Config, run_digest
+    from engine.outer.protocol import build_outer
+
+    world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
+    tele = Telemetry("a", 0, json_out=_Null())
+    digests = []
+    for diloco in ({}, shared):
+        cfg = Config.model_validate({"data": {"fake": True}, "diloco": {"enabled": True, "inner_steps": 4, **diloco}})
+        digests.append(build_outer(cfg, world, TinyInner(0), tele).digest)
+        assert digests[-1] == f"{run_digest(cfg)}/w1/p{compression.WIRE_PROTOCOL}"
+    assert digests[0] != digests[1]

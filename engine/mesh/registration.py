@@ -60,8 +60,9 @@ class Registration:
         current = text(s.compare_set(self.keys.digest(), "", self.digest))
         if current != self.digest:
             message = (f"node {self.node_id}: config digest {self.digest} differs from the run's {current}: every "
-                       f"node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H), the "
-                       f"same workers per node (/wN) and an engine of the same wire protocol (/pN)")
+                       f"node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H, "
+                       f"fragments, round, sentinel_ratio), the same workers per node (/wN) and an engine of the same "
+                       f"wire protocol (/pN)")
             self._rejected()
             raise MeshError(message)
 

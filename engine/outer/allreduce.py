@@ -24,10 +24,12 @@ between two hosts leaves the link half idle over gloo's TCP pairs, and pieces ke
 For "none" the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight appended
 (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already runs at the
 link's rate). A GPU node takes this path too, through pinned host memory: every rank of a run must run the same
-collectives, and a run may mix CPU and GPU nodes. What every rank computes for itself rounds alike on both: the
-products and the division by the total run on the host, and int8's scale is a multiplication (CUDA divides a tensor
-by a Python number as a multiplication by its reciprocal, the CPU divides), so the two put the same bytes on the
-wire and report the same checksums (tests/test_gpu.py).
+collectives, and a run may mix CPU and GPU nodes. What a rank puts on the wire rounds alike on both: for "none"
+the products and the division by the total run on the host; a codec's pieces are the scaled tensor times a power of
+two (exact) and int8's scale is a multiplication (CUDA divides a tensor by a Python number as a multiplication by
+its reciprocal, the CPU divides). Only a codec's owner divides its reduced chunk on its own device, so a GPU owner's
+mean may differ from a CPU owner's in the last bit; every rank decodes that owner's bytes, so the members agree
+whatever their devices and report the same checksums (tests/test_gpu.py).
 
 Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
