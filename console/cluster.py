@@ -34,6 +34,7 @@ an engine that exits at start all become that node's state and reason, and the o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shlex
 import time
 from dataclasses import dataclass
@@ -248,6 +249,11 @@ class Cluster:
         if host is None:
             return Outcome(False, f"no node named {name!r}")
         proc = self._procs.get(name)
+        if proc is not None and proc.killed and proc.watcher is not None and not proc.done.is_set():
+            # killed a moment ago (the k key, then r): its watcher sees it gone within a poll, then settles it
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.done.wait()),
+                                       self.profile.console.poll_interval * 3 + 5)
         if proc is not None and proc.watcher is not None and not proc.done.is_set():
             return Outcome(False, f"{name}: still running (kill or drain it first)")
         if await self._hosts.live_pid(name) is not None:

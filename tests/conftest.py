@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -45,6 +46,35 @@ def procs(request):
                 print(f"processes of this test still running:\n{running}")
     finally:
         tracker.kill_all()
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # every async test closes the console clusters it made (below)
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.fixturenames.append("_close_clusters")
+
+
+@pytest.fixture
+async def _close_clusters(monkeypatch):
+    """Every console Cluster an async test makes is closed when the test ends, also when it fails halfway. Left
+    open, its watchers are still running when the test's event loop is torn down, and asyncio's teardown cancels
+    every task at once: a watcher cancelled while it spawns a command then waits forever for that command's exit
+    (CPython gh-103847, gh-125502), and the suite hangs instead of reporting the failure. Cluster.close cancels
+    them one by one, which is safe."""
+    from console.cluster import Cluster
+
+    made: list[Cluster] = []
+    init = Cluster.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Cluster, "__init__", tracked)
+    yield
+    for cluster in made:
+        if not cluster._hosts.closed:
+            await cluster.close()
 
 
 @pytest.fixture(autouse=True)

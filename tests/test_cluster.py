@@ -193,15 +193,14 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     await until(lambda: (fleet.nodes["node-b"].step or 0) >= 3, what="steps")
 
     assert await cluster.kill("node-b")
-    assert fleet.nodes["node-b"].state is NodeState.DEAD
-    step_a = fleet.nodes["node-a"].step
-    await asyncio.sleep(1.0)
-    assert fleet.nodes["node-a"].step > step_a and fleet.nodes["node-a"].state is NodeState.TRAINING  # goes on
     assert fleet.nodes["node-b"].state is NodeState.DEAD and "operator" in fleet.nodes["node-b"].reason
+    step_a = fleet.nodes["node-a"].step
 
     assert not await cluster.restart("node-a")  # still running
     old_pid = fleet.nodes["node-b"].pid
-    assert await cluster.restart("node-b")
+    assert await cluster.restart("node-b")  # at once, as the k key then r: it waits for the kill to settle
+    await until(lambda: fleet.nodes["node-a"].step > step_a, what="node-a's next step")  # it went on
+    assert fleet.nodes["node-a"].state is NodeState.TRAINING
     await until(lambda: fleet.nodes["node-b"].state is NodeState.TRAINING and fleet.nodes["node-b"].pid != old_pid,
                 what="restart")
     assert await cluster.add("node-c")
