@@ -115,7 +115,7 @@ def test_a_leased_key_vanishes_within_its_ttl_after_sigkill(etcd_cluster, procs)
     proc.kill()
     t0 = time.monotonic()
     while store.check(["hb/me"]):
-        assert time.monotonic() - t0 < 2.0 + 2.0, "leased key outlived its TTL"
+        assert time.monotonic() - t0 < 2.0 + 3.0, "leased key outlived its TTL"  # etcd checks expiry every 0.5 s
         time.sleep(0.1)
     assert store.get("bye/me") == b"kept"  # only leased keys go
 

@@ -203,7 +203,7 @@ def test_join_then_leader_sigkill_survivors_take_over_and_finish(procs, port):
                 if e["subject"] != leader_name and e["ts"] >= killed_at]
     wait_for(lambda: takeovers(), 30, "a new leader", nodes)
     # detection needs heartbeat_timeout of silence; the takeover happens at the next beat (CPU-loaded machine: slack)
-    assert min(takeovers()) - killed_at < HB_TIMEOUT + 2 * HB + 1.5
+    assert min(takeovers()) - killed_at < HB_TIMEOUT + 2 * HB + 2.5
     for s in survivors:
         assert s.proc.wait(timeout=120) == 0, s.err
     names = sorted(by_name)
@@ -466,7 +466,7 @@ def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_at_the_boundar
     # them crawls through retransmissions)
     stall = max(n.outer()[k]["ts"] for n in (a, b)) - slow
     print(f"a and b committed step {k} {stall:.2f}s after c's arrival began")
-    assert stall < late_s + 1.5, stall
+    assert stall < late_s + 2.5, stall  # as its siblings: a loaded 2-core machine's slack
     assert all(e2e.finish(n, 180, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
     e2e.assert_identical(nodes)
 
@@ -603,9 +603,10 @@ def test_simulate_script_prefixes_every_node_and_ctrl_c_leaves_no_process(procs,
     assert len(tree) >= 8  # script, store, 2 x (wrapper, sed, torchrun, worker)
     script.proc.send_signal(signal.SIGINT)  # the script alone, as a terminal's Ctrl-C reaches the foreground
     assert script.proc.wait(timeout=60) == 130
-    time.sleep(0.5)
-    left = [p for p in tree if os.path.exists(f"/proc/{p}") and p != script.proc.pid]
-    assert not left, f"processes left behind: {left}"
+    deadline = time.monotonic() + 10  # the script waits for its children; their own reaping may trail it a little
+    while left := [p for p in tree if os.path.exists(f"/proc/{p}") and p != script.proc.pid]:
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.1)
     ends = {l.split("]")[0][1:]: json.loads(l.split("] ", 1)[1]) for l in script.lines
             if '"type":"run_end"' in l and l.startswith("[node-")}
     assert {n: e["status"] for n, e in ends.items()} == {"node-0": "stopped", "node-1": "stopped"}

@@ -96,15 +96,15 @@ def test_a_checkpoint_keeps_the_rounds_tokens_and_an_old_one_is_guessed_from_its
     p = Progress(step=10, outer_step=2, tokens=1000)
     r.resume(p)
     r.begin(p)
-    p.step, p.tokens = 13, 1300
+    p.step, p.tokens = 13, 1350  # this round's steps held more tokens than the run's average
     saved = r.state_dict()
     again = RoundClock(DilocoConfig(enabled=True, inner_steps=5))
     again.load_state_dict(saved)
     again.resume(p)
-    assert again.close(p) == 300
+    assert again.close(p) == 350  # from the checkpointed round start; a guess from the steps says 312
     old = RoundClock(DilocoConfig(enabled=True, inner_steps=5))  # a checkpoint without the key
     old.resume(p)
-    assert old.close(p) == 300  # 3 steps since the last committed boundary, 100 tokens each
+    assert old.close(p) == 312  # 3 steps since the last committed boundary, 1350 / 13 tokens each
     # saved at a boundary before it committed: that round's tokens are still known at the resume
     p.step, p.tokens = 15, 1500
     assert r.pending_at_resume(p) and r.close(p) == 500

@@ -72,6 +72,7 @@ def test_store_binds_loopback_by_default_and_warns_when_asked_for_every_interfac
 
 
 def test_unreachable_store_fails_within_its_timeout(port):
+    import torch.distributed  # noqa: F401 -- connect_store imports it; a cold import is not the timeout's
     t0 = time.monotonic()
     with pytest.raises(MeshError, match=rf"membership store 127.0.0.1:{port} unreachable within 1.5s"):
         connect_store("127.0.0.1", port, 1.5)

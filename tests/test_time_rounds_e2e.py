@@ -28,7 +28,7 @@ def test_time_rounds_end_together_and_weigh_each_node_by_its_tokens(procs, port,
     fast = e2e.start_node(procs, port, "a", tmp_path, *TIMED)
     args = [e2e.CONFIG, *e2e.FAST, f"--mesh.store_port={port}", "--mesh.node_id=b", f"--run.dir={tmp_path / 'b'}",
             *TIMED]
-    slow = e2e.Node(procs, "b", [sys.executable, "-c", SLOW.format(s=0.08), *args])
+    slow = e2e.Node(procs, "b", [sys.executable, "-c", SLOW.format(s=0.25), *args])
     nodes = [fast, slow]
     for n in nodes:
         assert e2e.finish(n, 240, nodes) == 0, n.report()
