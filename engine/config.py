@@ -464,10 +464,10 @@ DILOCO_SHARED = ("enabled", "inner_steps", "outer_optimizer", "outer_lr", "outer
 DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sentinel_min_cosine")
 
 
-def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
-           run_wide: bool = False) -> str:
-    """A short hash of the parts of the config a checkpoint is resumed with: the model, data.seq_len and the
-    DILOCO_SHARED settings; with run_wide also the DILOCO_RUN_WIDE ones (what the mesh compares: run_digest)."""
+def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
+                    run_wide: bool = False) -> dict[str, Any]:
+    """The parts of the config a checkpoint is resumed with: the model, data.seq_len and the DILOCO_SHARED
+    settings; with run_wide also the DILOCO_RUN_WIDE ones (what the nodes of a running run must share)."""
     dumped = cfg.model_dump()
     picked: dict[str, Any] = {}
     for name in sections:
@@ -478,7 +478,13 @@ def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "d
         picked["diloco"] = {k: v for k, v in picked["diloco"].items() if k in DILOCO_SHARED or (
             # a run-wide setting at its default leaves the digest as it was before run-wide settings counted
             run_wide and k in DILOCO_RUN_WIDE and v != getattr(defaults, k))}
-    blob = json.dumps(picked, sort_keys=True).encode()
+    return picked
+
+
+def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
+           run_wide: bool = False) -> str:
+    """A short hash of shared_settings()."""
+    blob = json.dumps(shared_settings(cfg, sections, run_wide=run_wide), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -486,3 +492,14 @@ def run_digest(cfg: Config) -> str:
     """What the mesh compares (with the workers per node and the wire protocol): digest() and the diloco settings
     every node of a running run must share."""
     return digest(cfg, run_wide=True)
+
+
+def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"diloco": {"inner_steps": 5}, "data.seq_len": 128} -> {"diloco.inner_steps": 5, "data.seq_len": 128}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flat_settings(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

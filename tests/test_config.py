@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides, run_digest
@@ -108,3 +110,29 @@ def test_offload_knobs_belong_to_their_strategy(tmp_path, override, strategy, me
     good = {"--inner.cpu_offload=true": "fsdp", "--inner.offload_optimizer=true": "zero1",
             "--inner.offload_params=true": "zero3"}[override]
     assert load_config(path, [override, f"--inner.strategy={good}"]).inner.strategy == good
+
+
+def test_a_refused_node_names_each_setting_that_differs_from_the_runs():
+    from engine.config import Config, flat_settings, shared_settings
+    from engine.mesh.registration import differences
+
+    def value(diloco: dict, seq_len: int = 128, workers: int = 1, wire: int = 5) -> str:
+        cfg = Config.model_validate({"data": {"fake": True, "seq_len": seq_len},
+                                     "diloco": {"enabled": True, **diloco}})
+        settings = json.dumps(flat_settings(shared_settings(cfg, run_wide=True)), sort_keys=True)
+        return f"{run_digest(cfg)}/w{workers}/p{wire} {settings}"
+
+    run = value({"inner_steps": 8})
+    assert differences(value({"inner_steps": 8}), run) == ""
+    assert differences(value({"inner_steps": 4}), run) == "diloco.inner_steps = 4 here, 8 in the run"
+    assert differences(value({"inner_steps": 8, "fragments": 2}), run) == \
+        "diloco.fragments = 2 here, its default in the run"
+    assert differences(value({"inner_steps": 8, "compression": "int8"}, seq_len=64, workers=2), run) == \
+        'workers per node 2 here, 1 in the run; data.seq_len = 64 here, 128 in the run; ' \
+        'diloco.compression = "int8" here, "none" in the run'
+    # an engine of another wire protocol, whose value carries no settings: what can be told, and no more
+    assert differences(value({"inner_steps": 8}), run.split()[0].replace("/p5", "/p4")) == \
+        "engine wire protocol /p5 here, /p4 in the run (one engine version on every node)"
+    five = value({"inner_steps": 4, "outer_lr": 0.5, "compression": "bf16", "overlap": True, "sentinel_ratio": 2},
+                 seq_len=64)
+    assert differences(five, run).endswith("; and 2 more") and differences(five, run).count(";") == 4

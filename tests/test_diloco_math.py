@@ -5,6 +5,7 @@ to plain training. The mesh is replaced by scripted fakes here; tests/test_diloc
 from __future__ import annotations
 
 import datetime
+import json
 import pickle
 import traceback
 from types import SimpleNamespace
@@ -846,6 +847,11 @@ def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
     digests = []
     for diloco in ({}, shared):
         cfg = Config.model_validate({"data": {"fake": True}, "diloco": {"enabled": True, "inner_steps": 4, **diloco}})
-        digests.append(build_outer(cfg, world, TinyInner(0), tele).digest)
+        outer = build_outer(cfg, world, TinyInner(0), tele)
+        digests.append(outer.digest)
         assert digests[-1] == f"{run_digest(cfg)}/w1/p{compression.WIRE_PROTOCOL}"
+        # the mesh compares the digest and the settings it hashes, so that a refused node can name the difference
+        mesh_digest, _, settings = outer.links.digest.partition(" ")
+        assert mesh_digest == digests[-1] and json.loads(settings)["diloco.inner_steps"] == 4
+        assert all(json.loads(settings).get(f"diloco.{k}") == v for k, v in diloco.items())
     assert digests[0] != digests[1]

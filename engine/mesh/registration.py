@@ -26,6 +26,34 @@ from engine.mesh.planner import Planner
 from engine.mesh.protocol import Keys, MeshError, NodeState
 
 
+def differences(mine: str, run: str, most: int = 4) -> str:
+    """What differs between two values of the digest key ("HASH/wN/pP SETTINGS-JSON", engine/outer/diloco.py),
+    this node's and the run's, as "diloco.fragments = 4 here, 1 in the run; ..."; "" when they cannot tell (a
+    value without its settings, from an engine before they travelled with it)."""
+    (mine_id, _, mine_json), (run_id, _, run_json) = mine.partition(" "), run.partition(" ")
+    tags = [dict((part[:1], part[1:]) for part in value.split("/")[1:]) for value in (mine_id, run_id)]
+    out = []
+    if tags[0].get("p") != tags[1].get("p"):
+        out.append(f"engine wire protocol /p{tags[0].get('p')} here, /p{tags[1].get('p')} in the run (one engine "
+                   f"version on every node)")
+    if tags[0].get("w") != tags[1].get("w"):
+        out.append(f"workers per node {tags[0].get('w')} here, {tags[1].get('w')} in the run")
+    try:
+        ours, theirs = json.loads(mine_json), json.loads(run_json)
+    except ValueError:
+        ours = theirs = {}
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key, "default") != theirs.get(key, "default"):
+            out.append(f"{key} = {_shown(ours, key)} here, {_shown(theirs, key)} in the run")
+    if len(out) > most:
+        out[most:] = [f"and {len(out) - most} more"]
+    return "; ".join(out)
+
+
+def _shown(settings: dict[str, Any], key: str) -> str:
+    return json.dumps(settings[key]) if key in settings else "its default"
+
+
 class Registration:
     """This node's id, token and digest in the store, and its start-up."""
 
@@ -59,12 +87,13 @@ class Registration:
     def check_digest(self, s: Any) -> None:
         current = text(s.compare_set(self.keys.digest(), "", self.digest))
         if current != self.digest:
-            message = (f"node {self.node_id}: config digest {self.digest} differs from the run's {current}: every "
-                       f"node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H, "
-                       f"fragments, round, sentinel_ratio), the same workers per node (/wN) and an engine of the same "
-                       f"wire protocol (/pN)")
+            mine, run = self.digest.partition(" ")[0], current.partition(" ")[0]
+            what = differences(self.digest, current) or (
+                "every node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H, "
+                "fragments, round, sentinel_ratio), the same workers per node (/wN) and an engine of the same wire "
+                "protocol (/pN)")
             self._rejected()
-            raise MeshError(message)
+            raise MeshError(f"node {self.node_id}: config digest {mine} differs from the run's {run}: {what}")
 
     def claim_id(self, check: Callable[[str], None]) -> None:
         """Claim the node id. An id held by a process whose counter still moves is refused; one held by a dead

@@ -37,6 +37,7 @@ the whole outer step; docs/telemetry.md).
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from typing import Any, Callable
@@ -64,7 +65,7 @@ class DilocoOuter:
     overlapped = False  # OverlappedDiloco (overlap.py) runs each outer step in the background
 
     def __init__(self, cfg, mesh_cfg, world, inner, telemetry, *, config_digest: str,
-                 local_group: dist.ProcessGroup | None = None,
+                 settings: dict[str, Any] | None = None, local_group: dist.ProcessGroup | None = None,
                  mesh_factory: Callable[..., Any] | None = None,
                  group_factory: Callable[..., dist.ProcessGroup] | None = None):
         # mesh_factory / group_factory replace engine.mesh in unit tests
@@ -76,10 +77,13 @@ class DilocoOuter:
         self.opt = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
         # snapshot, pseudo-gradient and mean, flat fp32 on the parameters' device (engine/outer/buffers.py)
         self.bufs = OuterBuffers(inner.outer_params())
-        # what the mesh compares: shard layouts only line up between nodes of equal worker counts
+        # what the mesh compares: shard layouts only line up between nodes of equal worker counts; the settings
+        # the digest hashes travel with it, so that a refused node can say which of them differ
         self.digest = f"{config_digest}/w{world.world_size}/p{allreduce.WIRE_PROTOCOL}"
+        compared = self.digest if settings is None else \
+            f"{self.digest} {json.dumps(settings, sort_keys=True, separators=(',', ':'))}"
         self.links = MeshLinks(
-            cfg, mesh_cfg, self.local, self.node_id, telemetry.emit, self._interrupted, digest=self.digest,
+            cfg, mesh_cfg, self.local, self.node_id, telemetry.emit, self._interrupted, digest=compared,
             info={"host": world.hostname, "pid": world.pid, "workers": world.world_size},
             mesh_factory=None if mesh_factory is None else lambda: mesh_factory(self), group_factory=group_factory)
         self.handoff = StateHandoff(self.bufs, self.opt, self.links, telemetry.emit)
