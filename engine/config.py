@@ -494,6 +494,14 @@ def run_digest(cfg: Config) -> str:
     return digest(cfg, run_wide=True)
 
 
+def mesh_settings(cfg: Config) -> dict[str, Any]:
+    """What run_digest covers, flat ("diloco.inner_steps": 5), the run-wide settings at their defaults included:
+    what the mesh shows a refused node (engine/mesh/registration.py, differences)."""
+    settings = flat_settings(shared_settings(cfg, run_wide=True))
+    settings.update({f"diloco.{k}": getattr(cfg.diloco, k) for k in DILOCO_RUN_WIDE})
+    return settings
+
+
 def flat_settings(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"diloco": {"inner_steps": 5}, "data.seq_len": 128} -> {"diloco.inner_steps": 5, "data.seq_len": 128}."""
     out: dict[str, Any] = {}

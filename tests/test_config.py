@@ -113,20 +113,19 @@ def test_offload_knobs_belong_to_their_strategy(tmp_path, override, strategy, me
 
 
 def test_a_refused_node_names_each_setting_that_differs_from_the_runs():
-    from engine.config import Config, flat_settings, shared_settings
+    from engine.config import Config, mesh_settings
     from engine.mesh.registration import differences
 
     def value(diloco: dict, seq_len: int = 128, workers: int = 1, wire: int = 5) -> str:
         cfg = Config.model_validate({"data": {"fake": True, "seq_len": seq_len},
                                      "diloco": {"enabled": True, **diloco}})
-        settings = json.dumps(flat_settings(shared_settings(cfg, run_wide=True)), sort_keys=True)
+        settings = json.dumps(mesh_settings(cfg), sort_keys=True)
         return f"{run_digest(cfg)}/w{workers}/p{wire} {settings}"
 
     run = value({"inner_steps": 8})
     assert differences(value({"inner_steps": 8}), run) == ""
     assert differences(value({"inner_steps": 4}), run) == "diloco.inner_steps = 4 here, 8 in the run"
-    assert differences(value({"inner_steps": 8, "fragments": 2}), run) == \
-        "diloco.fragments = 2 here, its default in the run"
+    assert differences(value({"inner_steps": 8, "fragments": 2}), run) == "diloco.fragments = 2 here, 1 in the run"
     assert differences(value({"inner_steps": 8, "compression": "int8"}, seq_len=64, workers=2), run) == \
         'workers per node 2 here, 1 in the run; data.seq_len = 64 here, 128 in the run; ' \
         'diloco.compression = "int8" here, "none" in the run'

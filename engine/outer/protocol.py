@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from engine.config import Config, flat_settings, run_digest, shared_settings
+from engine.config import Config, mesh_settings, run_digest
 from engine.outer.progress import Progress
 
 
@@ -110,7 +110,7 @@ def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer
     if note and telemetry is not None:
         telemetry.emit("warning", message=note)
     return Loop(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=run_digest(cfg),
-                settings=flat_settings(shared_settings(cfg, run_wide=True)), local_group=local_group)
+                settings=mesh_settings(cfg), local_group=local_group)
 
 
 # Outer momentum needs many outer steps to pay off: in every run docs/learning.md measured (6 to 80 outer steps) it
