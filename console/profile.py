@@ -483,26 +483,34 @@ def check_engine_config(profile: Profile) -> None:
     Only hosts whose files are visible here (transport local) can be checked before start; a remote host's
     config is checked by its engine, whose failure then shows on that node.
     """
-    from engine.config import ConfigError, load_config  # the engine's own rules, not a copy of them
+    from engine.config import ConfigError, load_config, mesh_settings  # the engine's own rules, not a copy
 
     lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
     diloco: bool | None = None
+    shared: dict[str, dict[str, Any]] = {}  # host -> the settings every node of a DiLoCo run must share
     for host in profile.hosts.values():
         if host.transport != "local":
             continue
         config = Path(host.workdir) / profile.engine.config
         overrides = engine_overrides(profile, host)
         try:
-            diloco = load_config(config, overrides).diloco.enabled
+            cfg = load_config(config, overrides)
         except ConfigError as e:
             raise ProfileError(_engine_error(str(e), profile, host, lines)) from None
-    if diloco is None and Path(profile.engine.config).is_file():  # remote hosts only: this checkout's copy
-        try:
-            diloco = load_config(profile.engine.config, profile.engine.overrides).diloco.enabled
-        except ConfigError:
-            diloco = None  # the hosts' own engines will say what is wrong, on their nodes
+        diloco, shared[host.name] = cfg.diloco.enabled, mesh_settings(cfg)
+    if Path(profile.engine.config).is_file():  # remote hosts: this checkout's copy, which sync puts there
+        for host in profile.hosts.values():
+            if host.transport == "local":
+                continue
+            try:
+                cfg = load_config(profile.engine.config, engine_overrides(profile, host))
+            except ConfigError:
+                continue  # the host's own engine will say what is wrong, on its node
+            diloco = cfg.diloco.enabled if diloco is None else diloco
+            shared[host.name] = mesh_settings(cfg)
     if diloco:
         _check_equal_workers(profile, lines)
+        _check_shared_settings(profile, shared, lines)
 
 
 def _check_equal_workers(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
@@ -515,6 +523,36 @@ def _check_equal_workers(profile: Profile, lines: dict[tuple[str, ...], int]) ->
             raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.workers: {host.workers} differs from "
                                f"{first.name}'s {first.workers}; every node of a DiLoCo run needs the same number "
                                f"of workers (local rank r of each node exchanges with local rank r of the others)")
+
+
+def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
+                           lines: dict[tuple[str, ...], int]) -> None:
+    """The mesh refuses a node whose model, data.seq_len or run-wide diloco settings differ from the run's
+    (engine.config.mesh_settings; docs/mesh.md, the digest key): say so here, at the override that makes the
+    difference, before a half-cluster starts."""
+    if len(shared) < 2:
+        return
+    first, *rest = shared
+    for name in rest:
+        key = next((k for k in sorted(set(shared[first]) | set(shared[name]))
+                    if shared[first].get(k) != shared[name].get(k)), None)
+        if key is None:
+            continue
+        # point at the host whose own overrides set it (the other one follows the profile's [engine])
+        here, there = (first, name) if key in profile.hosts[first].overrides and \
+            key not in profile.hosts[name].overrides else (name, first)
+        why = ("every node of a DiLoCo run must share the model, data.seq_len and the run-wide diloco settings "
+               "(the mesh would refuse this node)")
+        mine, theirs = shared[here].get(key), shared[there].get(key)
+        if key in profile.hosts[here].overrides:
+            where = ("hosts", here, "overrides")
+            line = lines.get(where + (key,)) or lines.get(where) or lines.get(("hosts", here), 0)
+            raise ProfileError(f"{profile.path}:{line}: hosts.{here}.overrides.{key}: {mine!r} differs from "
+                               f"{there}'s {theirs!r}; {why}")
+        # neither host overrides it: their engine config files differ (local hosts of other workdirs)
+        config = Path(profile.hosts[here].workdir) / profile.engine.config
+        raise ProfileError(f"{profile.path}:{lines.get(('hosts', here), 0)}: hosts.{here}: {key} is {mine!r} in "
+                           f"{config}, {theirs!r} for {there}; {why}")
 
 
 def _engine_error(message: str, profile: Profile, host: HostSpec, lines: dict[tuple[str, ...], int]) -> str:

@@ -193,3 +193,28 @@ def test_a_key_written_twice_is_one_line_naming_the_second_writing():
     with pytest.raises(ProfileError) as err:
         parse_profile(text, "p.toml")
     assert str(err.value) == 'p.toml:5: not valid TOML: Key "env" already exists.'
+
+
+def test_a_host_override_of_a_setting_every_node_must_share_is_refused_at_its_line():
+    """The mesh would refuse that node at start-up (its digest differs), after the others had started: a
+    half-cluster. The profile check says so first, at the override that makes the difference."""
+    base = (ROOT / "profiles" / "local.toml").read_text()
+    path = ROOT / "profiles" / "_shared_test.toml"  # beside local.toml: its workdir "." is the checkout
+    cases = [('"diloco.fragments" = 5', "diloco.fragments", "5", "1"),
+             ('"diloco.inner_steps" = 10', "diloco.inner_steps", "10", "5"),
+             ('"data.seq_len" = 64', "data.seq_len", "64", "128")]
+    try:
+        for override, key, mine, theirs in cases:
+            text = base.replace("[hosts.node-b]\n", f"[hosts.node-b]\noverrides = {{ {override} }}\n")
+            path.write_text(text)
+            with pytest.raises(ProfileError) as err:
+                check_engine_config(load_profile(path))
+            line = text.splitlines().index(f"overrides = {{ {override} }}") + 1
+            assert str(err.value).startswith(f"{path}:{line}: hosts.node-b.overrides.{key}: {mine} differs from "
+                                             f"node-a's {theirs}; every node of a DiLoCo run must share"), err.value
+        # what each node may choose for itself passes: its device, its own landing of an overlapped round
+        own = '[hosts.node-b]\noverrides = { "diloco.overlap_delay" = 2 }\n'
+        path.write_text(base.replace("[hosts.node-b]\n", own))
+        check_engine_config(load_profile(path))
+    finally:
+        path.unlink()
