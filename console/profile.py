@@ -532,25 +532,30 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
     difference, before a half-cluster starts."""
     if len(shared) < 2:
         return
+    try:  # the overrides each host's own table sets ([defaults] is merged into every host's)
+        tables = tomlkit.parse(Path(profile.path).read_text()).get("hosts", {})
+        own = {name: set((tables.get(name) or {}).get("overrides") or {}) for name in shared}
+    except (OSError, tomlkit.exceptions.TOMLKitError, AttributeError):
+        own = {name: set(profile.hosts[name].overrides) for name in shared}
     first, *rest = shared
     for name in rest:
         key = next((k for k in sorted(set(shared[first]) | set(shared[name]))
                     if shared[first].get(k) != shared[name].get(k)), None)
         if key is None:
             continue
-        # point at the host whose own overrides set it (the other one follows the profile's [engine])
-        here, there = (first, name) if key in profile.hosts[first].overrides and \
-            key not in profile.hosts[name].overrides else (name, first)
+        # point at the host whose own overrides set it (the other one follows [engine] or [defaults])
+        here, there = (first, name) if key in own[first] and key not in own[name] else (name, first)
         why = ("every node of a DiLoCo run must share the model, data.seq_len and the run-wide diloco settings "
                "(the mesh would refuse this node)")
         mine, theirs = shared[here].get(key), shared[there].get(key)
-        if key in profile.hosts[here].overrides:
+        if key in own[here]:
             where = ("hosts", here, "overrides")
             line = lines.get(where + (key,)) or lines.get(where) or lines.get(("hosts", here), 0)
             raise ProfileError(f"{profile.path}:{line}: hosts.{here}.overrides.{key}: {mine!r} differs from "
                                f"{there}'s {theirs!r}; {why}")
-        # neither host overrides it: their engine config files differ (local hosts of other workdirs)
-        config = Path(profile.hosts[here].workdir) / profile.engine.config
+        # neither host's own table sets it: their engine config files differ (local hosts of other workdirs)
+        host = profile.hosts[here]
+        config = Path(host.workdir) / profile.engine.config if host.transport == "local" else profile.engine.config
         raise ProfileError(f"{profile.path}:{lines.get(('hosts', here), 0)}: hosts.{here}: {key} is {mine!r} in "
                            f"{config}, {theirs!r} for {there}; {why}")
 

@@ -60,7 +60,7 @@ async def _close_clusters(monkeypatch):
     open, its watchers are still running when the test's event loop is torn down, and asyncio's teardown cancels
     every task at once: a watcher cancelled while it spawns a command then waits forever for that command's exit
     (CPython gh-103847, gh-125502), and the suite hangs instead of reporting the failure. Cluster.close cancels
-    them one by one, which is safe."""
+    only its own tasks, and what hangs is the teardown's cancelling of the subprocess transport's own task."""
     from console.cluster import Cluster
 
     made: list[Cluster] = []

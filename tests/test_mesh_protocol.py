@@ -839,6 +839,11 @@ def test_digest_mismatch_is_rejected(store):
     sim.start("a")
     with pytest.raises(MeshError, match="digest d2 differs from the run's d1"):
         sim.node("x", digest="d2").start()
+    # the hash decides: the settings after it only name what differs, and a run whose value carries none (an
+    # engine before they travelled with it) admits a node whose value does
+    sim.node("y", digest='d1 {"diloco.inner_steps":5}').start()
+    with pytest.raises(MeshError, match=r"digest d3/w1/p5 differs from the run's d1: every node must use the same"):
+        sim.node("z", digest='d3/w1/p5 {"diloco.inner_steps":4}').start()
 
 
 def test_run_reforms_in_a_new_epoch_when_every_member_is_gone(store):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -199,7 +200,7 @@ def test_a_host_override_of_a_setting_every_node_must_share_is_refused_at_its_li
     """The mesh would refuse that node at start-up (its digest differs), after the others had started: a
     half-cluster. The profile check says so first, at the override that makes the difference."""
     base = (ROOT / "profiles" / "local.toml").read_text()
-    path = ROOT / "profiles" / "_shared_test.toml"  # beside local.toml: its workdir "." is the checkout
+    path = ROOT / "profiles" / f"_shared_test_{os.getpid()}.toml"  # beside local.toml: its workdir is the checkout
     cases = [('"diloco.fragments" = 5', "diloco.fragments", "5", "1"),
              ('"diloco.inner_steps" = 10', "diloco.inner_steps", "10", "5"),
              ('"data.seq_len" = 64', "data.seq_len", "64", "128")]
@@ -212,6 +213,15 @@ def test_a_host_override_of_a_setting_every_node_must_share_is_refused_at_its_li
             line = text.splitlines().index(f"overrides = {{ {override} }}") + 1
             assert str(err.value).startswith(f"{path}:{line}: hosts.node-b.overrides.{key}: {mine} differs from "
                                              f"node-a's {theirs}; every node of a DiLoCo run must share"), err.value
+        # a value every host takes from [defaults], and one host's own: that host's line is the one to fix
+        text = base.replace("[hosts.node-a]\n", '[hosts.node-a]\noverrides = { "diloco.inner_steps" = 10 }\n')
+        text = text.replace("[defaults]\n", '[defaults]\noverrides = { "diloco.inner_steps" = 4 }\n', 1)
+        path.write_text(text)
+        with pytest.raises(ProfileError) as err:
+            check_engine_config(load_profile(path))
+        line = text.splitlines().index('overrides = { "diloco.inner_steps" = 10 }') + 1
+        assert str(err.value).startswith(f"{path}:{line}: hosts.node-a.overrides.diloco.inner_steps: 10 differs "
+                                         f"from node-b's 4"), err.value
         # what each node may choose for itself passes: its device, its own landing of an overlapped round
         own = '[hosts.node-b]\noverrides = { "diloco.overlap_delay" = 2 }\n'
         path.write_text(base.replace("[hosts.node-b]\n", own))

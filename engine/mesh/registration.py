@@ -33,10 +33,10 @@ def differences(mine: str, run: str, most: int = 4) -> str:
     (mine_id, _, mine_json), (run_id, _, run_json) = mine.partition(" "), run.partition(" ")
     tags = [dict((part[:1], part[1:]) for part in value.split("/")[1:]) for value in (mine_id, run_id)]
     out = []
-    if tags[0].get("p") != tags[1].get("p"):
+    if tags[0].get("p") != tags[1].get("p") and all("p" in t for t in tags):
         out.append(f"engine wire protocol /p{tags[0].get('p')} here, /p{tags[1].get('p')} in the run (one engine "
                    f"version on every node)")
-    if tags[0].get("w") != tags[1].get("w"):
+    if tags[0].get("w") != tags[1].get("w") and all("w" in t for t in tags):
         out.append(f"workers per node {tags[0].get('w')} here, {tags[1].get('w')} in the run")
     try:
         ours, theirs = json.loads(mine_json), json.loads(run_json)
@@ -86,8 +86,9 @@ class Registration:
 
     def check_digest(self, s: Any) -> None:
         current = text(s.compare_set(self.keys.digest(), "", self.digest))
-        if current != self.digest:
-            mine, run = self.digest.partition(" ")[0], current.partition(" ")[0]
+        # the hash decides; the settings after it only say what differs (an engine that sends none still matches)
+        mine, run = self.digest.partition(" ")[0], current.partition(" ")[0]
+        if mine != run:
             what = differences(self.digest, current) or (
                 "every node must use the same model, data.seq_len and diloco settings (e.g. inner_steps H, "
                 "fragments, round, sentinel_ratio), the same workers per node (/wN) and an engine of the same wire "

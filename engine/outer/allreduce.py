@@ -25,11 +25,12 @@ For "none" the same mean is one gloo all-reduce (sum) of the scaled tensor with 
 (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already runs at the
 link's rate). A GPU node takes this path too, through pinned host memory: every rank of a run must run the same
 collectives, and a run may mix CPU and GPU nodes. What a rank puts on the wire rounds alike on both: for "none"
-the products and the division by the total run on the host; a codec's pieces are the scaled tensor times a power of
-two (exact) and int8's scale is a multiplication (CUDA divides a tensor by a Python number as a multiplication by
-its reciprocal, the CPU divides). Only a codec's owner divides its reduced chunk on its own device, so a GPU owner's
-mean may differ from a CPU owner's in the last bit; every rank decodes that owner's bytes, so the members agree
-whatever their devices and report the same checksums (tests/test_gpu.py).
+the products and the division by the total run on the host; a codec's pieces are the tensor times weight / 2^k,
+one correctly rounded multiplication on either device (the owner's x 2^k back is exact), and int8's scale is a
+multiplication (CUDA divides a tensor by a Python number as a multiplication by its reciprocal, the CPU divides).
+Only a codec's owner divides its reduced chunk on its own device, so a GPU owner's mean may differ from a CPU
+owner's in the last bit; every rank decodes that owner's bytes, so the members agree whatever their devices and
+report the same checksums (tests/test_gpu.py).
 
 Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
