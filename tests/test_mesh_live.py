@@ -605,7 +605,13 @@ def test_simulate_script_prefixes_every_node_and_ctrl_c_leaves_no_process(procs,
 
     def outer_steps(node: str) -> list[str]:
         return [l for l in script.lines if l.startswith(f"[{node}] {{") and '"type":"outer_step"' in l]
-    wait_for(lambda: outer_steps("node-0") and outer_steps("node-1"), 180, "an outer step of both nodes", [script])
+    try:
+        wait_for(lambda: outer_steps("node-0") and outer_steps("node-1"), 180, "an outer step of both nodes",
+                 [script])
+    except AssertionError as e:  # each part's own last lines: one node's failure can hide behind another's
+        tails = {p: [l for l in script.lines if l.startswith(f"[{p}") and '"type":"heartbeat"' not in l][-8:]
+                 for p in ("sim", "store", "node-0", "node-1")}
+        raise AssertionError(f"{e}\n" + "".join(f"--- {p}:\n{''.join(t)}" for p, t in tails.items())) from None
     tree = _tree(script.proc.pid)
     assert len(tree) >= 8  # script, store, 2 x (wrapper, sed, torchrun, worker)
     script.proc.send_signal(signal.SIGINT)  # the script alone, as a terminal's Ctrl-C reaches the foreground
