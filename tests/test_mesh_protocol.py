@@ -555,6 +555,33 @@ def test_time_rounds_plans_carry_the_deadline_and_a_straggler_holds_no_one_past_
         sim.nodes["c"].poll_plan(1, 0)
 
 
+def test_time_rounds_a_retry_after_a_late_abort_waits_for_every_survivor():
+    """An outer step's attempt failed after its plan's deadline (the next round's) and grace had passed (a peer
+    frozen in the all-reduce for a heartbeat timeout, in rounds shorter than that). The retry must not count as
+    past the grace: the survivors arrive again as each sees the abort, and the first must not plan alone (CI
+    once left b out, and b lost its round as a joiner)."""
+    sim = Sim()
+    sim.start("a", "b", "c", round_seconds=10.0, grace=0.5)
+    _run_committed(sim, 0, ["a", "b", "c"])
+    plan = sim.boundary(1, 0, ["a", "b", "c"])["a"]
+    while sim.t < plan.deadline + 2.0:  # the attempt hangs past the deadline and its grace
+        sim.sleep(CFG.polling_interval)
+    assert sim.commit(plan, {n: False for n in "abc"}) == {n: ABORT for n in "abc"}
+    sim.nodes["a"].arrive(1, 1)
+    t0 = sim.t
+    while sim.t < t0 + 2.0:  # four graces: b and c are alive, they are awaited
+        assert sim.nodes["a"].poll_plan(1, 1) is None
+        sim.sleep(CFG.polling_interval)
+    for n in ("b", "c"):
+        sim.nodes[n].arrive(1, 1)
+    retry = None
+    while retry is None:
+        retry = sim.nodes["a"].poll_plan(1, 1)
+        sim.sleep(CFG.polling_interval)
+    assert retry.members == ("a", "b", "c") and retry.attempt == 1
+    assert retry.deadline == pytest.approx(sim.t + 10.0, abs=1.0)  # the round starts anew from the retry
+
+
 def test_a_member_on_a_slow_link_steps_out_the_others_go_on_and_it_rejoins_when_healthy(store):
     """c's collective of outer step 1 is overdue and its own ticks are slow: it steps out. The attempt is aborted
     by c itself (its peers stop waiting at their next poll), the retry is planned without it at once, c's next

@@ -240,7 +240,7 @@ class Mesh:
         plan = self._plan_for(latest, outer_step, attempt)
         if plan is None and self._may_plan():
             wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
-            overdue = self.clock() > self._arrived_at + wait or self.planner.past_grace(latest)
+            overdue = self.clock() > self._arrived_at + wait or self.planner.past_grace(latest, outer_step)
             self.planner.try_plan(outer_step, attempt, raw, latest, timed_out=overdue)
             raw, latest = self.planner.latest()
             plan = self._plan_for(latest, outer_step, attempt)

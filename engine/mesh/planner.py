@@ -63,10 +63,14 @@ class Planner:
         raws = self.m.store.multi_get([self.keys.state(n) for n in nodes])
         return {n: NodeState.from_json(text(r)) for n, r in zip(nodes, raws)}
 
-    def past_grace(self, latest: Plan | None) -> bool:
+    def past_grace(self, latest: Plan | None, outer_step: int) -> bool:
         """Time rounds: the round that ended had a deadline (the last plan's) and its grace is over: plan with
-        whoever arrived; a member that arrives later is left out (it re-joins, its round not counted)."""
-        if latest is None or latest.deadline is None or latest.epoch != self.m.epoch:
+        whoever arrived; a member that arrives later is left out (it re-joins, its round not counted). Not for a
+        retry of an aborted outer step: its latest plan is that step's own, whose deadline (the next round's) may
+        have passed while the attempt failed, and the survivors, which arrive again as they see the abort, are
+        awaited as in a step round."""
+        if latest is None or latest.deadline is None or latest.epoch != self.m.epoch \
+                or latest.outer_step >= outer_step:
             return False
         return self.wall() > latest.deadline + self.grace
 
