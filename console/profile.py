@@ -532,17 +532,17 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
     difference, before a half-cluster starts."""
     if len(shared) < 2:
         return
-    try:  # the overrides each host's own table sets ([defaults] is merged into every host's)
-        tables = tomlkit.parse(Path(profile.path).read_text()).get("hosts", {})
-        own = {name: set((tables.get(name) or {}).get("overrides") or {}) for name in shared}
-    except (OSError, tomlkit.exceptions.TOMLKitError, AttributeError):
-        own = {name: set(profile.hosts[name].overrides) for name in shared}
     first, *rest = shared
     for name in rest:
         key = next((k for k in sorted(set(shared[first]) | set(shared[name]))
                     if shared[first].get(k) != shared[name].get(k)), None)
         if key is None:
             continue
+        try:  # the overrides each host's own table sets ([defaults] is merged into every host's)
+            tables = tomlkit.parse(Path(profile.path).read_text()).get("hosts", {})
+            own = {n: set((tables.get(n) or {}).get("overrides") or {}) for n in (first, name)}
+        except (OSError, tomlkit.exceptions.TOMLKitError, AttributeError):
+            own = {n: set(profile.hosts[n].overrides) for n in (first, name)}
         # point at the host whose own overrides set it (the other one follows [engine] or [defaults])
         here, there = (first, name) if key in own[first] and key not in own[name] else (name, first)
         why = ("every node of a DiLoCo run must share the model, data.seq_len and the run-wide diloco settings "
