@@ -4,10 +4,10 @@
 #   scripts/simulate_multi_node.sh [--timeout SECONDS] [--store-port PORT] [--run-dir DIR] NODES WORKERS CONFIG [overrides...]
 #   scripts/simulate_multi_node.sh 3 2 configs/debug-diloco.toml --train.max_steps=20
 #
-# Each node is `torchrun --nnodes=1 --nproc_per_node=WORKERS -m engine.train CONFIG` with its own local rendezvous
-# port and GLOBAL_ADDR / GLOBAL_PORT / GLOBAL_UNIQUE_ID=node-<i> / GLOBAL_RANK=<i> / GLOBAL_WORLD_SIZE=NODES, and its
-# own run directory (<run-dir>/node-<i>). Every line of output is prefixed with [store] or [node-<i>] (stdout and
-# stderr alike, so the JSON events of every node come out in one stream).
+# Each node is `torchrun --standalone --nproc_per_node=WORKERS -m engine.train CONFIG` (its own local rendezvous on
+# a port it binds itself) with GLOBAL_ADDR / GLOBAL_PORT / GLOBAL_UNIQUE_ID=node-<i> / GLOBAL_RANK=<i> /
+# GLOBAL_WORLD_SIZE=NODES, and its own run directory (<run-dir>/node-<i>). Every line of output is prefixed with
+# [store] or [node-<i>] (stdout and stderr alike, so the JSON events of every node come out in one stream).
 #
 # Every component runs in its own process group (setsid). Ctrl-C, SIGTERM, the timeout, or the end of the run
 # stops them all: SIGTERM to each group (the engine checkpoints and exits), SIGKILL to whatever is left after a
@@ -48,16 +48,9 @@ torchrun=.venv/bin/torchrun
 [ -x "$py" ] || py=python3
 [ -x "$torchrun" ] || torchrun=torchrun
 
-# free ports: the store (unless given) and one local rendezvous port per node
-ports=($("$py" - "$nodes" <<'EOF'
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]) + 1)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-))
-[ -n "$store_port" ] || store_port=${ports[0]}
+# a free port for the store, unless given. Each node's torchrun runs --standalone: its rendezvous binds port 0
+# itself, so no port is picked here and taken by another process before the node binds it
+[ -n "$store_port" ] || store_port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
 groups=()      # process group ids (= the setsid'd leader pids) of everything started
 node_pids=()
@@ -134,7 +127,7 @@ done
 for ((i = 0; i < nodes; i++)); do
   start_group "node-$i" env GLOBAL_ADDR=127.0.0.1 GLOBAL_PORT="$store_port" GLOBAL_UNIQUE_ID="node-$i" \
     GLOBAL_RANK="$i" GLOBAL_WORLD_SIZE="$nodes" PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    "$torchrun" --nnodes=1 --nproc_per_node="$workers" --master_addr=127.0.0.1 --master_port="${ports[$((i + 1))]}" \
+    "$torchrun" --nnodes=1 --nproc_per_node="$workers" --standalone \
     -m engine.train "$config" --run.dir="$run_dir/node-$i" --diloco.min_nodes="$nodes" "$@"
   node_pids+=("${groups[-1]}")
 done
