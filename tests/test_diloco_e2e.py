@@ -125,8 +125,9 @@ def start_node(procs, port: int, name: str, run_dir, *extra: str, workers: int =
         return Node(procs, name, [sys.executable, "-c", fault + PRIMED, str(go), *args])
     if workers == 1:
         return Node(procs, name, [sys.executable, "-m", "engine.train", *args])
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}",
-                f"--master_port={free_port()}", "--master_addr=127.0.0.1", "-m", "engine.train"]
+    # --standalone: torchrun binds its own rendezvous port (a port picked here could be taken before it binds)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}", "-m",
+                "engine.train"]
     return Node(procs, name, launcher + args)
 
 

@@ -166,8 +166,7 @@ def test_two_sharded_workers_agree_that_their_node_diverged_when_one_shard_did(p
         "    if _n[0] == 5:", "    if _n[0] == 5 and int(__import__('os').environ['LOCAL_RANK']) == 0:"))
     steps = ["--train.max_steps=12", "--diloco.min_nodes=2", f"--inner.strategy={strategy}", "--train.batch_size=4",
              "--ckpt.interval=6", "--ckpt.keep=5"]  # step 6: just after b's optimizer state was reset
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={e2e.free_port()}",
-                "--master_addr=127.0.0.1", str(script)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     a = e2e.start_node(procs, port, "a", tmp_path, *steps, workers=2)
     b = e2e.Node(procs, "b", launcher + diloco_args(port, "b", tmp_path, *steps))
     nodes = [a, b]
