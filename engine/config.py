@@ -484,8 +484,17 @@ def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq
 def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
            run_wide: bool = False) -> str:
     """A short hash of shared_settings()."""
-    blob = json.dumps(shared_settings(cfg, sections, run_wide=run_wide), sort_keys=True).encode()
+    blob = json.dumps(_canonical(shared_settings(cfg, sections, run_wide=run_wide)), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _canonical(value: Any) -> Any:
+    """-0.0 as 0.0, so that two settings the nodes would compare equal hash the same."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    return 0.0 if isinstance(value, float) and value == 0 else value
 
 
 def run_digest(cfg: Config) -> str:

@@ -77,6 +77,9 @@ def test_digest_ignores_per_node_knobs(tmp_path):
     base = digest(load_config(path))
     assert digest(load_config(path, ["--optim.lr=1e-2", "--diloco.min_nodes=3"])) == base
     assert digest(load_config(path, ["--data.seq_len=64"])) != base
+    # -0.0 and 0 are the same setting: two nodes given them are admitted (the mesh could not name a difference)
+    zero, minus_zero = (load_config(path, [f"--diloco.sentinel_min_cosine={v}"]) for v in ("0", "-0.0"))
+    assert run_digest(zero) == run_digest(minus_zero) != run_digest(load_config(path))
 
 
 @pytest.mark.parametrize("override", ["--diloco.fragments=2", "--diloco.round=time", "--diloco.round_seconds=30",
