@@ -116,12 +116,28 @@ comp._all_gather = _dying
 """
 
 
+# The source of a join's state hand-off SIGKILLs itself as it passes piece 8 of the state to its sending thread
+# (the joiner gets a part or none of it). Once per run: the MARK file says it happened (the survivor is the
+# source of the next hand-off and must live).
+DIE_IN_HANDOFF = """import os, signal
+import engine.outer.handoff as handoff
+_put = handoff._Forward.put
+def _dying(self, item):
+    if item is not None and item[0] == 8 and not os.path.exists({mark!r}):
+        open({mark!r}, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    _put(self, item)
+handoff._Forward.put = _dying
+"""
+
+
 def start_node(procs, port: int, name: str, run_dir, *extra: str, workers: int = 1, go=None,
-               die_at_outer_step: int | None = None) -> Node:
+               die_at_outer_step: int | None = None, fault: str = "") -> Node:
+    """fault: Python run before the engine (go must be given: the primed launcher runs it)."""
     args = [CONFIG, *FAST, f"--mesh.store_port={port}", f"--mesh.node_id={name}", f"--run.dir={run_dir / name}",
             *extra]
     if go is not None:
-        fault = DIE_IN_ALLREDUCE.format(n=die_at_outer_step) if die_at_outer_step else ""
+        fault += DIE_IN_ALLREDUCE.format(n=die_at_outer_step) if die_at_outer_step else ""
         return Node(procs, name, [sys.executable, "-c", fault + PRIMED, str(go), *args])
     if workers == 1:
         return Node(procs, name, [sys.executable, "-m", "engine.train", *args])
@@ -449,6 +465,37 @@ def test_stalled_node_left_out_rejoins_and_takes_the_state(procs, tmp_path):
     assert a.outer()[back]["members"] == ["a", "b"]
     assert_identical(nodes)
     assert b.of("run_end")[-1]["status"] == "completed" and max(b.outer()) == max(a.outer()) == 12
+
+
+def test_a_joiner_whose_source_dies_in_the_hand_off_steps_out_and_joins_again(procs, tmp_path):
+    """c joins a and b; the source of its state (a or b: whichever the plan names) is SIGKILLed in the middle of
+    the hand-off. The commit stands without c's state: c steps out, asks to join again, and the survivor hands it
+    the state at a later outer step. Both finish with identical weights. (Before, c failed with a traceback and
+    exit 1, and the operator had to restart it.)"""
+    port = free_port()
+    start_store(procs, port)
+    steps = ["--train.max_steps=90", "--diloco.min_nodes=2"]
+    go_ab, go_c, mark = tmp_path / "go-ab", tmp_path / "go-c", tmp_path / "source-died"
+    go_ab.touch()
+    c = start_node(procs, port, "c", tmp_path, *steps, go=go_c)
+    a, b = (start_node(procs, port, n, tmp_path, *steps, go=go_ab, fault=DIE_IN_HANDOFF.format(mark=str(mark)))
+            for n in "ab")
+    nodes = [a, b, c]
+    primed(c)
+    wait_for(lambda: 2 in a.outer() and 2 in b.outer(), 180, "outer step 2", nodes)
+    go_c.touch()
+    wait_for(lambda: mark.exists(), 120, "the source's death in the hand-off", nodes)
+    wait_for(lambda: a.proc.poll() is not None or b.proc.poll() is not None, 30, "the source gone", nodes)
+    source, survivor = (a, b) if a.proc.poll() is not None else (b, a)
+    assert source.proc.poll() == -signal.SIGKILL, source.report()
+    assert finish(survivor, 180, nodes) == 0 and finish(c, 180, nodes) == 0, "\n".join(n.report() for n in nodes)
+    missed = [e["message"] for e in c.of("warning") if "stepped out" in e["message"]]
+    assert len(missed) == 1 and f"the state from {source.name} did not arrive" in missed[0], c.report()
+    back = min(c.outer())
+    assert survivor.outer()[back]["members"] == sorted([survivor.name, "c"])  # admitted again, from the survivor
+    assert_identical([survivor, c])
+    assert c.of("run_end")[-1]["status"] == "completed" and c.of("run_end")[-1]["step"] == 90
+    assert max(c.outer()) == max(survivor.outer()) == 30
 
 
 # ------------------------------------------------------------------------------------------ run: overlap

@@ -19,6 +19,7 @@ from engine.outer import handoff
 from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
+from engine.outer.local import LocalRanks
 from engine.outer.fragments import FragmentedDiloco
 from engine.outer.optimizer import OuterOptimizer, flat_params
 from engine.outer.overlap import OverlappedDiloco
@@ -613,6 +614,31 @@ def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_t
     assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
 
 
+def test_a_joiner_whose_state_did_not_arrive_steps_out_keeps_nothing_and_says_so():
+    """Defect: a joiner whose hand-off broke (its source died mid-transfer) failed with a traceback and exit 1. It
+    steps out now (the commit stands without it) and raises MissedState, which its outer loop answers by asking
+    to join again; nothing of what arrived is adopted, and a mean buffer the abandoned chain may still write into
+    is renewed."""
+    from engine.outer.groups import PeerLost
+    join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
+    for error, into_mean, renewed in ((PeerLost("state hand-off: a stopped beating"), True, [1]),
+                                      (RuntimeError("Connection closed by peer"), True, [])):
+        stepped, seen, adopted = [], {}, []
+        mesh = SimpleNamespace(step_out=lambda p, why, cause: stepped.append((p.outer_step, why, cause)))
+        links = SimpleNamespace(node_id="c", local=LocalRanks(0, 1, None), mesh=mesh, dead=lambda p: [],
+                                group=lambda p: _BrokenChain(None, p.rank_of("c"), error),
+                                bounded=lambda p, what, fn, **kw: fn())
+        bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"),
+                               renew_scratch=lambda: seen.setdefault("renewed", []).append(1))
+        progress = Progress(step=5, outer_step=2, tokens=50)
+        with pytest.raises(handoff.MissedState, match="outer step 7: the state from a did not arrive"):
+            handoff.StateHandoff(bufs, OuterOptimizer("nesterov", 0.7, 0.9), links, lambda *a, **k: None).receive(
+                join, progress, lambda params, tensors: adopted.append(params), into_mean=into_mean)
+        assert stepped == [(7, f"the state from a did not arrive ({error})", "it missed the state it joined for")]
+        assert adopted == [] and (progress.step, progress.outer_step, progress.tokens) == (5, 2, 50)
+        assert seen.get("renewed", []) == renewed, (error, seen)
+
+
 def test_a_hand_off_given_up_upstream_leaves_its_mean_buffer_to_the_abandoned_chain():
     """Defect: a hand-off given up on a death upstream left the mean buffer to the abandoned chain's thread, which
     writes the pieces still coming from a frozen node that wakes up into it: into the next outer step's mean, as an
@@ -797,7 +823,7 @@ def test_a_joiner_stops_watching_the_nodes_before_it_once_its_state_landed():
         seen["after"] = list(watch)
         return out
     state = [torch.ones(4), torch.full((4,), 0.5), torch.tensor([9, 3, 100])]
-    links = SimpleNamespace(node_id="b", local=SimpleNamespace(size=1), mesh=None, dead=lambda p: [],
+    links = SimpleNamespace(node_id="b", local=LocalRanks(0, 1, None), mesh=None, dead=lambda p: [],
                             group=lambda p: _FrozenNext(state, True, handoff.PIECE_BYTES), bounded=bounded)
     opt = OuterOptimizer("nesterov", 0.7, 0.9)
     bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"))

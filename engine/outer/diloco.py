@@ -50,7 +50,7 @@ from engine.outer import allreduce
 from engine.outer.buffers import OuterBuffers, finite, fingerprint
 from engine.outer.exchange import exchange
 from engine.outer.groups import MeshLinks
-from engine.outer.handoff import StateHandoff
+from engine.outer.handoff import MissedState, StateHandoff
 from engine.outer.local import LocalRanks
 from engine.outer.optimizer import OuterOptimizer
 from engine.outer.progress import Progress
@@ -278,6 +278,11 @@ class DilocoOuter:
                 self._emit("warning", message=f"{e}")
                 self.links.after_reform()
                 attempt, plan = 0, None
+                continue
+            except MissedState:  # the commit stands without this joiner: it stepped out (handoff.receive)
+                self._emit("state", state="joining")
+                plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
+                joining, index = True, plan.outer_step
                 continue
             attempt, plan = plan.attempt + 1, None
         raise MeshError(f"outer step {index}: no attempt committed in {self.cfg.max_attempts} tries "

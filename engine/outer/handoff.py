@@ -4,7 +4,8 @@ start from one set of weights).
 
 Every member takes part in the broadcast over the plan's group. A member that is not the source compares what it
 received with its own state, a free check that the members agree, and adopts the source's state where it differs.
-If the hand-off fails the commit stands: a joiner that missed its state fails and is dropped at the next boundary.
+If the hand-off fails the commit stands: a joiner that missed its state steps out and asks to join again, which
+hands it the state from a member still alive (the planner neither waits for it nor counts it meanwhile).
 Gloo moves host tensors only, so on a GPU these are host copies (a hand-off is rare).
 
 At a run's first outer step (plan.forming, no joiners) the members first compare fingerprints of what the
@@ -44,6 +45,10 @@ TAG = 1 << 20  # the chain's message tags start here, clear of the mean's (engin
 WINDOW = 256  # pieces in flight per hop (64 MiB): a 1 Gbit/s link with 0.5 s of round trip stays busy
 
 Adopt = Callable[[torch.Tensor, list[torch.Tensor]], None]  # (parameters, every tensor received) -> None
+
+
+class MissedState(Exception):
+    """A joiner's state did not arrive: it stepped out, and joins again (DilocoOuter._round)."""
 
 
 class StateHandoff:
@@ -86,12 +91,24 @@ class StateHandoff:
             adopt(tensors[0], tensors)
 
     def receive(self, plan: Any, progress: Progress, adopt: Adopt, *, into_mean: bool) -> None:
-        """A joiner's side: adopt the source's state and its counters."""
+        """A joiner's side: adopt the source's state and its counters. Where it did not arrive (on any local rank:
+        the source or a joiner before this one in the chain died, a link dropped), the commit stands without this
+        node: it steps out, keeps nothing of what came, and raises MissedState; the caller asks to join again,
+        which hands it the state from a member still alive."""
         tensors = self._tensors(progress, None, source=False, into_mean=into_mean)
+        error = None
         try:
             self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
-            raise RuntimeError(f"join: state from {plan.source} did not arrive: {first_line(e, 200)}") from None
+            error = first_line(e, 200)
+            if isinstance(e, PeerLost) and tensors[0] is self.bufs.mean:
+                self.bufs.renew_scratch()  # the abandoned chain's thread may still write into it (send, above)
+        missed = self.links.local.every(error)
+        if missed:
+            why = f"the state from {plan.source} did not arrive ({missed[0]})"
+            self.links.local.on_leader("step out", lambda: self.links.mesh.step_out(
+                plan, why, cause="it missed the state it joined for"))
+            raise MissedState(f"outer step {plan.outer_step}: {why}")
         adopt(tensors[0], tensors)
         progress.step, progress.outer_step, progress.tokens = (int(c) for c in tensors[-1].tolist())
 
