@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +141,33 @@ def test_a_refused_node_names_each_setting_that_differs_from_the_runs():
     five = value({"inner_steps": 4, "outer_lr": 0.5, "compression": "bf16", "overlap": True, "sentinel_ratio": 2},
                  seq_len=64)
     assert differences(five, run).endswith("; and 2 more") and differences(five, run).count(";") == 4
+
+
+def _reference_rows() -> dict[str, str]:
+    """docs/config.md's rows: key -> its default cell."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    return {m[1]: m[2] for m in re.finditer(r"^\| `([a-z_]+\.[a-z0-9_]+)` \| (.+?) \| .* \|$", text, re.M)}
+
+
+def _leaves(model, prefix=""):
+    for name, field in model.model_fields.items():
+        if hasattr(field.annotation, "model_fields"):
+            yield from _leaves(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field.default
+
+
+def test_the_config_reference_lists_every_key_with_its_default():
+    """docs/config.md has a row for every key of the config, with the default the code has, and none for a key
+    the code does not have: a key added, renamed or given another default without the page fails here."""
+    from engine.config import Config
+    rows, leaves = _reference_rows(), dict(_leaves(Config))
+    assert sorted(set(leaves) - set(rows)) == [] and sorted(set(rows) - set(leaves)) == []
+    for key, default in leaves.items():
+        cell = rows[key]
+        if default is None:
+            assert cell == "(unset)", (key, cell)
+            continue
+        assert cell.startswith("`") and cell.endswith("`"), (key, cell)
+        written = tomllib.loads(f"v = {cell[1:-1]}")["v"]
+        assert written == default and type(written) is type(default), (key, cell, default)

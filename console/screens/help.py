@@ -28,7 +28,8 @@ KEYS = """\
 | `q` | quit: leave training running, or stop it |
 
 Heartbeat ages turn yellow at a third of the mesh's heartbeat timeout and red past it.
-Without a GPU the util and memory columns show the engine process's CPU% and RSS. A node of several GPUs shows
+Without a GPU the util column shows the host's CPU% (the whole machine's: nodes sharing a machine show the same
+figure) and the memory column the engine process's RSS. A node of several GPUs shows
 their mean utilization with the lowest after `↓`, and the memory of the fullest GPU.
 The header's second line is the store: its address, a round trip, its keys; red when it is down.
 The lower chart is each outer step: compute against all-reduce (wire, codec) and idle time.
