@@ -489,10 +489,18 @@ def test_a_joiner_whose_source_dies_in_the_hand_off_steps_out_and_joins_again(pr
     source, survivor = (a, b) if a.proc.poll() is not None else (b, a)
     assert source.proc.poll() == -signal.SIGKILL, source.report()
     assert finish(survivor, 180, nodes) == 0 and finish(c, 180, nodes) == 0, "\n".join(n.report() for n in nodes)
-    missed = [e["message"] for e in c.of("warning") if "stepped out" in e["message"]]
+    missed = [e["message"] for e in c.of("warning") if "stepped out of" in e["message"]]
     assert len(missed) == 1 and f"the state from {source.name} did not arrive" in missed[0], c.report()
+    outer = survivor.outer()
+    admitted = min(k for k, e in outer.items() if "c" in e["members"])  # the commit whose hand-off broke
     back = min(c.outer())
-    assert survivor.outer()[back]["members"] == sorted([survivor.name, "c"])  # admitted again, from the survivor
+    # admitted again from the survivor two outer steps later: it stood by while the survivor planned the next one
+    # without it (the planner would have waited for it there as a member of the commit, mesh.store_timeout)
+    assert back == admitted + 2 and outer[back]["members"] == sorted([survivor.name, "c"]), (admitted, back)
+    assert "c" not in outer[admitted + 1]["members"]
+    ts = [outer[k]["ts"] for k in sorted(outer) if k >= admitted]
+    assert max(b - a for a, b in zip(ts, ts[1:])) < 12, ts  # never held for mesh.store_timeout (20 s)
+    assert [e["state"] for e in c.of("state")].count("training") == 1  # said once, after its first join
     assert_identical([survivor, c])
     assert c.of("run_end")[-1]["status"] == "completed" and c.of("run_end")[-1]["step"] == 90
     assert max(c.outer()) == max(survivor.outer()) == 30

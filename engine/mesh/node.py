@@ -77,6 +77,8 @@ class Mesh:
         self._arriving_at = 0.0  # when its last arrival began (before its write): the straggler budget
         self._posted_at = 0.0
         self._stepped_out: str | None = None  # step_out()'s cause: the next boundary excludes this node; it re-joins
+        # a joiner that stepped out of the plan that admitted it, after its commit: (epoch, outer step) of that plan
+        self._rejoin_after: tuple[int, int] | None = None
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -142,8 +144,13 @@ class Mesh:
         In state `standby` the planner neither waits for it nor admits it; the abort it writes (the attempt cannot
         commit without this node's ok anyway) ends its peers' wait at their next poll, and they re-plan without it.
         Its pseudo-gradient of this round is not counted. Its next boundary raises Excluded; wait_admission asks to
-        join again once the link is healthy."""
+        join again once the link is healthy. A joiner of a committed plan (its state did not arrive) asks only once
+        a later plan is out: at that plan's boundary its peers count it a member of the commit whose state may
+        still say joining (protocol.compute_plan), and would wait for it."""
         self._step_out(plan.epoch, plan.outer_step, plan.attempt, why, cause)
+        if self.node_id in plan.joiners and self.planner.read(
+                self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)) == COMMIT:
+            self._rejoin_after = (plan.epoch, plan.outer_step)
 
     def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str, cause: str = SLOW_LINK) -> None:
         self._stepped_out = cause
@@ -158,8 +165,9 @@ class Mesh:
             self._release_lease()
         except STORE_ERRORS as e:  # cut off for good: its peers see its heartbeat stop instead
             why += f" (the store did not answer: {first_line(e)})"
+        then = "once its link is healthy" if cause == SLOW_LINK else "at a later boundary"
         self.emit("warning", message=f"node {self.node_id}: stepped out of outer step {outer_step} attempt "
-                                     f"{attempt}: {why}; it asks to join again once its link is healthy")
+                                     f"{attempt}: {why}; it asks to join again {then}")
 
     def leave(self, reason: str) -> None:
         """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
@@ -308,12 +316,20 @@ class Mesh:
     def _await_link(self) -> None:
         """A node that stepped out stays in standby until its heartbeat ticks are on time again (bounded by
         mesh.join_timeout; then it asks to join anyway), so that it is not admitted over the link that made it
-        step out: a joiner takes part in the next collective and receives the state."""
+        step out: a joiner takes part in the next collective and receives the state. A joiner that missed its state
+        also waits for a plan past the one that admitted it (step_out)."""
         what = "waiting for its link to recover (stepped out)"
         deadline = self.clock() + self.cfg.join_timeout
-        while not self.link_healthy() and self.clock() < deadline:
+        while not (self.link_healthy() and self._planned_past(self._rejoin_after)) and self.clock() < deadline:
             self.polling.idle(what)
-        self._stepped_out = None
+        self._stepped_out, self._rejoin_after = None, None
+
+    def _planned_past(self, point: tuple[int, int] | None) -> bool:
+        """Whether the run has a plan later than (epoch, outer step) (or no plan at all: the store restarted)."""
+        if point is None:
+            return True
+        latest = self.planner.latest()[1]
+        return latest is None or (latest.epoch, latest.outer_step) > point
 
     def _commit(self, plan: Plan, succeeded: bool) -> str:
         what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"

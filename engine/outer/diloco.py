@@ -98,6 +98,7 @@ class DilocoOuter:
         self._discard = False  # this round's pseudo-gradient is not finite: not counted, the run's weights adopted
         self._left = False
         self._started = False  # mesh.start() succeeded: only then may close() say goodbye under this id
+        self._first_join = False  # in start()'s join of a running run: the session says "training" after it
         self.last_outer_step: dict[str, Any] | None = None  # the last "outer_step" event (tests, benchmarks)
         self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
         # an outer step in a background thread (overlap.py, fragments.py with fragment_delay): the thread, what it
@@ -171,7 +172,11 @@ class DilocoOuter:
         if joiner:
             self._emit("state", state="joining")
             plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
-            self._round(progress, plan=plan, draining=False, tokens=0)
+            self._first_join = True
+            try:
+                self._round(progress, plan=plan, draining=False, tokens=0)
+            finally:
+                self._first_join = False
         elif self.rounds.pending_at_resume(progress):
             # resumed from a checkpoint saved at a boundary before it committed (a stop or a failure in the
             # boundary wait): contribute that round now rather than fold it into the next one
@@ -263,11 +268,14 @@ class DilocoOuter:
             pgrad = self._pseudo_gradient()
             self._discard = self._not_finite(pgrad, index)
         self._contributing = not joining and not self._discard
-        for _ in range(self.cfg.max_attempts):
+        tries = 0
+        while tries < self.cfg.max_attempts:
+            tries += 1
             try:
                 if plan is None:
                     plan, rejoined = self._plan(index, attempt, joining, draining, rejoined)
-                if self.node_id in plan.joiners and not joining:
+                    rejoined = rejoined and not self._first_join  # the session says "training" after a first join
+                if self.node_id in plan.joiners:
                     joining, index = True, plan.outer_step
                     self._contributing = False  # it takes the state: nothing of it is counted
                 if self._attempt(plan, pgrad, progress, tokens):
@@ -279,10 +287,10 @@ class DilocoOuter:
                 self.links.after_reform()
                 attempt, plan = 0, None
                 continue
-            except MissedState:  # the commit stands without this joiner: it stepped out (handoff.receive)
-                self._emit("state", state="joining")
-                plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
-                joining, index = True, plan.outer_step
+            except MissedState:
+                # the commit stands without this joiner: it stepped out (handoff.receive), so its next boundary
+                # answers Excluded and it asks to join again (_plan), a new join with its own tries
+                joining, attempt, plan, tries = True, 0, None, 0
                 continue
             attempt, plan = plan.attempt + 1, None
         raise MeshError(f"outer step {index}: no attempt committed in {self.cfg.max_attempts} tries "

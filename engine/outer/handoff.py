@@ -4,8 +4,9 @@ start from one set of weights).
 
 Every member takes part in the broadcast over the plan's group. A member that is not the source compares what it
 received with its own state, a free check that the members agree, and adopts the source's state where it differs.
-If the hand-off fails the commit stands: a joiner that missed its state steps out and asks to join again, which
-hands it the state from a member still alive (the planner neither waits for it nor counts it meanwhile).
+If the hand-off fails the commit stands: a joiner that missed its state steps out and, once the run planned its
+next outer step without it, asks to join again, which hands it the state from a member still alive (the planner
+neither waits for it nor counts it meanwhile; engine/mesh/node.py, step_out).
 Gloo moves host tensors only, so on a GPU these are host copies (a hand-off is rare).
 
 At a run's first outer step (plan.forming, no joiners) the members first compare fingerprints of what the
