@@ -576,15 +576,27 @@ def _raise(error):
     raise error
 
 
+class _OtherRanks(LocalRanks):
+    """Local rank 0 of a node of two, whose other rank reports `theirs` (its error text, or None)."""
+
+    def __init__(self, theirs):
+        super().__init__(0, 1, None)
+        self.theirs = theirs
+
+    def every(self, errors):
+        return [e for e in (errors, self.theirs) if e]
+
+
 def _failed_handoff(plan, rows, node="b", error=RuntimeError("Connection closed by peer"), into_mean=False,
-                    seen=None, agreed_is_mean=False, give_up=False):
+                    seen=None, agreed_is_mean=False, give_up=False, local=None):
     """StateHandoff.send on member `node` whose chain breaks with `error`; returns (the step-outs it asked for, its
     warnings). `seen` collects the groups it reported failed and the scratch renewals. agreed_is_mean: the agreed
     weights it sends are the mean buffer (an overlapped node's while its outer step is in flight). give_up: the
-    watchdog (MeshLinks.bounded) gives the chain up with `error`, its thread left running."""
+    watchdog (MeshLinks.bounded) gives the chain up with `error`, its thread left running. local: the node's
+    LocalRanks (default: one process)."""
     stepped, warnings, seen = [], [], {} if seen is None else seen
     mesh = SimpleNamespace(step_out=lambda p, why, cause: stepped.append(f"{why} [{cause}]"))
-    links = SimpleNamespace(node_id=node, local=SimpleNamespace(size=1), mesh=mesh, dead=lambda p: [],
+    links = SimpleNamespace(node_id=node, local=local or LocalRanks(0, 1, None), mesh=mesh, dead=lambda p: [],
                             group=lambda p: _BrokenChain(rows, p.rank_of(node), error),
                             bounded=lambda p, what, fn, **kw: _raise(error) if give_up and what != "state check"
                             else fn(),
@@ -612,6 +624,12 @@ def test_a_member_whose_weights_differ_and_missed_the_first_hand_off_steps_out_t
     assert _failed_handoff(forming, None)[0] == []  # the check failed: nothing says b differs
     join = make_plan(4, 7, 0, ["a", "b", "c"], joiners=["c"], source="a")
     assert _failed_handoff(join, [[1, 2], [5, 6], [1, 2]])[0] == []
+    # a node of several local ranks steps out as one (it used to fail with exit 1): when any of its ranks holds
+    # a shard of its own that the source's did not replace, even if this rank's shard was the source's
+    other = "the state hand-off of the run's first outer step failed (rank 1: Connection reset)"
+    stepped, _ = _failed_handoff(forming, [[1, 2], [1, 2], [5, 6]], local=_OtherRanks("rank 1: Connection reset"))
+    assert len(stepped) == 1 and stepped[0].startswith(other), stepped
+    assert _failed_handoff(forming, [[1, 2], [1, 2], [5, 6]], local=_OtherRanks(None))[0] == []
 
 
 def test_a_joiner_whose_state_did_not_arrive_steps_out_keeps_nothing_and_says_so():

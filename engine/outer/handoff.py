@@ -34,7 +34,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from engine.mesh.protocol import MeshError
 from engine.outer.buffers import OuterBuffers, fingerprint
 from engine.outer.groups import GROUP_ERRORS, MeshLinks, PeerLost
 from engine.outer.optimizer import OuterOptimizer
@@ -60,19 +59,22 @@ class StateHandoff:
         """A member's side: the source sends `agreed` (its weights of this outer step); the others check theirs
         (into_mean: receive the parameters straight into the free mean buffer, where it is on the host)."""
         source = self.links.node_id == plan.source
+        check = not plan.joiners  # a (re)formed run's first outer step: fingerprints first
         differs = False  # this member's fingerprints were read and are not the source's
+        missed: str | None = None  # they differ, and the source's state did not come
         tensors: list[torch.Tensor] = []
         try:
-            if not plan.joiners:  # a (re)formed run's first outer step: fingerprints first
+            same = False
+            if check:
                 rows = self._fingerprints(plan, agreed)
                 theirs = rows[plan.rank_of(plan.source)]
-                if bool((rows == theirs).all()):
-                    return
+                same = bool((rows == theirs).all())
                 differs = not bool((rows[plan.rank_of(self.links.node_id)] == theirs).all())
-            tensors = self._tensors(progress, agreed, source=source, into_mean=into_mean)
-            self._broadcast(plan, tensors)
+            if not same:
+                tensors = self._tensors(progress, agreed, source=source, into_mean=into_mean)
+                self._broadcast(plan, tensors)
         except GROUP_ERRORS as e:
-            # already committed here: a joiner that missed its state fails on its side and is dropped later
+            # already committed here: a joiner that missed its state steps out on its side (receive)
             # The group stays: the hand-off follows a commit, the members that got the state keep the generation's
             # group, and one rebuilt here alone would meet none of them at its rendezvous (a lost attempt). The
             # abandoned chain's receives use tags of their own (TAG + i), clear of the mean's.
@@ -83,10 +85,17 @@ class StateHandoff:
                 self.bufs.renew_scratch()
             self.emit("warning", message=f"state hand-off to {list(plan.joiners) or 'the members'} failed: "
                                          f"{first_line(e, 200)}")
+            tensors = []
             if plan.forming and differs:  # not when the check itself failed: then nothing says it differs
-                self._step_out(plan, e)
-            return
-        if not source and not torch.equal(tensors[0], agreed.cpu()):
+                missed = first_line(e, 200)
+        if check and plan.forming:
+            # every local rank of the node comes here at this step, whatever its shard found: the node steps out as
+            # one when any of its ranks holds weights of its own that the source's did not replace
+            lost = self.links.local.every(missed)
+            if lost:
+                self._step_out(plan, lost[0])
+                return
+        if tensors and not source and not torch.equal(tensors[0], agreed.cpu()):
             self.emit("warning", message=f"outer step {plan.outer_step}: parameters differed from source "
                                          f"{plan.source}'s; adopted the source's")
             adopt(tensors[0], tensors)
@@ -127,15 +136,14 @@ class StateHandoff:
                                                                      [mine]).wait(), until_decided=False)
         return rows
 
-    def _step_out(self, plan: Any, err: BaseException) -> None:
+    def _step_out(self, plan: Any, err: str) -> None:
         """A member of a run's first outer step whose weights differ from the source's and did not receive them
         must not train on from its own: it steps out, and at its next boundary it asks to join again, which
-        hands it the state. (A node of several local ranks fails instead: its ranks would have to agree first.)"""
-        why = (f"the state hand-off of the run's first outer step failed ({first_line(err, 200)}) and this "
-               f"node's weights differ from source {plan.source}'s: it joins again to receive them")
-        if self.links.local.size > 1 or self.links.mesh is None:
-            raise MeshError(f"outer step {plan.outer_step}: {why}")
-        self.links.mesh.step_out(plan, why, cause="its weights differ from the run's")
+        hands it the state. (Every local rank calls this; local rank 0 steps the node out.)"""
+        why = (f"the state hand-off of the run's first outer step failed ({err}) and this node's weights differ "
+               f"from source {plan.source}'s: it joins again to receive them")
+        self.links.local.on_leader("step out", lambda: self.links.mesh.step_out(
+            plan, why, cause="its weights differ from the run's"))
 
     def _tensors(self, progress: Progress, agreed: torch.Tensor | None, *, source: bool,
                  into_mean: bool) -> list[torch.Tensor]:
