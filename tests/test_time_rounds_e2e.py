@@ -47,3 +47,37 @@ def test_time_rounds_end_together_and_weigh_each_node_by_its_tokens(procs, port,
     gaps = [a[k]["ts"] - a[k - 1]["ts"] for k in (3, 4)]
     assert all(0.6 * ROUND_S < g < 2.0 * ROUND_S for g in gaps), gaps
     assert abs(a[4]["ts"] - b[4]["ts"]) < 1.0
+
+
+def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs, port, tmp_path):
+    """Defect: with time rounds each node counts its own steps, and a joiner took its source's counters. b, the
+    fast node, frozen past the heartbeat timeout and left out, re-joined from a, the slow one: its step went back
+    to a's, and its next periodic checkpoint met a folder it had saved before ("step-N already exists": exit 2).
+    b keeps its own count now: its steps and its checkpoints only go forward, and both finish identical."""
+    import os
+    import signal
+    e2e.start_store(procs, port)
+    timed = [*TIMED[:-1], "--train.max_steps=36", "--ckpt.interval=4", "--ckpt.keep=50"]  # 12 rounds
+    args = [e2e.CONFIG, *e2e.FAST, f"--mesh.store_port={port}", "--mesh.node_id=a", f"--run.dir={tmp_path / 'a'}",
+            *timed]
+    slow = e2e.Node(procs, "a", [sys.executable, "-c", SLOW.format(s=0.25), *args])
+    fast = e2e.start_node(procs, port, "b", tmp_path, *timed)
+    nodes = [slow, fast]
+    e2e.wait_for(lambda: 2 in fast.outer(), 180, "outer step 2", nodes)
+    os.killpg(fast.proc.pid, signal.SIGSTOP)
+    try:
+        e2e.wait_for(lambda: any(e["members"] == ["a"] for e in slow.of("outer_step")), 60, "a alone", nodes)
+    finally:
+        os.killpg(fast.proc.pid, signal.SIGCONT)
+    for n in nodes:
+        assert e2e.finish(n, 240, nodes) == 0, n.report()
+    back = min(k for k, e in fast.outer().items() if k > 2)
+    assert slow.outer()[back]["members"] == ["a", "b"], fast.report()  # it re-joined and is a member again
+    assert fast.outer()[back]["step"] > slow.outer()[back]["step"]  # and it counts its own steps, ahead of a's
+    steps = [e["step"] for e in fast.of("step")]
+    saved = [e["step"] for e in fast.of("checkpoint")]
+    assert steps == sorted(steps) and saved == sorted(set(saved)), (steps, saved)
+    latest = (tmp_path / "b" / "checkpoints" / "latest").read_text().strip()
+    assert (tmp_path / "b" / "checkpoints" / latest).is_dir() and latest == f"step-{saved[-1]:08d}"
+    e2e.assert_identical(nodes)
+    assert set(fast.outer()) < set(slow.outer()) and max(fast.outer()) == max(slow.outer()) == 12
