@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -44,10 +45,13 @@ __all__ = ["Inputs", "Progress", "Session", "build", "close", "dataset_name", "r
 
 
 class Signals:
-    """Flags set by signal handlers (or the drain file) and agreed on by all ranks of the node."""
+    """Flags set by signal handlers (or the drain file) and agreed on by all ranks of the node. A drain file older
+    than this process is a request to an earlier run (a job submitted again, a node restarted by hand): ignored
+    until it is touched again."""
 
-    def __init__(self, drain_file: str | None):
+    def __init__(self, drain_file: str | None, since: float | None = None):
         self.drain_file = drain_file
+        self.since = psutil.Process().create_time() if since is None else since  # when this process started
         self.stop = False
         self.drain = False
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -65,14 +69,24 @@ class Signals:
         outer loop's waits (every rank of a node receives the signal; the mesh answer reaches all of them)."""
         if self.stop:
             return "stopped"
-        if self.drain or (self.drain_file and os.path.exists(self.drain_file)):
+        if self.drain or self._drain_file_says():
             return "drained"
         return None
+
+    def _drain_file_says(self) -> bool:
+        try:
+            return bool(self.drain_file) and os.path.getmtime(self.drain_file) >= self.since
+        except OSError:  # absent (or gone as it was read)
+            return False
+
+    def stale_drain_file(self) -> bool:
+        """The drain file exists but is older than this process (one warning says it is ignored)."""
+        return bool(self.drain_file) and os.path.exists(self.drain_file) and not self._drain_file_says()
 
     def poll(self, world: World, group) -> tuple[bool, bool]:
         """(stop, drain), the same on every rank. A collective when the node has several ranks."""
         # one rank looks at the file (it may sit on a network filesystem); the MAX below tells the others
-        drain = self.drain or bool(self.drain_file and world.rank == 0 and os.path.exists(self.drain_file))
+        drain = self.drain or (world.rank == 0 and self._drain_file_says())
         if world.world_size == 1:
             return self.stop, drain
         flags = torch.tensor([float(self.stop), float(drain)])  # CPU tensor: gloo (or NCCL's gloo side)
@@ -139,6 +153,9 @@ def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Se
     if ckpt.archived is not None:
         telemetry.emit("warning", message=f"ckpt.dir: an older run's checkpoints moved to {ckpt.archived}")
     signals = Signals(cfg.mesh.drain_file)
+    if signals.stale_drain_file():
+        telemetry.emit("warning", message=f"mesh.drain_file {cfg.mesh.drain_file} is older than this process (an "
+                                          f"earlier run's drain request?): ignored; touch it again to drain")
     outer.interrupt = signals.requested  # the outer loop's waits end on a stop or drain
     session = Session(cfg, world, telemetry, device, group, data, inputs.hf_config, inner, outer, ckpt, signals,
                       resources=None, accum=grad_accum_steps(cfg.train, world.world_size))

@@ -214,10 +214,14 @@ def test_sigusr1_drains_one_process(procs, tmp_path):
 
 
 def test_drain_file_drains_every_ddp_rank_at_the_same_step(procs, tmp_path):
+    """A drain file older than the engine (an earlier run's request: a job submitted again) is ignored with a
+    warning; touched while the engine runs, it drains every rank at the same step."""
     drain = tmp_path / "drain-now"
+    drain.write_text("")
     proc = procs.start([*TORCHRUN, *SMALL, f"--run.dir={tmp_path / 'run'}", "--train.max_steps=100000",
                         f"--mesh.drain_file={drain}", "--telemetry.all_ranks=true"])
-    events = wait_for_event(proc, lambda e: e["type"] == "step", timeout=120)
+    events = wait_for_event(proc, lambda e: e["type"] == "step" and e["step"] >= 3, timeout=120)
+    assert any(e["type"] == "warning" and "is older than this process" in e["message"] for e in events), events
     drain.write_text("")
     result = finish(proc, events, timeout=120)
     assert result.rc == 0, result.stderr[-3000:]
