@@ -220,6 +220,27 @@ def test_engine_zero3_export_is_the_whole_model(zero3_run):
 
 
 @pytest.mark.slow
+def test_engine_zero2_exports_a_model_with_tied_embeddings(procs, tmp_path):
+    """Defect: a model folder whose embeddings and output layer share one tensor (tie_word_embeddings, as many
+    small pretrained models) trained under ZeRO, then its export failed after training: the parameters by name
+    named the shared tensor once, and the export's strict load missed lm_head.weight (exit 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.presets import PRESETS
+    folder = tmp_path / "tied"
+    LlamaConfig(**PRESETS["debug"], vocab_size=258, max_position_embeddings=256, tie_word_embeddings=True,
+                use_cache=False).save_pretrained(folder)
+    _, events = _engine(procs, tmp_path / "run", "--inner.strategy=zero2", f"--model.path={folder}",
+                        f"--ckpt.export_dir={tmp_path / 'export'}", "--train.max_steps=3")
+    assert [e["step"] for e in events if e["type"] == "export"] == [3]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # still one tensor
+    assert torch.isfinite(model.lm_head.weight).all()
+
+
+@pytest.mark.slow
 def test_engine_without_deepspeed(procs, tmp_path):
     """DeepSpeed absent (an import of it fails): DDP still trains, and zero2 is one line saying how to install it."""
     hide = ("import runpy, sys; sys.modules['deepspeed'] = None; sys.argv[0] = 'engine.train'; "

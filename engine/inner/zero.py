@@ -284,8 +284,12 @@ class ZeroInner:
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Whole fp32 parameters by name, on CPU, on every rank (a collective in stage 3): for export."""
         from deepspeed.utils import safe_get_full_fp32_param
-        out = {}
-        for name, p in self.model.named_parameters():
-            full = safe_get_full_fp32_param(p)
-            out[name] = (full if full is not None else p.detach()).float().cpu().clone()
+        out: dict[str, torch.Tensor] = {}
+        by_tensor: dict[int, torch.Tensor] = {}
+        # every name of a shared tensor (tied embeddings: embed_tokens and lm_head), each gathered once
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) not in by_tensor:
+                full = safe_get_full_fp32_param(p)
+                by_tensor[id(p)] = (full if full is not None else p.detach()).float().cpu().clone()
+            out[name] = by_tensor[id(p)]
         return out
