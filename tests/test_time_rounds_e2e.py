@@ -81,3 +81,27 @@ def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs,
     assert (tmp_path / "b" / "checkpoints" / latest).is_dir() and latest == f"step-{saved[-1]:08d}"
     e2e.assert_identical(nodes)
     assert set(fast.outer()) < set(slow.outer()) and max(fast.outer()) == max(slow.outer()) == 12
+
+
+def test_time_rounds_with_overlap_end_on_the_agreed_model(procs, port, tmp_path):
+    """Time rounds with diloco.overlap: the run ends at its last round's boundary, as with step rounds, and every
+    node saves and exports the agreed model (the same weights on both). Before, finished() looked only at the
+    committed outer steps, so each node trained on past the last boundary until the round in flight landed, and
+    each exported its own weights."""
+    import torch
+    from safetensors.torch import load_file
+    e2e.start_store(procs, port)
+    timed = [*TIMED, "--diloco.overlap=true", "--diloco.round_seconds=1"]
+    nodes = [e2e.start_node(procs, port, n, tmp_path, *timed, f"--ckpt.export_dir={tmp_path / n / 'export'}")
+             for n in "ab"]
+    for n in nodes:
+        assert e2e.finish(n, 240, nodes) == 0, n.report()
+    e2e.assert_identical(nodes)
+    a, b = (load_file(tmp_path / n / "export" / "model.safetensors") for n in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the nodes exported other weights"
+    for n in nodes:  # no inner step after the last boundary
+        assert n.of("run_end")[-1]["step"] == max(e["step"] for e in n.of("outer_step")), n.report()
+        # the LR follows the round clock, the round in flight counted: past the warm-up (5 steps, 2 rounds of 3)
+        # the cosine only falls (it went back up by a round at each boundary until the round in flight landed)
+        lrs = [e["lr"] for e in n.of("step") if e["outer_step"] >= 2]
+        assert lrs and all(b <= a * (1 + 1e-9) for a, b in zip(lrs, lrs[1:])), lrs

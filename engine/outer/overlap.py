@@ -26,6 +26,7 @@ is synchronous; flush() lands the round in flight at once (a checkpoint, the exp
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import torch
@@ -55,6 +56,22 @@ class OverlappedDiloco(DilocoOuter):
         self._land_at: int | None = None  # the inner step at which the round in flight lands (diloco.overlap_delay)
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
+
+    def finished(self, progress: Progress, max_steps: int) -> bool:
+        """Time rounds count rounds: one whose outer step is in flight is done (its boundary ends the run when it
+        is the last, as the last step does with step rounds; the save lands it, so every node ends on the agreed
+        model). Step rounds count the node's steps."""
+        return super().finished(self._counting_the_flight(progress), max_steps)
+
+    def step_for_schedule(self, progress: Progress) -> int | None:
+        """Time rounds: the round clock's step, the round in flight counted (else the LR went back a round until
+        it landed)."""
+        return super().step_for_schedule(self._counting_the_flight(progress))
+
+    def _counting_the_flight(self, progress: Progress) -> Progress:
+        if self._flight is None or not self.rounds.timed:
+            return progress
+        return dataclasses.replace(progress, outer_step=progress.outer_step + 1)
 
     def after_inner_step(self, progress: Progress) -> bool:
         flight = self._flight
