@@ -5,7 +5,8 @@
 Each sink is a callable taking a validated event dict (engine.telemetry.Telemetry calls it after writing the JSON
 line, which stays the contract with the console): the scalars below are picked from the events, nothing is
 computed twice. The x axis is the node's inner step everywhere, so eval and outer-step points line up with the
-training curve.
+training curve (in W&B, whose steps may not fall, an outer step run in the background goes at the step where it
+became known).
 
     event        tag                     value
     step         train/loss              loss (mean over the node's ranks)
@@ -92,13 +93,17 @@ class WandbSink:
         self.run = wandb.init(mode="offline", dir=str(run_dir), project=run_name, name=node, group=run_name,
                               settings=settings)
         self.closed = False
+        self.step = 0  # the highest step logged: W&B ignores (quietly, silent=True) a point at a lower one
 
     def __call__(self, event: dict[str, Any]) -> None:
         if self.closed:
             return
         values = dict(scalars(event))
         if values:
-            self.run.log(values, step=event.get("step"))
+            # an outer step run in the background (diloco.overlap, fragment_delay) is told after later inner steps
+            # were logged: its point goes at the latest step, where it became known, instead of being dropped
+            self.step = max(self.step, int(event.get("step") or 0))
+            self.run.log(values, step=self.step)
         if event["type"] == "run_end":
             self.run.finish()
             self.closed = True

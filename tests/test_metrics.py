@@ -30,6 +30,27 @@ def test_scalars_picked_from_events():
     assert scalars(make_event("warning", "a", 0, message="m")) == []
 
 
+def test_wandb_points_go_at_steps_that_never_fall(tmp_path):
+    """Defect: with diloco.overlap (or fragment_delay) an outer step's event comes after later inner steps were
+    logged, and W&B ignores a point at a lower step than the last (quietly: the sink runs it silent), so every
+    outer/* series was empty. The sink puts such a point at the latest step. W&B's own side is not installed here:
+    the run object records what it is given (the sink's contract is the order of its steps)."""
+    from types import SimpleNamespace
+
+    from engine.metrics import WandbSink
+    logged = []
+    run = SimpleNamespace(log=lambda values, step: logged.append((step, sorted(values))), finish=lambda: None)
+    fake = SimpleNamespace(Settings=lambda **kw: kw, init=lambda **kw: run)
+    sink = WandbSink(fake, tmp_path, "r", "a")
+    for s in (4, 5, 6):
+        sink(make_event("step", "a", 0, step=s, loss=2.5, lr=1e-3, tokens_per_s=100.0, grad_norm=None))
+    sink(make_event("outer_step", "a", 0, outer_step=1, step=3, generation=0, members=["a", "b"], pgrad_norm=0.2,
+                    bytes_sent=10, allreduce_s=0.5, checksum="x"))
+    sink(make_event("step", "a", 0, step=7, loss=2.4, lr=1e-3, tokens_per_s=100.0, grad_norm=None))
+    assert [s for s, _ in logged] == [4, 5, 6, 6, 7]
+    assert logged[3][1] == ["outer/allreduce_s", "outer/bytes_sent", "outer/contributors", "outer/pgrad_norm"]
+
+
 @pytest.mark.slow
 def test_tensorboard_event_files_hold_the_run_and_wandb_absent_is_a_warning(procs, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
