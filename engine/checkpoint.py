@@ -21,6 +21,7 @@ was.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -264,13 +265,17 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
 
-def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=None) -> Path:
-    """Final weights as a transformers folder (AutoModelForCausalLM.from_pretrained loads it). Collective."""
+def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=None, *, agreed: bool = False) -> Path:
+    """Final weights as a transformers folder (AutoModelForCausalLM.from_pretrained loads it). Collective.
+    Nodes of one DiLoCo run (agreed: every node ends on the run's agreed model) that share the folder (one host, a
+    shared filesystem) each write their own temporary folder; the first to finish moves it into place, and the
+    others drop theirs, the same model. Without DiLoCo a folder written meanwhile by another process is an error
+    that names where this run's export was left."""
     from transformers import AutoModelForCausalLM
     full = inner.full_model_state_dict()  # every rank takes part (FSDP gathers the shards)
     target = Path(export_dir)
     if world.rank == 0:
-        tmp = target.with_name(f".{target.name}.tmp")
+        tmp = target.with_name(f".{target.name}.tmp-{world.hostname}-{world.pid}")
         if tmp.exists():
             shutil.rmtree(tmp)
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
@@ -284,9 +289,17 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
             (tmp / "byte_tokenizer.json").write_text(json.dumps(
                 {"type": "utf-8 bytes", "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
                  "eos_id": tokenizer.eos_id}))
-        if target.exists():
-            target.rmdir()  # checked empty at start; rmdir fails rather than delete anything
-        os.rename(tmp, target)
+        try:
+            if target.exists():
+                target.rmdir()  # checked empty at start; rmdir fails rather than delete anything
+            os.rename(tmp, target)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            if not agreed:
+                raise ValueError(f"ckpt.export_dir: {target} was written by another process during this run; "
+                                 f"this run's export is in {tmp}") from None
+            shutil.rmtree(tmp)  # another node of the run exported into this folder first: the same agreed model
     if dist.is_initialized() and world.world_size > 1:
         dist.barrier(group=group)
     return target

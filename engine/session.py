@@ -301,7 +301,8 @@ def run(s: Session) -> str:
     check_finite(s, loss)
     save(s)
     if status == "completed" and cfg.ckpt.export_dir:
-        path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group)
+        path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group,
+                      agreed=cfg.diloco.enabled)
         s.telemetry.emit("export", step=progress.step, path=str(path))
     return status
 

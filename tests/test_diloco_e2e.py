@@ -506,6 +506,23 @@ def test_a_joiner_whose_source_dies_in_the_hand_off_steps_out_and_joins_again(pr
     assert max(c.outer()) == max(survivor.outer()) == 30
 
 
+def test_nodes_sharing_one_export_folder_both_finish_and_leave_one_model(procs, tmp_path):
+    """Defect: nodes of one run given the same ckpt.export_dir (one host, a shared filesystem) wrote into one
+    temporary folder, each clearing it under the other, and the second's rename met the first's export: a
+    failure after training. Each writes its own now; the first in place is the run's agreed model."""
+    from transformers import AutoModelForCausalLM
+    port, export = free_port(), tmp_path / "export"
+    start_store(procs, port)
+    nodes = [start_node(procs, port, n, tmp_path, "--train.max_steps=6", "--diloco.min_nodes=2",
+                     f"--ckpt.export_dir={export}") for n in "ab"]
+    for n in nodes:
+        assert finish(n, 180, nodes) == 0, n.report()
+        assert [e["path"] for e in n.of("export")] == [str(export)]
+    assert_identical(nodes)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".export")) == []  # no temporary left
+    assert AutoModelForCausalLM.from_pretrained(export).num_parameters() > 0
+
+
 # ------------------------------------------------------------------------------------------ run: overlap
 
 @pytest.mark.parametrize("mode", ["overlap", "time-rounds", "fragments"])
