@@ -45,15 +45,28 @@ def model_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> LlamaConfig
     return hf_config
 
 
+def has_weights(folder: Path) -> bool:
+    """A transformers folder with weights (safetensors or PyTorch bins), not only a config."""
+    return any(folder.glob("*.safetensors")) or any(folder.glob("pytorch_model*.bin"))
+
+
+def tokenizer_note(model_path: str | None, tokenizer: str | None, fake: bool) -> str | None:
+    """A warning when pretrained weights would train on the built-in byte tokenizer's ids, which they never saw."""
+    if model_path is None or tokenizer is not None or fake or not has_weights(Path(model_path)):
+        return None
+    hint = (f"; the folder has a tokenizer: --data.tokenizer={model_path}"
+            if any((Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")) else "")
+    return (f"model.path {model_path} has pretrained weights but data.tokenizer is unset: they train on the "
+            f"byte tokenizer's ids, which they never saw{hint}")
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, seq_len: int, device: torch.device | str = "cpu",
                 seed: int = 0) -> PreTrainedModel:
     """A plain (unwrapped) causal LM on `device`, in fp32, initialised from `seed` (or the folder's weights)."""
     hf_config = model_config(cfg, vocab_size, seq_len)
     torch.manual_seed(seed)  # every rank starts from the same weights without a broadcast
     folder = Path(cfg.path) if cfg.path is not None else None
-    has_weights = folder is not None and (any(folder.glob("*.safetensors"))
-                                          or any(folder.glob("pytorch_model*.bin")))
-    if has_weights:
+    if folder is not None and has_weights(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, config=hf_config, local_files_only=True,
                                                      dtype=torch.float32)
     elif isinstance(hf_config, LlamaConfig):

@@ -32,7 +32,7 @@ from engine.config import Config, digest, grad_accum_steps
 from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.errors import same_on_every_rank
 from engine.mesh.protocol import Stopped
-from engine.model import build_model, count_params, model_config
+from engine.model import build_model, count_params, model_config, tokenizer_note
 from engine.outer import Diverged, Outer, Progress, build_outer
 from engine.inner.ddp_fsdp import build_inner, setup_distributed
 from engine.inner.optim import lr_factor
@@ -135,8 +135,9 @@ def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
         ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy,
                             max_steps=cfg.train.max_steps)
         resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
-    for note in data.notes:
-        telemetry.emit("warning", message=note)
+    for note in [*data.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake)]:
+        if note:
+            telemetry.emit("warning", message=note)
     return Inputs(data, hf_config, ckpt, resume_from)
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from engine.config import InnerConfig, ModelConfig, OptimConfig, TrainConfig
-from engine.model import build_model, causal_lm_loss, count_params, model_config
+from engine.model import build_model, causal_lm_loss, count_params, model_config, tokenizer_note
 from engine.outer import NoOuter, Progress
 from engine.inner.ddp_fsdp import Inner, build_inner
 from engine.inner.optim import lr_factor
@@ -223,3 +223,21 @@ def test_fsdp_bf16_mixed_computes_in_bf16_and_recomputes_layers(procs):
     assert out["dtypes"] == ["torch.bfloat16"]  # MixedPrecisionPolicy(param_dtype=bf16) really applied
     assert out["masters"] == ["torch.float32"]  # sharded fp32 parameters for the optimizer
     assert out["calls"] == 2 * out["layers"]  # one forward and one recompute per layer: checkpointing is on
+
+
+def test_pretrained_weights_on_the_byte_tokenizer_are_a_warning(tmp_path):
+    """A folder with weights and no data.tokenizer would fine-tune on byte ids the model never saw: a warning,
+    which names the folder's own tokenizer when it has one. A folder of a config only (a shape to train from
+    scratch), a tokenizer given, or fake data: nothing to say."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert tokenizer_note(str(folder), None, False) is None
+    (folder / "model.safetensors").write_bytes(b"")
+    note = tokenizer_note(str(folder), None, False)
+    assert note.startswith(f"model.path {folder} has pretrained weights but data.tokenizer is unset") and \
+        "--data.tokenizer" not in note
+    (folder / "tokenizer.json").write_text("{}")
+    assert tokenizer_note(str(folder), None, False).endswith(f"the folder has a tokenizer: --data.tokenizer={folder}")
+    assert tokenizer_note(str(folder), str(folder), False) is None and tokenizer_note(str(folder), None, True) is None
+    assert tokenizer_note(None, None, False) is None
