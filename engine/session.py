@@ -184,10 +184,14 @@ def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
     before, step = meta.get("max_steps"), int(meta.get("step", 0))
     if before is None or before == cfg.train.max_steps or cfg.optim.schedule == "constant":
         return None
+    where = f"step {step}"
+    if cfg.diloco.enabled and cfg.diloco.round == "time":  # the schedule follows the round clock, not the steps
+        step = cfg.diloco.inner_steps * int(meta.get("progress", {}).get("outer_step", 0))
+        where = f"round {step // cfg.diloco.inner_steps}"
     was, now = (cfg.optim.lr * lr_factor(step, cfg.optim, n) for n in (before, cfg.train.max_steps))
     how = "stretched" if cfg.train.max_steps > before else "shortened"
     return (f"train.max_steps is {cfg.train.max_steps}, the checkpoint's run had {before}: the {cfg.optim.schedule} "
-            f"LR schedule is {how} to {cfg.train.max_steps} steps (lr at step {step}: {now:.2e}, was {was:.2e})")
+            f"LR schedule is {how} to {cfg.train.max_steps} steps (lr at {where}: {now:.2e}, was {was:.2e})")
 
 
 def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:

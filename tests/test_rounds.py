@@ -169,3 +169,18 @@ def test_a_slow_node_does_not_start_a_step_that_would_end_well_past_the_deadline
             ended = clock.t - 1000.0
             break
     assert ended == 9.0
+
+
+def test_a_resume_under_another_max_steps_names_the_lr_where_the_round_clock_is(tmp_path):
+    """With time rounds the LR follows the round clock (H per committed round), not the node's own steps: the
+    warning of a stretched schedule gave the LR at the node's step (25), past both schedules' end (the same
+    figure twice), while the run resumes at round 4, where the stretched cosine goes back up."""
+    from engine.config import load_config
+    from engine.session import schedule_note
+    path = tmp_path / "c.toml"
+    path.write_text("[data]\nfake = true\n[diloco]\nenabled = true\ninner_steps = 3\nround = \"time\"\n"
+                    "round_seconds = 2\n[optim]\nlr = 3e-3\nwarmup_steps = 0\n[train]\nmax_steps = 18\n")
+    note = schedule_note(load_config(path), {"max_steps": 12, "step": 25, "progress": {"outer_step": 4}})
+    assert "stretched to 18 steps (lr at round 4: 9.75e-04, was 3.00e-04)" in note, note
+    steps = load_config(path, ["--diloco.round=steps"])  # step rounds: the node's own step
+    assert "(lr at step 12: 9.75e-04, was 3.00e-04)" in schedule_note(steps, {"max_steps": 12, "step": 12})
