@@ -491,7 +491,7 @@ def check_engine_config(profile: Profile) -> None:
     for host in profile.hosts.values():
         if host.transport != "local":
             continue
-        config = Path(host.workdir) / profile.engine.config
+        config = Path(host.workdir).expanduser() / profile.engine.config
         overrides = engine_overrides(profile, host)
         try:
             cfg = load_config(config, overrides)
@@ -555,7 +555,8 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
                                f"{there}'s {theirs!r}; {why}")
         # neither host's own table sets it: their engine config files differ (local hosts of other workdirs)
         host = profile.hosts[here]
-        config = Path(host.workdir) / profile.engine.config if host.transport == "local" else profile.engine.config
+        config = Path(host.workdir).expanduser() / profile.engine.config if host.transport == "local" \
+            else profile.engine.config
         raise ProfileError(f"{profile.path}:{lines.get(('hosts', here), 0)}: hosts.{here}: {key} is {mine!r} in "
                            f"{config}, {theirs!r} for {there}; {why}")
 

@@ -106,6 +106,15 @@ def test_missing_file_and_bad_engine_config(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text(text)
     check_engine_config(load_profile(path))  # good config + overrides: no error
+    # a workdir under ~ (as the transports read it): the config is found there
+    home = tmp_path / "home"
+    (home / "w" / "configs").mkdir(parents=True)
+    (home / "w" / "configs" / "e.toml").write_text((tmp_path / "configs" / "e.toml").read_text())
+    tilde = tmp_path / "tilde.toml"
+    tilde.write_text(text.replace(f'workdir = "{tmp_path}"', 'workdir = "~/w"'))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        check_engine_config(load_profile(tilde))
     path.write_text(text.replace('"train.max_steps" = 20', '"train.max_steps" = -1'))
     with pytest.raises(ProfileError, match=r"p\.toml:8: engine\.overrides\.train\.max_steps: .*: Input should be"):
         check_engine_config(load_profile(path))
