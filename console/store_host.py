@@ -44,7 +44,11 @@ class StoreHost:
 
     async def attach(self, *, steer: bool, engines_running: bool) -> None:
         """A console that comes back: find the store from its pid file. steer: watch it, and restart it if it is
-        dead while engines run (they wait for it); else only say whether it runs."""
+        dead while engines run (they wait for it); else only say whether it runs. On etcd there is no such store:
+        the members answer for themselves (watch_health polls them for the header)."""
+        if self.profile.store.backend == "etcd":
+            self.watch_health()
+            return
         self.pid = await self.hosts.live_pid(STORE, self.profile.store_host.name)
         if self.pid is not None:
             self.fleet.set_store("up", None, pid=self.pid)

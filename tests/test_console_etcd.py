@@ -152,6 +152,19 @@ async def test_console_starts_etcd_hands_certificates_trains_and_stops(tmp_path)
                     assert key.splitlines()[1] not in (entry / "cmdline").read_bytes()
                 except OSError:
                     continue
+        # a second console attaches (status, --attach): the run's store is etcd, not a TCP store found dead (it
+        # said "STORE DOWN: not running while engines are", and a steering console started a stray TCP store)
+        for steer in (False, True):
+            other = Fleet(run="etcd-e2e")
+            watcher = Cluster(profile, other)
+            try:
+                await watcher.attach(steer_store=steer)
+                await until(lambda: (other.store_status or "").startswith("etcd 3/3 up"), timeout=30,
+                            what=f"the attached console's store health: {other.store_status}")
+                assert other.store.state not in ("down", "restarting"), (steer, other.store.state, other.store.reason)
+                assert not (run / "_store" / "pid").exists()
+            finally:
+                await watcher.close()
         pids = [int((run / "_etcd" / m / "pid").read_text()) for m in ("node-a", "node-b", "node-c")]
         assert (await cluster.stop()).ok
         for pid in pids:  # stop ends the members too
