@@ -77,6 +77,7 @@ class Cluster:
         self._hosts = Hosts(profile, fleet, transports)
         self._watchers = Watchers(self._hosts)
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
+        self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         fleet.store.address = f"{profile.store_address}:{profile.store.port}"
@@ -248,6 +249,15 @@ class Cluster:
         host = self.profile.hosts.get(name)
         if host is None:
             return Outcome(False, f"no node named {name!r}")
+        if name in self._starting:  # an add or restart of it is under way (its checks take seconds): one engine
+            return Outcome(False, f"{name}: already being started")
+        self._starting.add(name)
+        try:
+            return await self._restart(name, host)
+        finally:
+            self._starting.discard(name)
+
+    async def _restart(self, name: str, host: HostSpec) -> Outcome:
         proc = self._procs.get(name)
         if proc is not None and proc.killed and proc.watcher is not None and not proc.done.is_set():
             # killed a moment ago (the k key, then r): its watcher sees it gone within a poll, then settles it
@@ -276,14 +286,19 @@ class Cluster:
                 return Outcome(False, f"{target}: cannot add: {e}")
         if self._procs.get(target) and not self._procs[target].done.is_set():
             return Outcome(False, f"{target}: already running")
+        if target in self._starting:
+            return Outcome(False, f"{target}: already being started")
         if self.preflight:
             from console.preflight import PreflightFailed
 
+            self._starting.add(target)  # a second add while this one's checks run is refused above
             try:
                 await self._check_before("add", target)  # it must reach the running store, among the rest
             except PreflightFailed as e:
                 return Outcome(False, "\n".join([f"{target}: not added: the preflight found {len(e.lines)} "
                                                   "problem(s)", *e.lines]))
+            finally:
+                self._starting.discard(target)
         started = await self.restart(target)
         return Outcome(started.ok, started.message.replace("restarted", "added", 1))
 
