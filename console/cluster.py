@@ -333,7 +333,12 @@ class Cluster:
         left = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
                                             max(0.0, timeout - (time.monotonic() - started)))
         store_left, etcd_said = await self._store.stop()
-        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + store_left
+        # a node whose host did not answer when this console looked has no process here to signal: its engine may
+        # well train on (until mesh.store_lost_timeout): say so rather than report a clean stop
+        unseen = [f"{n}: its host did not answer ({node.reason or 'unreachable'})"
+                  for n, node in self.fleet.nodes.items()
+                  if node.state is NodeState.UNREACHABLE and n not in running]
+        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen + store_left
         message = f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(etcd_said)}" if etcd_said else "")
         if running_still:
             return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")

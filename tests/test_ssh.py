@@ -364,6 +364,15 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         cluster = Cluster(profile, later)
         await cluster.attach()  # `zeroband-console PROFILE --attach`
         assert later.nodes["node-a"].state is NodeState.UNREACHABLE and "refused" in later.nodes["node-a"].reason
+        # a shell's `stop` meanwhile cannot reach the engines: it says so and fails (it said "stopped 0 node(s)",
+        # exit 0, while they trained on)
+        shell = Cluster(profile, Fleet())
+        try:
+            await shell.attach(steer_store=False)
+            said = await shell.stop()
+        finally:
+            await shell.close()
+        assert not said.ok and "node-a: its host did not answer" in said.message, said
         sshd.start()
         await until(lambda: later.nodes["node-a"].state is NodeState.TRAINING and later.nodes[b].state is
                     NodeState.DEAD, 30, "attached after the outage")
