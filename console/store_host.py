@@ -59,10 +59,15 @@ class StoreHost:
             return
         self.bind_used = await self.bind()
         if self.pid is None and self.fleet.store.state == "down":
-            await self.restart("found dead at attach")  # the store this run started: bring it back
-            self.task = asyncio.ensure_future(self.watch(ready=False, had_store=True))
+            # the store this run started: bring it back, in the background (its host may not answer for a while:
+            # the attach returns, the status shows the retries, and Ctrl-C still ends the console)
+            self.task = asyncio.ensure_future(self._restart_then_watch("found dead at attach"))
         elif self.pid is not None:
             self.task = asyncio.ensure_future(self.watch(ready=True))
+
+    async def _restart_then_watch(self, reason: str) -> None:
+        await self.restart(reason)
+        await self.watch(ready=False, had_store=True)
 
     async def end_stale(self) -> None:
         """A store left running by an earlier run whose engines are all gone: end it, so its port is free."""
