@@ -70,7 +70,12 @@ class StoreHost:
         await self.watch(ready=False, had_store=True)
 
     async def end_stale(self) -> None:
-        """A store left running by an earlier run whose engines are all gone: end it, so its port is free."""
+        """A store left running by an earlier run whose engines are all gone: end it, so its port is free (on etcd,
+        the members this console runs: the preflight checks their ports before start would end them)."""
+        if self.profile.store.backend == "etcd":
+            if self.etcd is not None:
+                await self.etcd.stop()
+            return
         host = self.profile.store_host.name
         pid = await self.hosts.live_pid(STORE, host)
         if pid is None:

@@ -200,3 +200,34 @@ async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_pa
     finally:
         await cluster.close()
         kill_everything(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+async def test_members_left_running_by_an_earlier_console_do_not_block_the_next_start(tmp_path):
+    """Defect: a run ended with "leave running" keeps its etcd members. The next start's preflight found their
+    ports taken ("cannot listen ... EADDRINUSE") before the start could end them, and nothing started. A start ends
+    members left by an earlier console first, as it ends a stale TCP store."""
+    from console import etcd as E
+    profile = _profile(tmp_path)
+    earlier = Cluster(profile, Fleet(run="etcd-e2e"))
+    run = tmp_path / "run"
+    try:
+        assert await E.prepare(profile, earlier._store.etcd) is None  # the members of an earlier session, running
+        pids = [int((run / "_etcd" / m / "pid").read_text()) for m in ("node-a", "node-b", "node-c")]
+        later = Cluster(profile, Fleet(run="etcd-e2e"), preflight=True)
+        try:
+            await later._store.end_stale()
+            await later._check_before("start")  # raised PreflightFailed: the members' ports were taken
+        finally:
+            await later.close()
+        assert not any(os.path.exists(f"/proc/{pid}") and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+                       for pid in pids)
+    finally:
+        await earlier.close()
+        kill_everything(tmp_path)
+        for pid_file in run.glob("_etcd/*/pid"):
+            try:
+                os.killpg(int(pid_file.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
