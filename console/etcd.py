@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from console.etcd_pki import Pki, make_pki
+from console.etcd_pki import Pki, fits, make_pki
 from console.transport import TransportError
 from console.transport import commands as C
 from engine.errors import first_line
@@ -283,9 +283,10 @@ def cluster_of(profile: Any, transport: Callable[[str], Any], pki_root: Path) ->
     if s.backend != "etcd" or not s.etcd_hosts:
         return None
     members = plan_members(profile)
-    folder = pki_root / profile.run.name
-    pki = Pki(folder) if (folder / "ca.crt").exists() else make_pki(folder, [m.address for m in members],
-                                                                     run=profile.run.name)
+    folder, addresses = pki_root / profile.run.name, [m.address for m in members]
+    # kept while it serves these members; made anew when a member's address changed or a certificate is about
+    # to expire (members started under the old one must be started again: a start does that, an attach cannot)
+    pki = Pki(folder) if fits(Pki(folder), addresses) else make_pki(folder, addresses, run=profile.run.name)
     return EtcdCluster(binary=s.etcd_binary, members=members, run_dir=profile.run.dir, pki=pki,
                        token=f"zeroband-{profile.run.name}", transport=transport)
 

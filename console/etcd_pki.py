@@ -4,7 +4,8 @@
     pki.member_files()   # {"ca.crt": ..., "member.crt": ..., "member.key": ...}: what each etcd member needs
     pki.client_files()   # {"ca.crt": ..., "client.crt": ..., "client.key": ...}: what each engine needs
 
-One CA per run (ECDSA P-256, valid for `days`), its key never leaves the console's machine. One member
+One CA per run (ECDSA P-256, valid for `days`: ten years, as runs on etcd last weeks and the CA is the run's
+own), its key never leaves the console's machine. One member
 certificate (server and client use: etcd members dial each other with it) names every member address, loopback
 and localhost; one client certificate for the engines and the console. Every file is written mode 0600. Made
 with the `cryptography` package; nothing is fetched.
@@ -86,7 +87,21 @@ def _issue(name: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer
     return builder.sign(signer, hashes.SHA256())
 
 
-def make_pki(folder: str | Path, addresses: Sequence[str], *, run: str = "zeroband", days: int = 30) -> Pki:
+def fits(pki: Pki, addresses: Sequence[str], *, margin_days: float = 1.0) -> bool:
+    """Whether a kept PKI still serves these members: its certificates valid for margin_days more, and the member
+    certificate naming every address (a member moved to another address needs a certificate that names it)."""
+    try:
+        now = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=margin_days)
+        certs = [x509.load_pem_x509_certificate(pki.path(f"{n}.crt").read_bytes()) for n in (CA, MEMBER, CLIENT)]
+        if any(c.not_valid_after_utc <= now for c in certs):
+            return False
+        named = certs[1].extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (OSError, ValueError, x509.ExtensionNotFound):
+        return False
+    return all(n in named for n in _san(addresses))
+
+
+def make_pki(folder: str | Path, addresses: Sequence[str], *, run: str = "zeroband", days: int = 3650) -> Pki:
     """A fresh CA and the member and client certificates of one run, in folder (created 0700)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)

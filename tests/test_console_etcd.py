@@ -231,3 +231,28 @@ async def test_members_left_running_by_an_earlier_console_do_not_block_the_next_
                 os.killpg(int(pid_file.read_text()), 9)
             except (ProcessLookupError, ValueError):
                 pass
+
+
+def test_the_runs_certificates_are_kept_while_they_serve_and_made_anew_when_they_do_not(tmp_path):
+    """Defect: the run's CA and certificates were made for 30 days and kept forever: a run on etcd that lasted
+    longer, or a run name used again a month later, lost its quorum to TLS errors; a member moved to another
+    address kept a certificate that did not name it. They last ten years now, and cluster_of makes them anew when
+    they would expire within a day or do not name every member's address."""
+    from console import etcd as E
+    from console.etcd_pki import Pki, fits, make_pki
+    from cryptography import x509
+    pki = make_pki(tmp_path / "a", ["10.0.0.1", "10.0.0.2"])
+    cert = x509.load_pem_x509_certificate(pki.path("member.crt").read_bytes())
+    assert (cert.not_valid_after_utc - cert.not_valid_before_utc).days >= 3649
+    assert fits(pki, ["10.0.0.1", "10.0.0.2"]) and fits(pki, ["10.0.0.2"])
+    assert not fits(pki, ["10.0.0.1", "10.0.0.3"])  # a member at an address the certificate does not name
+    assert not fits(make_pki(tmp_path / "b", ["10.0.0.1"], days=1), ["10.0.0.1"])  # about to expire
+    assert not fits(Pki(tmp_path / "none"), ["10.0.0.1"])
+    profile = _profile(tmp_path)  # members on 127.0.0.1
+    root = tmp_path / "pki"
+    first = E.cluster_of(profile, lambda h: None, root).pki.path("ca.crt").read_bytes()
+    assert E.cluster_of(profile, lambda h: None, root).pki.path("ca.crt").read_bytes() == first  # kept
+    short = make_pki(root / profile.run.name, ["127.0.0.1"], run=profile.run.name, days=1)  # about to expire
+    short_ca = short.path("ca.crt").read_bytes()
+    again = E.cluster_of(profile, lambda h: None, root).pki
+    assert fits(again, ["127.0.0.1"]) and again.path("ca.crt").read_bytes() != short_ca
