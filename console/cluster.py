@@ -311,6 +311,13 @@ class Cluster:
         self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
         self.fleet.add_node(name, host_label(self.profile.hosts[name]), NodeState.STANDBY)
         self.fleet.note(name, f"added to {self.profile.path}")
+        # a node's data shard is its place among the profile's hosts (GLOBAL_RANK / GLOBAL_WORLD_SIZE): the running
+        # nodes read 1 of the old count, so the new node's sequences are also some of theirs until they restart
+        running = [n for n in self.running() if n != name]
+        if running:
+            self.fleet.note(name, f"its data shard is 1 of {len(self.profile.hosts)}, the running nodes' 1 of "
+                                  f"{len(self.profile.hosts) - 1}: they overlap until those restart (standby hosts "
+                                  f"in the profile grow a run without overlap)")
         return name
 
     async def stop(self) -> Outcome:
@@ -333,11 +340,10 @@ class Cluster:
         left = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
                                             max(0.0, timeout - (time.monotonic() - started)))
         store_left, etcd_said = await self._store.stop()
-        # a node whose host did not answer when this console looked has no process here to signal: its engine may
-        # well train on (until mesh.store_lost_timeout): say so rather than report a clean stop
-        unseen = [f"{n}: its host did not answer ({node.reason or 'unreachable'})"
-                  for n, node in self.fleet.nodes.items()
-                  if node.state is NodeState.UNREACHABLE and n not in running]
+        # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
+        # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
+        unseen = [f"{n}: its host did not answer ({self.fleet.nodes[n].reason or 'unreachable'})"
+                  for n, retry in self._attacher.retries.items() if not retry.done() and n not in running]
         running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen + store_left
         message = f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(etcd_said)}" if etcd_said else "")
         if running_still:

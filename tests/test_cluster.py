@@ -211,6 +211,11 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     # data shards by GLOBAL_RANK / GLOBAL_WORLD_SIZE: each host its own place in the profile, standbys included
     assert [next(line for line in fleet.nodes[n].log if "rank " in line).split("WARNING: ")[1]
             for n in ("node-a", "node-b", "node-c")] == ["rank 0/3", "rank 1/3", "rank 2/3"]
+    # a new address beside running nodes: its shard (1 of 4) overlaps theirs (1 of 3), and the console says so
+    assert not await cluster.add("tester@127.0.0.1:1")  # nothing listens there: added to the profile, not started
+    new = next(n for n in fleet.nodes if n not in ("node-a", "node-b", "node-c"))
+    assert any("its data shard is 1 of 4, the running nodes' 1 of 3: they overlap until those restart" in str(line)
+               for line in fleet.nodes[new].log), list(fleet.nodes[new].log)
 
     assert await cluster.drain("node-a")
     await until(lambda: fleet.nodes["node-a"].state is NodeState.LEFT, what="drained")
@@ -218,7 +223,7 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     assert not (await cluster.drain("nope")) and not (await cluster.kill("nope"))
 
     assert await cluster.stop()
-    assert states(fleet) == {"node-a": "left", "node-b": "left", "node-c": "left"}
+    assert states(fleet) == {"node-a": "left", "node-b": "left", "node-c": "left", new: "unreachable"}
     assert {fleet.nodes[n].reason for n in ("node-b", "node-c")} == {"stopped"}
     await cluster.close()
     store_pid = int((workdir / "runs/t/_store/pid").read_text())
