@@ -231,7 +231,9 @@ class Cluster:
         if name not in self.profile.hosts:
             return Outcome(False, f"no node named {name!r}")
         proc = self._watchers.proc(name)
-        pid = proc.pid or await self._hosts.live_pid(name)
+        # the pid this console follows while it runs; else the pid file's, if that process lives (an engine that
+        # ended is not killed: its group id may belong to another process by now)
+        pid = proc.pid if proc.pid is not None and not proc.done.is_set() else await self._hosts.live_pid(name)
         if pid is None:
             return Outcome(False, f"{name}: not running")
         proc.killed = True

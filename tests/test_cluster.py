@@ -220,6 +220,11 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     assert await cluster.drain("node-a")
     await until(lambda: fleet.nodes["node-a"].state is NodeState.LEFT, what="drained")
     assert fleet.nodes["node-a"].reason == "drained"
+    # a kill of the node that ended: nothing to kill (it answered "kill failed" after a SIGKILL to its old group id,
+    # and left a marker that told later consoles the operator had killed it)
+    await until(lambda: "node-a" not in cluster.running(), what="node-a's process ended")
+    assert (await cluster.kill("node-a")).message == "node-a: not running"
+    assert fleet.nodes["node-a"].reason == "drained" and not (workdir / "runs/t/node-a/killed").exists()
     assert not (await cluster.drain("nope")) and not (await cluster.kill("nope"))
 
     assert await cluster.stop()
