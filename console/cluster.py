@@ -235,6 +235,8 @@ class Cluster:
         # ended is not killed: its group id may belong to another process by now)
         pid = proc.pid if proc.pid is not None and not proc.done.is_set() else await self._hosts.live_pid(name)
         if pid is None:
+            if name in self._starting:  # its launch is under way: "not running" would be true now, false in a second
+                return Outcome(False, f"{name}: being started; kill it once it runs")
             return Outcome(False, f"{name}: not running")
         proc.killed = True
         try:

@@ -204,7 +204,9 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     await until(lambda: fleet.nodes["node-b"].state is NodeState.TRAINING and fleet.nodes["node-b"].pid != old_pid,
                 what="restart")
     # added twice at once (the a key pressed again, a shell's add beside the dashboard): one engine, not two
-    twice = await asyncio.gather(cluster.add("node-c"), cluster.add("node-c"))
+    twice = await asyncio.gather(cluster.add("node-c"), cluster.add("node-c"), cluster.kill("node-c"))
+    assert twice[2].message == "node-c: being started; kill it once it runs"  # not "not running", then it runs
+    twice = twice[:2]
     assert sorted(o.ok for o in twice) == [False, True], twice
     assert next(o for o in twice if not o.ok).message == "node-c: already being started"
     await until(lambda: fleet.nodes["node-c"].state is NodeState.TRAINING, what="add")
