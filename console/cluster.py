@@ -78,6 +78,7 @@ class Cluster:
         self._watchers = Watchers(self._hosts)
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
         self._starting: set[str] = set()  # nodes an add or restart is starting now
+        self._overlap_note: str | None = None  # what add() says of a new address's data shard
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         fleet.store.address = f"{profile.store_address}:{profile.store.port}"
@@ -231,9 +232,16 @@ class Cluster:
         if name not in self.profile.hosts:
             return Outcome(False, f"no node named {name!r}")
         proc = self._watchers.proc(name)
-        # the pid this console follows while it runs; else the pid file's, if that process lives (an engine that
-        # ended is not killed: its group id may belong to another process by now)
-        pid = proc.pid if proc.pid is not None and not proc.done.is_set() else await self._hosts.live_pid(name)
+        # the group this console follows while it runs, or while anything of it runs after its wrapper ended (the
+        # workers it forked); else the pid file's, if that process lives. A group that is gone is not killed
+        pid = proc.pid
+        if pid is not None and proc.done.is_set():
+            try:
+                pid = pid if await self.transport(name).group_alive(pid) else None
+            except TransportError:
+                pass  # cannot tell: the kill below says whether the host answers
+        if pid is None:
+            pid = await self._hosts.live_pid(name)
         if pid is None:
             if name in self._starting:  # its launch is under way: "not running" would be true now, false in a second
                 return Outcome(False, f"{name}: being started; kill it once it runs")
@@ -279,9 +287,11 @@ class Cluster:
 
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
+        self._overlap_note = note = None
         if target not in self.profile.hosts:
             try:
                 target = self._add_to_profile(target)
+                note = self._overlap_note  # said to a shell's `add` too, not only in the node's log
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
             except (ProfileError, ValueError, OSError) as e:
@@ -304,7 +314,8 @@ class Cluster:
             finally:
                 self._starting.discard(target)
         started = await self.restart(target)
-        return Outcome(started.ok, started.message.replace("restarted", "added", 1))
+        message = started.message.replace("restarted", "added", 1)
+        return Outcome(started.ok, f"{message}; {note}" if note else message)
 
     def _add_to_profile(self, target: str) -> str:
         user, name, port = new_host_target(self.profile, target)
@@ -319,9 +330,10 @@ class Cluster:
         # nodes read 1 of the old count, so the new node's sequences are also some of theirs until they restart
         running = [n for n in self.running() if n != name]
         if running:
-            self.fleet.note(name, f"its data shard is 1 of {len(self.profile.hosts)}, the running nodes' 1 of "
+            self._overlap_note = (f"its data shard is 1 of {len(self.profile.hosts)}, the running nodes' 1 of "
                                   f"{len(self.profile.hosts) - 1}: they overlap until those restart (standby hosts "
                                   f"in the profile grow a run without overlap)")
+            self.fleet.note(name, self._overlap_note)
         return name
 
     async def stop(self) -> Outcome:
@@ -346,10 +358,15 @@ class Cluster:
         store_left, etcd_said = await self._store.stop()
         # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
         # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
-        unseen = [f"{n}: its host did not answer ({self.fleet.nodes[n].reason or 'unreachable'})"
-                  for n, retry in self._attacher.retries.items() if not retry.done() and n not in running]
-        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen + store_left
+        # (a standby host, a spare that is often off, is named without failing the stop)
+        unseen = {n: f"{n}: its host did not answer ({self.fleet.nodes[n].reason or 'unreachable'})"
+                  for n, retry in self._attacher.retries.items() if not retry.done() and n not in running}
+        spares = [line for n, line in unseen.items() if self.profile.hosts[n].standby]
+        unseen_active = [line for n, line in unseen.items() if not self.profile.hosts[n].standby]
+        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen_active + store_left
         message = f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(etcd_said)}" if etcd_said else "")
+        if spares:
+            message += f"; standby hosts not reached: {'; '.join(spares)}"
         if running_still:
             return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
         return Outcome(True, message)

@@ -21,16 +21,19 @@ was.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import shutil
 import time
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -275,9 +278,12 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
     full = inner.full_model_state_dict()  # every rank takes part (FSDP gathers the shards)
     target = Path(export_dir)
     if world.rank == 0:
-        tmp = target.with_name(f".{target.name}.tmp-{world.hostname}-{world.pid}")
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        prefix = f".{target.name}.tmp-{world.hostname}-"
+        tmp = target.with_name(f"{prefix}{world.pid}")
+        for left in target.parent.glob(f"{glob_escape(prefix)}*"):  # left by an export of this host that crashed
+            pid = left.name[len(prefix):]
+            if pid.isdigit() and (int(pid) == world.pid or not psutil.pid_exists(int(pid))):
+                shutil.rmtree(left, ignore_errors=True)
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
         hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
         model = AutoModelForCausalLM.from_config(hf_config)  # on CPU: buffers (rotary) must be real tensors
@@ -291,7 +297,8 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
                  "eos_id": tokenizer.eos_id}))
         try:
             if target.exists():
-                target.rmdir()  # checked empty at start; rmdir fails rather than delete anything
+                with contextlib.suppress(FileNotFoundError):  # another node's rmdir came first
+                    target.rmdir()  # checked empty at start; rmdir fails rather than delete anything
             os.rename(tmp, target)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):

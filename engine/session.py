@@ -44,14 +44,26 @@ __all__ = ["Inputs", "Progress", "Session", "build", "close", "dataset_name", "r
            "save_before_failing", "teardown", "train_step"]
 
 
-class Signals:
-    """Flags set by signal handlers (or the drain file) and agreed on by all ranks of the node. A drain file older
-    than this process is a request to an earlier run (a job submitted again, a node restarted by hand): ignored
-    until it is touched again."""
+def _file_id(path: str | None) -> tuple[int, int, int] | None:
+    """(device, inode, mtime in ns) of a file; None when there is none."""
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:  # absent (or gone as it was read)
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
-    def __init__(self, drain_file: str | None, since: float | None = None):
+
+class Signals:
+    """Flags set by signal handlers (or the drain file) and agreed on by all ranks of the node. A drain file found
+    at start-up that is older than the process is a request to an earlier run (a job submitted again, a node
+    restarted by hand): ignored until it is touched again. A touch is told by the file's identity and mtime
+    changing, not by a clock (a network filesystem's mtimes come from the server's)."""
+
+    def __init__(self, drain_file: str | None, found: tuple[int, int, int] | None = None):
         self.drain_file = drain_file
-        self.since = psutil.Process().create_time() if since is None else since  # when this process started
+        self.found = found  # a stale drain file as read_inputs found it (None: none)
         self.stop = False
         self.drain = False
         signal.signal(signal.SIGTERM, self._on_stop)
@@ -73,15 +85,23 @@ class Signals:
             return "drained"
         return None
 
+    @staticmethod
+    def stale(drain_file: str | None) -> tuple[int, int, int] | None:
+        """The drain file as found at start-up, when it predates this process (None otherwise: absent, or made
+        since the process started, which is a request to this one)."""
+        st = _file_id(drain_file)
+        if st is None or st[2] / 1e9 >= psutil.Process().create_time():
+            return None
+        return st
+
     def _drain_file_says(self) -> bool:
-        try:
-            return bool(self.drain_file) and os.path.getmtime(self.drain_file) >= self.since
-        except OSError:  # absent (or gone as it was read)
-            return False
+        """There, and not the stale file found at start-up as it was found (created, replaced or touched since)."""
+        now = _file_id(self.drain_file)
+        return now is not None and now != self.found
 
     def stale_drain_file(self) -> bool:
-        """The drain file exists but is older than this process (one warning says it is ignored)."""
-        return bool(self.drain_file) and os.path.exists(self.drain_file) and not self._drain_file_says()
+        """The drain file was there as this process started and was not touched since (one warning says so)."""
+        return self.found is not None and not self._drain_file_says()
 
     def poll(self, world: World, group) -> tuple[bool, bool]:
         """(stop, drain), the same on every rank. A collective when the node has several ranks."""
@@ -123,22 +143,25 @@ class Inputs:
     hf_config: Any
     ckpt: Checkpointer
     resume_from: Path | None
+    stale_drain: tuple[int, int, int] | None = None  # a drain file of an earlier run, found at start-up
 
 
 def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
     """The data, the model's shape and the checkpoint to resume, read and checked before this rank does anything of
     its own (no process group, no device, nothing written)."""
     telemetry.emit("state", state="starting")
+    stale_drain = Signals.stale(cfg.mesh.drain_file)  # early: a drain asked for from now on is this run's
     with same_on_every_rank():
         data = build_data(cfg.data, world, cfg.train.seed)
         hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
         ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy,
                             max_steps=cfg.train.max_steps)
         resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
-    for note in [*data.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake)]:
+    for note in [*data.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake),
+                 unsynced_tail_note(cfg)]:
         if note:
             telemetry.emit("warning", message=note)
-    return Inputs(data, hf_config, ckpt, resume_from)
+    return Inputs(data, hf_config, ckpt, resume_from, stale_drain)
 
 
 def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Session:
@@ -153,7 +176,7 @@ def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Se
     ckpt.move_older_run_aside()  # only now that every input was accepted: a bad one leaves the folder as it was
     if ckpt.archived is not None:
         telemetry.emit("warning", message=f"ckpt.dir: an older run's checkpoints moved to {ckpt.archived}")
-    signals = Signals(cfg.mesh.drain_file)
+    signals = Signals(cfg.mesh.drain_file, inputs.stale_drain)
     if signals.stale_drain_file():
         telemetry.emit("warning", message=f"mesh.drain_file {cfg.mesh.drain_file} is older than this process (an "
                                           f"earlier run's drain request?): ignored; touch it again to drain")
@@ -176,6 +199,22 @@ def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Se
         if session.resources.fallback_reason:
             telemetry.emit("warning", message=session.resources.fallback_reason)
     return session
+
+
+def ends_agreed(cfg: Config) -> bool:
+    """Whether every node of the run ends on its agreed model: DiLoCo whose last step is a boundary (time rounds
+    end at one; fragments sync every fragment at the run's last step; step rounds when H divides max_steps)."""
+    d = cfg.diloco
+    return d.enabled and (d.round == "time" or d.fragments > 1 or cfg.train.max_steps % d.inner_steps == 0)
+
+
+def unsynced_tail_note(cfg: Config) -> str | None:
+    """Step rounds whose last round is cut short: its steps are never averaged."""
+    if not cfg.diloco.enabled or ends_agreed(cfg):
+        return None
+    h, m = cfg.diloco.inner_steps, cfg.train.max_steps
+    return (f"train.max_steps ({m}) is not a multiple of diloco.inner_steps ({h}): the last {m % h} steps are never "
+            f"averaged, and each node ends on its own weights (checkpoint, export)")
 
 
 def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
@@ -307,7 +346,7 @@ def run(s: Session) -> str:
     save(s)
     if status == "completed" and cfg.ckpt.export_dir:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group,
-                      agreed=cfg.diloco.enabled)
+                      agreed=ends_agreed(cfg))
         s.telemetry.emit("export", step=progress.step, path=str(path))
     return status
 

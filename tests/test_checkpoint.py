@@ -188,3 +188,32 @@ def test_nothing_on_disk_is_overwritten_by_accident(tmp_path):
     into_other_run, _, _ = parts(elsewhere, resume=str(ck.dir / "step-00000002"))
     with pytest.raises(ValueError, match="holds checkpoints of another run"):
         into_other_run.check_start()
+
+
+def test_export_into_a_folder_another_node_filled_and_after_a_crashed_export(tmp_path):
+    """An export's temporary folder is its own process's: one left by a crashed export of this host is removed,
+    another host's (a shared filesystem) is not. Into a folder another node of the run filled meanwhile: the run's
+    agreed model is there, this one is dropped; without an agreed model it is an error naming where it was left."""
+    import dataclasses
+    import os
+
+    from engine.checkpoint import export
+    from engine.data.tokenizer import ByteTokenizer
+    from engine.model import model_config
+    model = build_model(ModelConfig(preset="debug"), 258, 64, seed=0)
+    inner = type("Inner", (), {"full_model_state_dict": lambda self: model.state_dict()})()
+    hf, tok = model_config(ModelConfig(preset="debug"), 258, 64), ByteTokenizer()
+    world = dataclasses.replace(WORLD, hostname="h", pid=os.getpid())
+    crashed, other_host = tmp_path / ".out.tmp-h-999999999", tmp_path / ".out.tmp-g-123"
+    for folder in (crashed, other_host):
+        folder.mkdir()
+    assert export(inner, hf, tok, str(tmp_path / "out"), world) == tmp_path / "out"
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not crashed.exists() and other_host.exists()  # pid 999999999 runs nowhere; host g is not ours
+    before = (tmp_path / "out" / "model.safetensors").stat().st_mtime_ns
+    export(inner, hf, tok, str(tmp_path / "out"), world, agreed=True)  # another node of the run was first
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mtime_ns == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-g-123", "out"]
+    with pytest.raises(ValueError, match=r"ckpt\.export_dir: .*out was written by another process during this "
+                                         r"run; this run's export is in .*\.out\.tmp-h-"):
+        export(inner, hf, tok, str(tmp_path / "out"), world)

@@ -184,3 +184,22 @@ def test_a_resume_under_another_max_steps_names_the_lr_where_the_round_clock_is(
     assert "stretched to 18 steps (lr at round 4: 9.75e-04, was 3.00e-04)" in note, note
     steps = load_config(path, ["--diloco.round=steps"])  # step rounds: the node's own step
     assert "(lr at step 12: 9.75e-04, was 3.00e-04)" in schedule_note(steps, {"max_steps": 12, "step": 12})
+
+
+def test_a_last_round_cut_short_is_said_and_the_run_does_not_end_agreed(tmp_path):
+    """Step rounds average at multiples of H only: with max_steps not one, the last steps are never averaged and
+    every node ends on its own weights (so nodes sharing an export folder must not take one another's for the
+    run's). Time rounds end at a boundary; fragments sync every fragment at the last step."""
+    from engine.config import load_config
+    from engine.session import ends_agreed, unsynced_tail_note
+    path = tmp_path / "c.toml"
+    path.write_text("[data]\nfake = true\n[diloco]\nenabled = true\ninner_steps = 30\n[train]\nmax_steps = 100\n")
+    cut = load_config(path)
+    assert not ends_agreed(cut) and unsynced_tail_note(cut) == (
+        "train.max_steps (100) is not a multiple of diloco.inner_steps (30): the last 10 steps are never averaged, "
+        "and each node ends on its own weights (checkpoint, export)")
+    for ok in (["--train.max_steps=90"], ["--diloco.round=time", "--diloco.round_seconds=5"],
+               ["--diloco.fragments=3"]):
+        assert ends_agreed(load_config(path, ok)) and unsynced_tail_note(load_config(path, ok)) is None, ok
+    alone = load_config(path, ["--diloco.enabled=false"])
+    assert not ends_agreed(alone) and unsynced_tail_note(alone) is None  # no DiLoCo: nothing to average
