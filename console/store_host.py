@@ -57,7 +57,10 @@ class StoreHost:
         self.watch_health()
         if not steer:
             return
-        self.bind_used = await self.bind()
+        try:
+            self.bind_used = await self.bind()
+        except TransportError:  # its host does not answer: the address the engines dial, until it does
+            self.bind_used = self.profile.store_bind
         if self.pid is None and self.fleet.store.state == "down":
             # the store this run started: bring it back, in the background (its host may not answer for a while:
             # the attach returns, the status shows the retries, and Ctrl-C still ends the console)
@@ -66,8 +69,8 @@ class StoreHost:
             self.task = asyncio.ensure_future(self.watch(ready=True))
 
     async def _restart_then_watch(self, reason: str) -> None:
-        await self.restart(reason)
-        await self.watch(ready=False, had_store=True)
+        found = await self.restart(reason)
+        await self.watch(ready=found, had_store=True)
 
     async def end_stale(self) -> None:
         """A store left running by an earlier run whose engines are all gone: end it, so its port is free (on etcd,
@@ -171,9 +174,10 @@ class StoreHost:
                     self.fleet.set_store("unreachable", str(e))
             await asyncio.sleep(self.profile.console.poll_interval)
 
-    async def restart(self, reason: str) -> None:
+    async def restart(self, reason: str) -> bool:
         """The store died after it was ready: start it again where it was (its events file appended), with backoff
-        between failed tries, until it runs. Its keys are gone; the engines re-form the run with their state."""
+        between failed tries, until it runs. Its keys are gone; the engines re-form the run with their state.
+        True when it was found running after all (a host that did not answer at attach): nothing was started."""
         host = self.profile.store_host
         self.fleet.set_store("down", f"{reason}; restarting it")
         probe = await self.hosts.live_pid(PROBE, host.name)
@@ -185,8 +189,13 @@ class StoreHost:
             pass  # the restart below says whether the host answers
         for failures in itertools.count():
             if self.hosts.stopping or self.hosts.closed:
-                return
+                return False
             try:
+                live = await self.hosts.running_pid(STORE, host.name)
+                if live is not None:  # it ran all along: its host did not answer when it was looked for
+                    self.pid = live
+                    self.fleet.set_store("up", None, pid=live)
+                    return True
                 self.pid = await self.hosts.transport(host.name).start_detached(
                     store_argv(self.profile, self.bind_used), self.hosts.node_dir(STORE), env=host.env,
                     append=True)
@@ -197,7 +206,8 @@ class StoreHost:
                 continue
             self.fleet.set_store("restarting", f"after: {reason}", restarts=self.fleet.store.restarts + 1,
                                  pid=self.pid)
-            return
+            return False
+        return False  # (the loop only ends by a return)
 
     async def _start_probe(self) -> None:
         """The health probe beside the store (engine/store/probe.py); it ends when the store does. One per store:
