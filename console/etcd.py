@@ -135,6 +135,14 @@ class EtcdCluster:
         self.pids[member.name] = pid
         return pid
 
+    def renew(self, run: str, margin_days: float = 30.0) -> None:
+        """Before a start (every member is started anew, every engine handed a client certificate after it): a
+        PKI that would expire within margin_days, or does not name every member's address, is made anew. Not on
+        an attach: members that run trust the CA they were started with."""
+        addresses = [m.address for m in self.members]
+        if not fits(self.pki, addresses, margin_days=margin_days):
+            self.pki = make_pki(self.pki.folder, addresses, run=run)
+
     async def start(self) -> None:
         """Start every member at once (a new cluster waits for a quorum of its members to come up)."""
         await asyncio.gather(*(self.start_member(m) for m in self.members))
@@ -240,6 +248,7 @@ async def prepare(profile: Any, etcd: EtcdCluster | None, timeout: float = 60.0)
             left = await etcd.stop()  # members left by an earlier console: their ports must be free
             if left:
                 return f"etcd {kind}: could not end an earlier member ({left[0]})"
+            etcd.renew(profile.run.name)  # a run that starts now gets certificates that outlast it
             await etcd.start()
         deadline = time.monotonic() + timeout
         while True:

@@ -252,6 +252,13 @@ def test_the_runs_certificates_are_kept_while_they_serve_and_made_anew_when_they
     root = tmp_path / "pki"
     first = E.cluster_of(profile, lambda h: None, root).pki.path("ca.crt").read_bytes()
     assert E.cluster_of(profile, lambda h: None, root).pki.path("ca.crt").read_bytes() == first  # kept
+    # a start renews what would expire within 30 days (an attach keeps it: running members trust it)
+    month = make_pki(root / profile.run.name, ["127.0.0.1"], run=profile.run.name, days=20)
+    month_ca = month.path("ca.crt").read_bytes()
+    etcd = E.cluster_of(profile, lambda h: None, root)
+    assert etcd.pki.path("ca.crt").read_bytes() == month_ca  # kept by every console that only looks
+    etcd.renew(profile.run.name)
+    assert etcd.pki.path("ca.crt").read_bytes() != month_ca and fits(etcd.pki, ["127.0.0.1"], margin_days=3000)
     short = make_pki(root / profile.run.name, ["127.0.0.1"], run=profile.run.name, days=1)  # about to expire
     short_ca = short.path("ca.crt").read_bytes()
     again = E.cluster_of(profile, lambda h: None, root).pki
