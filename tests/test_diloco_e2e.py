@@ -563,6 +563,8 @@ def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode)
     assert sorted(a.outer()) == list(range(1, 36 // per_round + 1 + (2 if mode == "fragments" else 0)))
     assert a.outer()[3]["members"] == ["a", "b"] and a.outer()[1]["members"] == ["a", "b", "c"]
     assert d.outer()[joined]["checksum"] == a.outer()[joined]["checksum"]
+    if mode == "time-rounds":  # each node counts its own steps: a fresh joiner starts its own (and its data) at 0
+        assert d.outer()[joined]["step"] == 0 < a.outer()[joined]["step"], (d.outer()[joined], a.outer()[joined])
     assert b.of("run_end")[-1]["status"] == "drained" and a.of("run_end")[-1]["status"] == "completed"
     assert any("aborted" in e["message"] for e in a.of("warning"))
     if mode == "fragments":

@@ -341,9 +341,10 @@ class DilocoOuter:
             self.handoff.receive(plan, progress, self._adopt, into_mean=self._mean_is_free())
             if self.rounds.timed:
                 # with time rounds each node counts its own steps and tokens (its data position, its checkpoints'
-                # names): a node that re-joins keeps its own where they are ahead of the source's. Taking the
-                # source's lower step, it went back over step numbers it had saved ("step-N already exists")
-                progress.step, progress.tokens = max(progress.step, own[0]), max(progress.tokens, own[1])
+                # names); the run is counted in rounds (outer_step, the source's). A node that re-joined took the
+                # source's lower step and went back over step numbers it had saved ("step-N already exists"); a
+                # fresh one skipped that many steps of its own data shard
+                progress.step, progress.tokens = own
         else:
             self._apply()
             if self._discard or self.node_id in left_out:
