@@ -84,6 +84,16 @@ def _port_block(n: int) -> int:
     raise AssertionError("no free block of ports")
 
 
+def end_everything(tmp_path: Path, run: Path) -> None:
+    """Whatever a test left: its engines and store, and the etcd members (detached: their own process groups)."""
+    kill_everything(tmp_path)
+    for pid_file in run.glob("_etcd/*/pid"):
+        try:
+            os.killpg(int(pid_file.read_text()), 9)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def _profile(tmp_path: Path):
     base = _port_block(6)
     path = tmp_path / "etcd.toml"
@@ -175,12 +185,7 @@ async def test_console_starts_etcd_hands_certificates_trains_and_stops(tmp_path)
             assert not os.path.exists(f"/proc/{pid}"), f"etcd member {pid} outlived stop"
     finally:
         await cluster.close()
-        kill_everything(tmp_path)
-        for pid_file in run.glob("_etcd/*/pid"):
-            try:
-                os.killpg(int(pid_file.read_text()), 9)
-            except (ProcessLookupError, ValueError):
-                pass
+        end_everything(tmp_path, run)
 
 
 async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_path):
@@ -225,12 +230,7 @@ async def test_members_left_running_by_an_earlier_console_do_not_block_the_next_
                        for pid in pids)
     finally:
         await earlier.close()
-        kill_everything(tmp_path)
-        for pid_file in run.glob("_etcd/*/pid"):
-            try:
-                os.killpg(int(pid_file.read_text()), 9)
-            except (ProcessLookupError, ValueError):
-                pass
+        end_everything(tmp_path, run)
 
 
 def test_the_runs_certificates_are_kept_while_they_serve_and_made_anew_when_they_do_not(tmp_path):
