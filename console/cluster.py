@@ -78,7 +78,6 @@ class Cluster:
         self._watchers = Watchers(self._hosts)
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
         self._starting: set[str] = set()  # nodes an add or restart is starting now
-        self._overlap_note: str | None = None  # what add() says of a new address's data shard
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         fleet.store.address = f"{profile.store_address}:{profile.store.port}"
@@ -287,11 +286,11 @@ class Cluster:
 
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
-        self._overlap_note = note = None
+        note = None
         if target not in self.profile.hosts:
             try:
                 target = self._add_to_profile(target)
-                note = self._overlap_note  # said to a shell's `add` too, not only in the node's log
+                note = self._shard_overlap(target)
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
             except (ProfileError, ValueError, OSError) as e:
@@ -326,15 +325,19 @@ class Cluster:
         self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
         self.fleet.add_node(name, host_label(self.profile.hosts[name]), NodeState.STANDBY)
         self.fleet.note(name, f"added to {self.profile.path}")
-        # a node's data shard is its place among the profile's hosts (GLOBAL_RANK / GLOBAL_WORLD_SIZE): the running
-        # nodes read 1 of the old count, so the new node's sequences are also some of theirs until they restart
-        running = [n for n in self.running() if n != name]
-        if running:
-            self._overlap_note = (f"its data shard is 1 of {len(self.profile.hosts)}, the running nodes' 1 of "
-                                  f"{len(self.profile.hosts) - 1}: they overlap until those restart (standby hosts "
-                                  f"in the profile grow a run without overlap)")
-            self.fleet.note(name, self._overlap_note)
         return name
+
+    def _shard_overlap(self, name: str) -> str | None:
+        """A node's data shard is its place among the profile's hosts (GLOBAL_RANK / GLOBAL_WORLD_SIZE): nodes that
+        run read 1 of the count before `name` was added, so its sequences are also some of theirs until they
+        restart. Said in its log (and by add to a shell)."""
+        if not [n for n in self.running() if n != name]:
+            return None
+        note = (f"its data shard is 1 of {len(self.profile.hosts)}, the running nodes' 1 of "
+                f"{len(self.profile.hosts) - 1}: they overlap until those restart (standby hosts in the profile grow "
+                f"a run without overlap)")
+        self.fleet.note(name, note)
+        return note
 
     async def stop(self) -> Outcome:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and

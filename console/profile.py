@@ -491,7 +491,7 @@ def check_engine_config(profile: Profile) -> None:
     for host in profile.hosts.values():
         if host.transport != "local":
             continue
-        config = Path(host.workdir).expanduser() / profile.engine.config
+        config = _engine_config_path(profile, host)
         overrides = engine_overrides(profile, host)
         try:
             cfg = load_config(config, overrides)
@@ -525,6 +525,14 @@ def _check_equal_workers(profile: Profile, lines: dict[tuple[str, ...], int]) ->
                                f"of workers (local rank r of each node exchanges with local rank r of the others)")
 
 
+def _engine_config_path(profile: Profile, host: HostSpec) -> Path:
+    """The engine config a host's engine reads, as this machine can read it: a local host's in its workdir (as the
+    transports expand it), a remote host's through this checkout's copy (which sync puts there)."""
+    if host.transport == "local":
+        return Path(host.workdir).expanduser() / profile.engine.config
+    return Path(profile.engine.config)
+
+
 def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
                            lines: dict[tuple[str, ...], int]) -> None:
     """The mesh refuses a node whose model, data.seq_len or run-wide diloco settings differ from the run's
@@ -554,9 +562,7 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
             raise ProfileError(f"{profile.path}:{line}: hosts.{here}.overrides.{key}: {mine!r} differs from "
                                f"{there}'s {theirs!r}; {why}")
         # neither host's own table sets it: their engine config files differ (local hosts of other workdirs)
-        host = profile.hosts[here]
-        config = Path(host.workdir).expanduser() / profile.engine.config if host.transport == "local" \
-            else profile.engine.config
+        config = _engine_config_path(profile, profile.hosts[here])
         raise ProfileError(f"{profile.path}:{lines.get(('hosts', here), 0)}: hosts.{here}: {key} is {mine!r} in "
                            f"{config}, {theirs!r} for {there}; {why}")
 

@@ -88,7 +88,7 @@ class StateHandoff:
             tensors = []
             if plan.forming and differs:  # not when the check itself failed: then nothing says it differs
                 missed = first_line(e, 200)
-        if check and plan.forming:
+        if check:  # (a hand-off without joiners is a formation's)
             # every local rank of the node comes here at this step, whatever its shard found: the node steps out as
             # one when any of its ranks holds weights of its own that the source's did not replace
             lost = self.links.local.every(missed)
