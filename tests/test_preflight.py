@@ -231,8 +231,8 @@ def test_profile_keys_are_validated_at_their_line(tmp_path):
 
 
 # ---- on this machine (local transport) --------------------------------------------------------------------------
-def run_console(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "console", *args], cwd=ROOT, capture_output=True, text=True,
+def run_console(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "console", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -379,6 +379,11 @@ def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_
     third = run_console(str(profile), "sync")
     assert f"node-b: {work} is up to date ({len(here.files)} files of {here.label()})" in third.stdout, third.stdout
     assert "sending" not in third.stdout
+    # a relative workdir is the folder's under where the console runs (the login folder over SSH), for the check too
+    relative = write_profile(tmp_path, node_b='workdir = "w"\n')
+    checked = run_console(str(relative), "check", cwd=tmp_path)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert [row.split()[0] for row in checked.stdout.splitlines()[1:]] == ["node-a", "node-b"], checked.stdout
     both = write_profile(tmp_path, node_b="")
     both.write_text(both.read_text().replace(f'workdir = "{ROOT}"', f'workdir = "{work}"'))
     once = run_console(str(both), "sync")

@@ -39,6 +39,7 @@ import time
 MANIFEST = "manifest.json"  # engine/data/shards.py: a prepared folder's manifest
 STAMP = ".zeroband-setup"  # scripts/setup.sh: in the venv, the digest of what it was set up from
 SUBPROCESS_S = 5.0
+IN_WORKDIR = "ZEROBAND_PROBE_IN_WORKDIR"  # set by runner.run_probe when it started the probe in the workdir
 
 
 # ---- digests shared with the console ----------------------------------------------------------------------------
@@ -92,16 +93,30 @@ def setup_digest(root):
 
 
 def machine_id():
-    """This machine's identity (/etc/machine-id): with a folder's real path it says "the console's own checkout"."""
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
+    """This machine's identity: with a folder's real path it says "the console's own checkout". /etc/machine-id (or
+    the host name) and the kernel's boot id: machines cloned from one image often share the first, never the second."""
+    def first_line(*paths):
+        for path in paths:
+            try:
+                with open(path) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
             if text:
                 return text
-        except OSError:
-            pass
-    return socket.gethostname()
+        return None
+    machine = first_line("/etc/machine-id", "/var/lib/dbus/machine-id") or socket.gethostname()
+    boot = first_line("/proc/sys/kernel/random/boot_id")
+    return machine + "/" + boot if boot else machine
+
+
+def the_workdir(a):
+    """The workdir's real path. runner.run_probe starts the probe inside it when it exists (and says so): a relative
+    workdir is then the current folder, not a folder under it; otherwise it is resolved from where the probe runs
+    (the login folder over SSH, the console's folder locally), as the engine's `cd` would."""
+    if os.environ.get(IN_WORKDIR):
+        return os.path.realpath(os.getcwd())
+    return os.path.realpath(os.path.expanduser(a["workdir"]))
 
 
 # ---- facts ------------------------------------------------------------------------------------------------------
@@ -240,7 +255,7 @@ def describe(e):
 
 
 def facts(a):
-    workdir = os.path.realpath(os.path.expanduser(a["workdir"])) if a.get("workdir") else os.getcwd()
+    workdir = the_workdir(a) if a.get("workdir") else os.getcwd()
     has_workdir = os.path.isdir(workdir)
     digest, count = engine_digest(workdir) if has_workdir else (None, 0)
     venv = a.get("venv")
@@ -350,7 +365,7 @@ def connect(a):
 
 # ---- sync's view of the workdir -----------------------------------------------------------------------------------
 def files(a):
-    root = os.path.realpath(os.path.expanduser(a["workdir"]))
+    root = the_workdir(a)
     named = set(a["paths"])
     out = {}
     for rel in a["paths"]:
@@ -365,7 +380,7 @@ def files(a):
 
 def venv(a):
     """What sync needs to decide whether scripts/setup.sh must run for this python (the venv's)."""
-    workdir = os.path.realpath(os.path.expanduser(a["workdir"]))
+    workdir = the_workdir(a)
     stamp = None
     try:
         with open(os.path.join(here(workdir, a["venv"]), STAMP)) as f:

@@ -229,8 +229,10 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
     its JSON answer or None, why not)."""
     program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{_probe_source()}".encode()
     try:
-        rc, out, err = await t.run(f"cd {C.qpath(workdir)} 2>/dev/null; exec {C.qpath(python)} -", timeout=timeout,
-                                   stdin=program)
+        # in the workdir when it exists (a relative python is the workdir's), and the probe is told so: a relative
+        # workdir resolved again from inside would name a folder under itself
+        rc, out, err = await t.run(f"if cd {C.qpath(workdir)} 2>/dev/null; then export {P.IN_WORKDIR}=1; fi; "
+                                   f"exec {C.qpath(python)} -", timeout=timeout, stdin=program)
     except TransportError as e:
         return -1, None, str(e)
     if rc != 0:
