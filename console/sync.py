@@ -193,7 +193,11 @@ async def _setup(profile: Profile, t: Transport, host: HostSpec, say: Callable[[
         say(f"{host.name}: {host.python}: {why}; set hosts.{host.name}.venv so that sync can make one with {SETUP}, "
             "or install the packages for that python")
         return False
-    env = {"VENV": host.venv, "PYTHON": host.python, **profile.sync.setup_env}
+    # FORCE: sync found it due (a package missing, another torch), which setup.sh's stamp alone would not see;
+    # TORCH_VERSION: the console's, the build the host's driver calls for (the CPU one or PyPI's CUDA one)
+    ours = console_torch()
+    env = {"VENV": host.venv, "PYTHON": host.python, "FORCE": "1",
+           **({"TORCH_VERSION": ours.split("+", 1)[0]} if ours else {}), **profile.sync.setup_env}
     if "BASE_SITE" not in env:
         blocked = await _registry_blocked(t, host, env)
         if blocked:

@@ -5,14 +5,20 @@
 # torch (the CPU build, pinned, where there is no NVIDIA driver), and the project with its extras.
 # Re-running it is cheap: each step is skipped when already done.
 #
-# Environment: PYTHON (the interpreter the venv is made from), VENV (default .venv), TORCH_SPEC, and BASE_SITE: a
-# site-packages folder on this machine that already has the project's packages (another venv of this project, a
-# shared image). The venv then sees them through a .pth file instead of downloading them again; `zeroband-console
-# PROFILE sync` passes the profile's [sync] setup_env here on each host (docs/operations.md, "Before the first run").
+# Environment: PYTHON (the interpreter the venv is made from), VENV (default .venv; a leading ~ is $HOME),
+# TORCH_VERSION (default 2.13.0: the CPU build of it where there is no NVIDIA driver, PyPI's CUDA build where there
+# is), TORCH_SPEC (pip's spec, instead), FORCE=1 (install again even when the venv's stamp says it is up to date), and
+# BASE_SITE: a site-packages folder on this machine that already has the project's packages (another venv of this
+# project, a shared image). The venv then sees them through a .pth file instead of downloading them again.
+# `zeroband-console PROFILE sync` runs this on each host with FORCE=1, the console's torch version and the profile's
+# [sync] setup_env (docs/operations.md, "Before the first run").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
+case "$VENV" in "~" | "~/"*) VENV="$HOME${VENV#\~}" ;; esac
+case "$PYTHON" in "~/"*) PYTHON="$HOME${PYTHON#\~}" ;; esac
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -50,7 +56,7 @@ fi
 # Install again only when the dependency list changed.
 stamp="$VENV/.zeroband-setup"
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+if [ -z "${FORCE:-}" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 
@@ -80,14 +86,14 @@ PYEOF
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  TORCH_SPEC=${TORCH_SPEC:-torch}
+  TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION}  # PyPI's build of a version is the CUDA one on Linux
   say "installing $TORCH_SPEC"
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 else
   # The CPU build, named by its local label: PyPI's plain torch==2.13.0 is the CUDA build on Linux (GBs of nvidia-*
   # wheels). Asked first of what pip is configured with (a local wheel folder, a mirror), then of the PyTorch CPU
   # index, which holds CPU builds only (and their dependencies).
-  TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0+cpu}
+  TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION+cpu}
   TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}
   say "installing $TORCH_SPEC"
   if ! first=$("$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1); then

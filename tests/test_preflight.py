@@ -82,6 +82,13 @@ def test_workers_against_the_gpus_nvml_sees_or_the_fake_count():
     assert lines([plan(device="cuda", workers=1)], [HostResult("node-a", facts=facts(gpus=none), sent=100,
                                                                received=100)])[0].startswith(
         "node-a: workers = 1 on inner.device cuda but nvml sees 0 GPUs (NVML Shared Library Not Found)")
+    # torch's CPU build where GPUs are: auto would train on the CPU, cuda would fail
+    cpu_build = facts(packages=facts()["packages"] | {"torch": "2.13.0+cpu"})
+    assert lines([plan()], [HostResult("node-a", facts=cpu_build, sent=100, received=100)]) == [
+        "node-a: torch 2.13.0+cpu for /v/bin/python is the CPU build, but inner.device auto and nvml sees 8 GPUs; fix: "
+        "zeroband-console p.toml sync installs the CUDA build where nvidia-smi works (or set hosts.node-a.venv to a "
+        "venv with it)"]
+    assert lines([plan(device="cpu", workers=2)], [HostResult("node-a", facts=cpu_build, sent=100, received=100)]) == []
     # auto without a GPU trains on the CPU: then the CPUs count
     assert lines([plan(workers=2)], [HostResult("node-a", facts=facts(gpus=none, cpus=2), sent=100,
                                                 received=100)]) == []

@@ -34,20 +34,26 @@ if args[:2] == ["-m", "pip"] and "--index-url" not in args and any(a.startswith(
 """
 
 
-def _setup(tmp_path: Path, local_wheel: bool) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+def _setup(tmp_path: Path, local_wheel: bool, gpu: bool = False, stamped: bool = False,
+           **extra: str) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
     venv, bin_dir, log = tmp_path / "venv", tmp_path / "bin", tmp_path / "calls.jsonl"
     (venv / "bin").mkdir(parents=True)
     bin_dir.mkdir()
     python = venv / "bin" / "python"
     python.write_text(STUB_PYTHON.format(python=sys.executable))
     for path, text in ((python, None), (bin_dir / "dpkg", "#!/bin/sh\nexit 0\n"),
-                       (bin_dir / "nvidia-smi", "#!/bin/sh\nexit 9\n")):
+                       (bin_dir / "nvidia-smi", f"#!/bin/sh\nexit {0 if gpu else 9}\n")):
         if text is not None:
             path.write_text(text)
         path.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("BASE_SITE", "TORCH_SPEC", "TORCH_CPU_INDEX")}
-    env.update(VENV=str(venv), PATH=f"{bin_dir}:{env['PATH']}", STUB_LOG=str(log),
-               STUB_LOCAL_CPU_WHEEL="1" if local_wheel else "0")
+    if stamped:  # set up from this pyproject.toml and setup.sh, as far as the stamp knows
+        want = subprocess.run("sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16", shell=True,
+                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        (venv / ".zeroband-setup").write_text(want + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("BASE_SITE", "TORCH_SPEC", "TORCH_CPU_INDEX", "FORCE",
+                                                             "TORCH_VERSION")}
+    env.update({"VENV": str(venv), "PATH": f"{bin_dir}:{env['PATH']}", "STUB_LOG": str(log),
+                "STUB_LOCAL_CPU_WHEEL": "1" if local_wheel else "0", **extra})
     done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], capture_output=True, text=True, env=env,
                           timeout=120)
     calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
@@ -66,3 +72,18 @@ def test_setup_installs_the_cpu_build_without_a_gpu(tmp_path, local_wheel):
         assert len(torch) == 2 and torch[1][torch[1].index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
         assert "trying the PyTorch CPU index" in done.stderr and "No matching distribution" not in done.stderr
     assert installs[-1][-2:] == ["-e", ".[dev,deepspeed]"]  # then the project
+
+
+def test_what_sync_runs_installs_the_consoles_torch_over_a_current_stamp_into_a_venv_under_home(tmp_path):
+    """console/sync.py runs setup.sh with FORCE=1 (it found a package missing, which the stamp alone does not see),
+    TORCH_VERSION (the console's: PyPI's build of it, the CUDA one, where a driver answers) and the profile's venv,
+    which may be under ~ (the host user's home, as the check reads it)."""
+    done, installs = _setup(tmp_path, local_wheel=True, stamped=True)
+    assert done.returncode == 0 and installs == [], installs  # current by its stamp: nothing to do
+    for name in ("venv", "bin", "calls.jsonl"):
+        subprocess.run(["rm", "-rf", str(tmp_path / name)], check=True)
+    done, installs = _setup(tmp_path, local_wheel=True, gpu=True, stamped=True, FORCE="1", TORCH_VERSION="2.9.1",
+                            VENV="~/venv", HOME=str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert [c[-1] for c in installs] == ["torch==2.9.1", ".[dev,deepspeed]"], installs
+    assert not (ROOT / "~").exists()

@@ -29,8 +29,9 @@ NASTY = ["a b", "it's", 'say "hi"', "$(touch PWNED)", "`touch PWNED`", "; touch 
          "$HOME", "--flag=1"]
 
 
-def sh(cmd: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=30, input=stdin)
+def sh(cmd: str, cwd: Path, stdin: str | None = None, home: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HOME": str(home)} if home else None
+    return subprocess.run(["sh", "-c", cmd], cwd=cwd, capture_output=True, text=True, timeout=30, input=stdin, env=env)
 
 
 def local_host(workdir: Path, **kw) -> HostSpec:
@@ -62,6 +63,18 @@ def test_detached_command_quotes_every_value(tmp_path):
     assert not (out / C.ENV_FILE).exists()  # the wrapper removed it once read
     assert (out / "pid").read_text().strip() == str(pid) and (out / "rc").read_text().strip() == "0"
     assert not list(tmp_path.rglob("PWNED")), "a value reached the shell unquoted"
+
+
+def test_a_program_under_home_is_the_host_users(tmp_path):
+    """hosts.X.venv = "~/v": the check expands ~ on the host, so the start does too (it ran `~/v/bin/python`)."""
+    (tmp_path / "v w" / "bin").mkdir(parents=True)
+    (tmp_path / "v w" / "bin" / "python").symlink_to(sys.executable)
+    cmd = C.detached_command(["~/v w/bin/python", "-c", "print('ran')"], workdir=".", run_dir="run")
+    done = sh(cmd, tmp_path, home=tmp_path)
+    assert done.returncode == 0, done.stderr
+    wait_until(lambda: (tmp_path / "run" / "rc").exists())
+    assert (tmp_path / "run" / "rc").read_text().strip() == "0", (tmp_path / "run" / "engine.log").read_text()
+    assert (tmp_path / "run" / "events.jsonl").read_text() == "ran\n"
 
 
 def test_builders_are_pure_and_reject_bad_values():

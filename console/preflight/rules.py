@@ -185,7 +185,7 @@ def _project(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]
 def _machine(plan: HostPlan, f: dict[str, Any], expect: Expect, result: HostResult) -> list[Problem]:
     out = []
     if plan.engine and plan.device is not None:
-        out += _devices(plan, f)
+        out += _devices(plan, f, expect)
     disk = f["disk"]
     if disk["free"] is not None and disk["free"] < expect.min_free_gb * 1e9:
         out.append(Problem(plan.name, "disk", f"{disk['free'] / 1e9:.1f} GB free under {disk['path']} "
@@ -199,7 +199,7 @@ def _machine(plan: HostPlan, f: dict[str, Any], expect: Expect, result: HostResu
     return out
 
 
-def _devices(plan: HostPlan, f: dict[str, Any]) -> list[Problem]:
+def _devices(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]:
     gpus = f["gpus"]
     on_gpu = plan.device == "cuda" or (plan.device == "auto" and gpus["count"] > 0)
     if on_gpu and plan.workers > gpus["count"]:
@@ -208,6 +208,12 @@ def _devices(plan: HostPlan, f: dict[str, Any]) -> list[Problem]:
         return [Problem(plan.name, "devices", f"workers = {plan.workers} on inner.device {plan.device} but {seen}",
                         f"set hosts.{plan.name}.workers to at most {gpus['count']} (the same on every host of a "
                         f"DiLoCo run), fix the GPUs (nvidia-smi), or set inner.device = \"cpu\"")]
+    torch = (f.get("packages") or {}).get("torch") or ""
+    if on_gpu and gpus["count"] and torch.endswith("+cpu"):  # auto would train on the CPU, cuda would fail
+        return [Problem(plan.name, "torch", f"torch {torch} for {plan.python} is the CPU build, but inner.device "
+                        f"{plan.device} and {gpus['source']} sees {gpus['count']} GPU{'' if gpus['count'] == 1 else 's'}",
+                        f"zeroband-console {expect.profile} sync installs the CUDA build where nvidia-smi works (or set "
+                        f"hosts.{plan.name}.venv to a venv with it)")]
     if not on_gpu and plan.workers > f["cpus"]:
         return [Problem(plan.name, "devices", f"workers = {plan.workers} on the CPU but the host has {f['cpus']} CPUs",
                         f"set hosts.{plan.name}.workers to at most {f['cpus']}")]

@@ -85,7 +85,7 @@ def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, with_en
     env_path = qpath(join(run_dir, ENV_FILE))  # join() puts a '/' in it: `.` never searches $PATH for it
     redirect = ">>" if append else ">"  # a restart appends, so a tail's offset stays valid
     write_env = f" && (umask 077 && rm -f {env_path} && cat > {env_path})" if with_env else ""
-    words = " ".join(q(a) for a in argv)
+    words = " ".join([qpath(argv[0]), *(q(a) for a in argv[1:])])  # a python under ~ is the host user's, as checked
     # `|| exit 1;` ends the first list: `a && b & c` would send cd and mkdir to the background too
     return (f"cd {qpath(workdir)} && mkdir -p {run} && rm -f {run}/{RC}{write_env} || exit 1; "
             f"setsid nohup sh -c {q(_WRAPPER)} {TAG} {run}/{RC} {env_path if with_env else q('')} {words}"
