@@ -45,7 +45,8 @@ from console.attach import Attacher
 from console.fleet import Fleet, NodeState
 from console.hosts import ARCHIVE, KILLED, STORE, Hosts, UnknownHost, host_label, new_host_target, resting_state
 from console.launch import engine_argv, engine_env, store_argv
-from console.profile import HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides
+from console.profile import (HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides,
+                             remove_host)
 from console.store_host import StoreHost
 from console.transport import Transport, TransportError, make_transport
 from console.transport import commands as C
@@ -286,10 +287,10 @@ class Cluster:
 
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
-        note = None
+        note, written = None, False
         if target not in self.profile.hosts:
             try:
-                target = self._add_to_profile(target)
+                target, written = self._add_to_profile(target)
                 note = self._shard_overlap(target)
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
@@ -308,24 +309,42 @@ class Cluster:
             try:
                 await self._check_before("add", target)  # it must reach the running store, among the rest
             except PreflightFailed as e:
-                return Outcome(False, "\n".join([f"{target}: not added: the preflight found {len(e.lines)} "
-                                                  "problem(s)", *e.lines]))
+                message = "\n".join([f"{target}: not added: the preflight found {len(e.lines)} problem(s)",
+                                     *e.lines])
+                if written:
+                    self.fleet.set_state(target, NodeState.FAILED, message.splitlines()[0])
+                return self._not_added(target, written, message)
             finally:
                 self._starting.discard(target)
         started = await self.restart(target)
-        message = started.message.replace("restarted", "added", 1)
-        return Outcome(started.ok, f"{message}; {note}" if note else message)
+        message = started.message.replace("restarted", "added", 1).replace("could not restart", "could not add", 1)
+        if not started.ok:  # the node's row keeps why (unreachable, failed)
+            return self._not_added(target, written, message)
+        return Outcome(True, f"{message}; {note}" if note else message)
 
-    def _add_to_profile(self, target: str) -> str:
+    def _add_to_profile(self, target: str) -> tuple[str, bool]:
+        """The host's name, and whether it was written into the profile file now."""
         user, name, port = new_host_target(self.profile, target)
         if name in self.profile.hosts:
-            return name
+            return name, False
         # a new address is another machine: reached over SSH, whatever [defaults] says for the others
         fields = {"transport": "ssh", "address": name, "user": user, "port": port}
         self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
         self.fleet.add_node(name, host_label(self.profile.hosts[name]), NodeState.STANDBY)
         self.fleet.note(name, f"added to {self.profile.path}")
-        return name
+        return name, True
+
+    def _not_added(self, name: str, written: bool, message: str) -> Outcome:
+        """A new address that did not start leaves the profile as it was: written there, a typo would be a host
+        every later start checks (and fails on), and a place in every node's data shard."""
+        if written:
+            try:
+                self._hosts.profile = remove_host(self.profile.path, name)
+            except (ProfileError, OSError) as e:
+                return Outcome(False, f"{message}\n{name}: could not take it out of {self.profile.path} again: {e}")
+            self.fleet.note(name, f"taken out of {self.profile.path} again")
+            message += f"\n{name}: taken out of {self.profile.path} again"
+        return Outcome(False, message)
 
     def _shard_overlap(self, name: str) -> str | None:
         """A node's data shard is its place among the profile's hosts (GLOBAL_RANK / GLOBAL_WORLD_SIZE): nodes that

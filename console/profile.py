@@ -442,6 +442,21 @@ def add_host(path: str | os.PathLike, name: str, **fields: Any) -> Profile:
     return profile
 
 
+def remove_host(path: str | os.PathLike, name: str) -> Profile:
+    """Take [hosts.NAME] out of the profile file again (an add that failed), keeping the rest as it is."""
+    text = Path(path).read_text()
+    doc = tomlkit.parse(text)
+    hosts = doc.get("hosts")
+    if hosts is not None and name in hosts:
+        del hosts[name]
+    new_text = tomlkit.dumps(doc).rstrip("\n") + "\n"  # add_host's blank line before the table goes too
+    profile = parse_profile(new_text, str(path))
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(new_text)
+    tmp.replace(path)
+    return profile
+
+
 # ---- the engine config -----------------------------------------------------------------------------------
 def toml_value(value: Any) -> str:
     """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""

@@ -214,7 +214,7 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     assert [next(line for line in fleet.nodes[n].log if "rank " in line).split("WARNING: ")[1]
             for n in ("node-a", "node-b", "node-c")] == ["rank 0/3", "rank 1/3", "rank 2/3"]
     # a new address beside running nodes: its shard (1 of 4) overlaps theirs (1 of 3), and the console says so
-    out = await cluster.add("tester@127.0.0.1:1")  # nothing listens there: added to the profile, not started
+    out = await cluster.add("tester@127.0.0.1:1")  # nothing listens there: not started (nor kept in the profile)
     assert not out and "its data shard is 1 of 4, the running nodes' 1 of 3" in out.message, out  # a shell sees it
     new = next(n for n in fleet.nodes if n not in ("node-a", "node-b", "node-c"))
     assert any("its data shard is 1 of 4, the running nodes' 1 of 3: they overlap until those restart" in str(line)
@@ -312,17 +312,27 @@ async def test_store_that_cannot_start_fails_every_node(workdir, cleanup):
     await cluster.close()
 
 
-async def test_add_a_new_address_writes_it_into_the_profile(workdir, cleanup):
+async def test_add_a_new_address_writes_it_into_the_profile_and_out_again_when_it_does_not_start(workdir, cleanup):
     profile = make_profile(workdir)
     fleet = Fleet()
     cluster = Cluster(profile, fleet)
     before = (workdir / "p.toml").read_text()
-    out = await cluster.add("tester@127.0.0.1:1")  # nothing listens on port 1: it is added, then unreachable
-    assert not out and "refused" in out.message
+    out = await cluster.add("tester@127.0.0.1:1")  # nothing listens on port 1: written, unreachable, taken out
+    assert not out and "refused" in out.message and out.message.endswith(f"127.0.0.1: taken out of {profile.path} "
+                                                                          "again"), out.message
     node = fleet.nodes["127.0.0.1"]
     assert node.state is NodeState.UNREACHABLE and node.reason.startswith("connection refused by tester@127.0.0.1:1")
-    assert (workdir / "p.toml").read_text().startswith(before)  # the file kept, the host appended
-    host = load_profile(workdir / "p.toml").hosts["127.0.0.1"]
+    # a typo'd address left in the file would be a host every later start checks, and a place in every data shard
+    assert (workdir / "p.toml").read_text() == before
+    assert "127.0.0.1" not in load_profile(workdir / "p.toml").hosts and "127.0.0.1" not in cluster.profile.hosts
+    checked = Cluster(load_profile(workdir / "p.toml"), Fleet(), preflight=True)  # refused by the check, the same
+    out = await checked.add("tester@127.0.0.1:1")
+    assert not out and "not added: the preflight found 1 problem(s)" in out.message, out.message
+    assert (workdir / "p.toml").read_text() == before
+    await checked.close()
+    name, written = cluster._add_to_profile("tester@127.0.0.1:1")  # what add writes before it starts the engine
+    host = load_profile(workdir / "p.toml").hosts[name]
+    assert written and (workdir / "p.toml").read_text().startswith(before)  # the file kept, the host appended
     assert (host.user, host.port, host.transport, host.python) == ("tester", 1, "ssh", sys.executable)
     bad = await cluster.add("not a host!")
     assert not bad and fleet.nodes["not a host!"].state is NodeState.FAILED

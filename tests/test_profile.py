@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.profile import (ProfileError, add_host, check_engine_config, engine_overrides, key_lines,
+from console.profile import (ProfileError, add_host, remove_host, check_engine_config, engine_overrides, key_lines,
                              load_profile, parse_profile, split_key)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,6 +139,8 @@ def test_add_host_round_trip_keeps_comments_and_layout(tmp_path):
     with pytest.raises(ProfileError, match=r"hosts\.bad\.port: Input should be less than 65536"):
         add_host(path, "bad", port=70000)
     assert "bad" not in load_profile(path).hosts  # a bad host never reaches the file
+    assert "node-$(x) 'q'" not in remove_host(path, "node-$(x) 'q'").hosts  # an add that failed, undone
+    assert path.read_text() == MINIMAL
 
 
 def test_add_host_to_the_shipped_profile_keeps_it(tmp_path):
