@@ -44,7 +44,7 @@ from console import etcd as E
 from console.attach import Attacher
 from console.fleet import Fleet, NodeState
 from console.hosts import ARCHIVE, KILLED, STORE, Hosts, UnknownHost, host_label, new_host_target, resting_state
-from console.launch import engine_argv, engine_env, store_argv
+from console.launch import data_shard, engine_argv, engine_env, store_argv
 from console.profile import (HostSpec, Profile, ProfileError, add_host, check_engine_config, engine_overrides,
                              remove_host)
 from console.store_host import StoreHost
@@ -174,9 +174,7 @@ class Cluster:
     async def _launch(self, host: HostSpec, append: bool = False) -> bool:
         """Check the host, start the engine detached, watch it. False (and a node state) if it could not start."""
         name, t = host.name, self.transport(host.name)
-        # GLOBAL_RANK / GLOBAL_WORLD_SIZE shard the data by node: a host's place in the profile, standbys included,
-        # so every host keeps its own shard however the cluster grows and shrinks
-        rank, world_size = list(self.profile.hosts).index(name), len(self.profile.hosts)
+        rank, world_size = data_shard(self.profile, name)
         old = self._procs.get(name)
         if old is not None and old.watcher is not None and old.done.is_set():
             old.watcher.cancel()  # it only waits for a start by another console: this one is ours

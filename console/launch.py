@@ -3,6 +3,7 @@ engine's environment. Pure functions of the profile (console/cluster.py starts t
 launcher` writes the same lines into a script).
 
     engine_argv(profile, host)                  python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
+    data_shard(profile, name)                   (GLOBAL_RANK, GLOBAL_WORLD_SIZE): the host's place in the profile
     engine_env(profile, host, rank, world)      GLOBAL_* for the mesh, the host's [env], unbuffered output
     store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT
     probe_argv(profile, bind, store_pid, out)   python -m engine.store.probe ... (engine/store/probe.py)
@@ -33,6 +34,12 @@ def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
         rdzv = ["--standalone"]  # its own rendezvous on a free port: nodes sharing a machine never collide
     return [host.python_path, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={host.workers}",
             "-m", "engine.train", *args]
+
+
+def data_shard(profile: Profile, name: str) -> tuple[int, int]:
+    """GLOBAL_RANK and GLOBAL_WORLD_SIZE, which shard the data by node: the host's place among the profile's hosts,
+    standbys included, so every host keeps its own shard however the cluster grows and shrinks."""
+    return list(profile.hosts).index(name), len(profile.hosts)
 
 
 def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> dict[str, str]:

@@ -18,6 +18,7 @@ from procs import PYTHON, ROOT, engine_env
 
 from console.cluster import engine_argv
 from console.cluster import engine_env as console_engine_env
+from console.launch import data_shard
 from console.profile import load_profile
 from engine.config import load_config, parse_overrides
 from console.recipes import main, parse_hostfile
@@ -213,7 +214,9 @@ def test_launcher_runs_exactly_what_the_console_runs(lab, tmp_path):
                   if c["env"]["GLOBAL_UNIQUE_ID"] == name]
         assert len(engine) == 1
         assert engine[0]["argv"] == engine_argv(profile, host)[1:]  # hostile values arrived intact
-        expected_env = {k: v for k, v in console_engine_env(profile, host, rank, 2).items()
+        # the data shard the console gives the host: its place among all the profile's hosts (gamma is standby)
+        assert (engine[0]["env"]["GLOBAL_RANK"], engine[0]["env"]["GLOBAL_WORLD_SIZE"]) == (str(rank), "3")
+        expected_env = {k: v for k, v in console_engine_env(profile, host, *data_shard(profile, name)).items()
                         if k.startswith(("GLOBAL_", "ODD"))}
         assert {k: v for k, v in engine[0]["env"].items() if k in expected_env} == expected_env
         assert engine[0]["env"]["HF_TOKEN"] == "from-the-shell"  # a secret comes from the shell only
