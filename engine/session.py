@@ -263,12 +263,19 @@ def evaluate(s: Session) -> float | None:
     return node_mean(total / s.cfg.train.eval_batches, s)
 
 
-def save(s: Session) -> None:
-    s.outer.flush()  # diloco.overlap: the outer update in flight lands in the weights before they are saved
-    if s.ckpt.last_saved_step == s.progress.step:
-        return
-    path, seconds = s.ckpt.save(s.progress.step, s.inner, s.data, s.progress, s.outer)
-    s.telemetry.emit("checkpoint", step=s.progress.step, path=str(path), seconds=seconds)
+def save(s: Session) -> str | None:
+    """A checkpoint of this step (once). The outer step in flight (diloco.overlap, fragment_delay) lands in the
+    weights first; when it met a stop or drain in its waits instead, nothing of it landed, its round is saved unsent
+    (as a synchronous round stopped in its waits is), and the reason is returned: the run ends with it."""
+    interrupted = None
+    try:
+        s.outer.flush()
+    except Stopped as e:
+        interrupted = e.reason
+    if s.ckpt.last_saved_step != s.progress.step:
+        path, seconds = s.ckpt.save(s.progress.step, s.inner, s.data, s.progress, s.outer)
+        s.telemetry.emit("checkpoint", step=s.progress.step, path=str(path), seconds=seconds)
+    return interrupted
 
 
 def follow_handoff(s: Session) -> None:
@@ -341,9 +348,14 @@ def run(s: Session) -> str:
             break
         if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0:
             check_finite(s, loss)
-            save(s)
+            interrupted = save(s)
+            if interrupted:
+                status = interrupted
+                break
     check_finite(s, loss)
-    save(s)
+    interrupted = save(s)
+    if interrupted and status == "completed":  # the last round's outer step was stopped: no agreed model to export
+        status = interrupted
     if status == "completed" and cfg.ckpt.export_dir:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group,
                       agreed=ends_agreed(cfg))

@@ -572,3 +572,21 @@ def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode)
         last = [b.outer()[k] for k in sorted(b.outer())[-3:]]
         assert sorted(e["fragment"] for e in last) == [0, 1, 2] and len({e["step"] for e in last}) == 1, last
         assert all(e["outer_step"] % 3 == (e["fragment"] + 1) % 3 for e in a.of("outer_step"))
+
+
+@pytest.mark.parametrize("mode", ["overlap", "fragments"])
+def test_a_stop_while_an_outer_step_is_in_flight_saves_and_ends_stopped(procs, tmp_path, mode):
+    """SIGTERM between two boundaries while the last one's outer step waits in the background (overlap; fragments
+    with fragment_delay), here for a second node that never comes (min_nodes 2). The node ends as a stop does: exit
+    0, run_end "stopped", a checkpoint (it raised the background step's Stopped out of the save: exit 1, "failed")."""
+    port = free_port()
+    start_store(procs, port)
+    extra = {"overlap": ["--diloco.overlap=true"], "fragments": ["--diloco.fragments=3", "--diloco.fragment_delay=100"]}
+    boundary = {"overlap": 300, "fragments": 100}[mode]  # the first boundary; the next one (or the landing) 300 later
+    a = start_node(procs, port, "a", tmp_path, "--train.max_steps=3000", "--diloco.inner_steps=300",
+                   "--diloco.min_nodes=2", *extra[mode])
+    wait_for(lambda: a.last_step() >= boundary + 10, 120, "a training past its first boundary", [a])
+    os.kill(a.proc.pid, signal.SIGTERM)
+    assert finish(a, 60, [a]) == 0, a.report()
+    assert a.of("run_end")[-1]["status"] == "stopped" and not a.of("outer_step"), a.report()
+    assert boundary < a.of("checkpoint")[-1]["step"] == a.of("run_end")[-1]["step"] < boundary + 200, a.report()

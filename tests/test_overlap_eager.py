@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from engine.mesh.protocol import Stopped
 from engine.outer import Progress
 from engine.outer.buffers import fingerprint
 from engine.outer.optimizer import OuterOptimizer
@@ -150,3 +151,38 @@ def test_overlap_delay_must_land_by_the_next_boundary():
     with pytest.raises(ValueError, match=r"diloco.overlap_delay \(6\) must be at most diloco.inner_steps \(5\)"):
         DilocoConfig(inner_steps=5, overlap=True, overlap_delay=6)
     assert DilocoConfig(inner_steps=5, overlap=True, overlap_delay=5).overlap_delay == 5
+
+
+class _StoppingMesh(FakeMesh):
+    """A stop arrives while the outer step in flight waits for its plan."""
+
+    def boundary(self, outer_step, attempt, *, contributing, draining, budget=None):
+        raise Stopped("stopped", f"outer step {outer_step} attempt {attempt}")
+
+
+@pytest.mark.parametrize("update", ["delayed", "eager"])
+def test_a_round_in_flight_that_was_stopped_leaves_its_progress_measured_from_the_snapshot(update):
+    """Nothing of a stopped round landed: the weights hold its progress and the next round's from the snapshot (so
+    a checkpoint saved now, or the next boundary, sends both), weighed by both rounds' tokens. Eager had put the
+    stand-in u in the weights instead of the round's own d: a resume then sent u and lost the rest of the round."""
+    inner = TinyInner(0)
+    outer = make_outer(inner, _StoppingMesh([], []), inner_steps=2, overlap=True, overlap_update=update,
+                       outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)  # eager: u is not d
+    progress = Progress()
+    outer.start(progress)
+    s0 = outer.bufs.snapshot.clone()
+    for step in (1, 2):
+        inner.train_step(step)
+        progress.step, progress.tokens = step, progress.tokens + 10
+        outer.after_inner_step(progress)  # step 2: the boundary, its outer step goes to the background
+    round_end = s0 - outer.bufs.pgrad  # the weights round 1 ended with (its pseudo-gradient d = s0 - them)
+    outer._flight.join(timeout=30)
+    before = _flat(inner)
+    inner.train_step(3)
+    progress.step, progress.tokens = 3, progress.tokens + 10
+    delta = before - _flat(inner)  # the next round's step, from wherever the boundary left the weights
+    with pytest.raises(Stopped):
+        outer.flush()
+    assert torch.equal(outer.bufs.snapshot, s0)
+    torch.testing.assert_close(_flat(inner), round_end - delta, rtol=0, atol=1e-6)
+    assert outer.rounds.close(progress) == 30

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from engine.mesh.protocol import Stopped
 from engine.outer.buffers import finite
 from engine.outer.diloco import DilocoOuter
 from engine.outer.progress import Progress
@@ -54,6 +55,7 @@ class OverlappedDiloco(DilocoOuter):
         self._pgrad_ready = False  # bufs.pgrad already holds this round's pseudo-gradient
         self._diverged_at_boundary = False  # the boundary found this round diverged (and repaired it)
         self._land_at: int | None = None  # the inner step at which the round in flight lands (diloco.overlap_delay)
+        self._flight_tokens = 0  # the tokens of the round in flight (its weight)
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
 
@@ -112,6 +114,7 @@ class OverlappedDiloco(DilocoOuter):
     def _launch(self, progress: Progress, tokens: int) -> None:
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
+        self._flight_tokens = tokens
         delay = self.cfg.overlap_delay
         self._land_at = progress.step + delay if delay else None  # None: as soon as it is done
         self._start_flight(lambda: self._round(frozen, plan=None, draining=False, tokens=tokens), "diloco-overlap")
@@ -120,14 +123,36 @@ class OverlappedDiloco(DilocoOuter):
 
     def _settle(self) -> bool:
         """Wait for the round in flight (bounded); True when its new weights wait in bufs.mean."""
-        if not self._join_flight("diloco.overlap"):
-            return False
+        try:
+            if not self._join_flight("diloco.overlap"):
+                return False
+        except Stopped:
+            self._unsent()
+            raise
         assert self._flight_progress is not None
         frozen, live, step0, tokens0 = self._flight_progress
         # the round's counters (its outer step; a hand-off's step and tokens) plus what trained meanwhile
         live.step, live.tokens = frozen.step + live.step - step0, frozen.tokens + live.tokens - tokens0
         live.outer_step = frozen.outer_step
         return True
+
+    @torch.no_grad()
+    def _unsent(self) -> None:
+        """The round in flight met a stop or drain in its waits and did not commit: nothing landed. Its progress is
+        measured from the snapshot again (eager: the stand-in u in the weights swapped back for the round's own
+        pseudo-gradient, which the exchange left intact), so the checkpoint saved now, or the next boundary, holds
+        and sends it with the next round's progress, weighed by both rounds' tokens."""
+        if self._anchored:
+            assert self._step is not None
+            if self._step is not self.bufs.pgrad:  # eager: params = snapshot - u - progress -> snapshot - d - ...
+                params, work = self.inner.outer_params(), self.bufs.mean  # free: nothing landed
+                for view, p in zip(self.bufs.views(work), params):
+                    view.copy_(p)
+                work.add_(self._step).sub_(self.bufs.pgrad)
+                self.bufs.write(params, work)
+                self.inner.after_outer_update()
+            self._anchored = False
+        self.rounds.reopen(self._flight_tokens)
 
     @torch.no_grad()
     def _rebase(self, landed: bool, *, eager: bool) -> None:

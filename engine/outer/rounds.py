@@ -55,6 +55,12 @@ class RoundClock:
             deadline = nxt if nxt > now else now + self.seconds
         self.deadline = deadline
 
+    def reopen(self, tokens: int) -> None:
+        """The round before this one did not commit (its outer step, in flight, was stopped): this round goes on
+        counting its tokens too, as its pseudo-gradient now holds both rounds' progress."""
+        if self._tokens0 is not None:
+            self._tokens0 -= tokens
+
     def due(self, progress: Progress) -> bool:
         """This node's round is over (after an inner step). Time rounds: local ranks must agree (the caller). A node
         ends its round at the step that ends nearest the deadline: it does not start a step that would end more than
