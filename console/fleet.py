@@ -17,9 +17,12 @@ of a killed engine, read after the kill, do not bring it back to life on the scr
 
 A mesh `membership dead` about a node is weaker: it is the peers' word that they stopped hearing it, and a node
 cut off by a link fault, a blackhole or a long freeze comes back as the same process and re-joins without a new
-`run_start`. So it marks the node DEAD with `mesh_dead_ts` set, and any later event of the node itself (by `ts`,
-not by arrival: --attach replays one events file after another) shows its own state again; a dead report older
-than the node's latest own event is history and changes nothing. Only the console's own facts (the process is
+`run_start`. So it marks the node DEAD with `mesh_dead_ts` set, and a later event of the node itself that shows
+it in the mesh again (by `ts`, not by arrival: --attach replays one events file after another) shows its own state
+again: a heartbeat (its beat reached the store), an outer step, a state change, `drained`, its own `joined`; or
+its process's own last word (`run_end`), or a new process's `run_start`. Its steps and resource samples do not: a
+node cut off by a link fault trains and samples on until its next outer step finds it out. A dead report older
+than the node's latest such event is history and changes nothing. Only the console's own facts (the process is
 gone, killed) end a node for good (see console/outcome.py).
 
 `version` is bumped on every change, so the UI redraws only when something changed. Ingest is on the hot path
@@ -68,6 +71,10 @@ _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
 _GONE = frozenset({NodeState.LEFT, NodeState.DEAD, NodeState.FAILED, NodeState.STANDBY, NodeState.OFF})
 _RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopped": NodeState.LEFT,
                   "failed": NodeState.FAILED}
+# a node's own events that overrule an older mesh "dead" report about it: they show it in the mesh again (so does
+# its own `membership joined`), or are its process's own word on how it ends or that it is new. Not its steps or
+# resource samples: a node cut off from the mesh trains and samples on until its next outer step finds it out
+_OVERRULES_DEAD = frozenset({"heartbeat", "outer_step", "state", "drained", "run_end", "run_start"})
 
 
 class _LazyLine:
@@ -119,7 +126,8 @@ class RankFigures:
 
 @dataclass
 class OuterRound:
-    """One DiLoCo outer step as the cluster lived it: the slowest reporting node's times, all nodes' bytes.
+    """One DiLoCo outer step as the cluster lived it: each time the largest any reporting node gave (compute from
+    one node and the all-reduce from another: each part's worst case, not one node's round), all nodes' bytes.
 
     compute_s comes from the engine when it reports it, else from the node's clock: the time since its previous
     outer step less this one's all-reduce (`derived` says which). idle_s (waiting for peers, for the plan) needs
@@ -168,9 +176,16 @@ class Node:
     marked: bool = False
     # the engine's own latest word on its state; `state` differs from it while a console fact holds
     engine_state: NodeState | None = None
-    # set while `state` is DEAD only on the mesh's word: the reporter's ts; a later own event of the node clears it
+    # set while `state` is DEAD only on the mesh's word: the reporter's ts; a later own event that overrules it
+    # (_OVERRULES_DEAD) clears it
     mesh_dead_ts: float | None = None
     engine_reason: str | None = None  # the reason that came with engine_state (run_end's status...)
+    # this process said how it ended (run_end): only that is final. `drained` or `state left` is not: the process
+    # still writes its last checkpoint, and may die doing it (the watcher's exit status then decides)
+    run_ended: bool = False
+    # the first `error` of this process: the cause, which run_end "failed" shows (a later error is its aftermath:
+    # "checkpoint before exit failed"); kept apart from `reason`, which the `state left` before run_end resets
+    error: str | None = None
     devices: dict[str, Device] = field(default_factory=dict)  # every GPU (or rank's CPU) of the node
     ranks: dict[int, RankFigures] = field(default_factory=dict)
     run_info: dict[str, Any] = field(default_factory=dict)  # run_start: digest, strategy, world size, dataset...
@@ -181,6 +196,7 @@ class Node:
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=CHECKPOINTS))  # (step, path, seconds)
     _steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)
     _own_ts: float | None = field(default=None, repr=False)  # its newest event's ts (files replay out of order)
+    _proof_ts: float | None = field(default=None, repr=False)  # ... of those that overrule a mesh "dead" report
     _outer_ts: float | None = field(default=None, repr=False)  # its previous outer step, by its own clock
 
     @property
@@ -278,8 +294,8 @@ class Fleet:
         node.state = state
         node.reason = reason
         node.mesh_dead_ts = None  # a console fact replaces the mesh's word
-        if state is NodeState.STARTING:
-            node.engine_state = None  # a new process: the old one's last word no longer counts
+        if state is NodeState.STARTING:  # a new process: the old one's last word no longer counts
+            node.engine_state, node.run_ended, node.error = None, False, None
         if reason:
             node.log.append(f"[console] {state.value}: {reason}")
         if state in _CONSOLE_FACTS or state in (NodeState.STARTING, NodeState.STANDBY, NodeState.OFF):
@@ -353,7 +369,7 @@ class Fleet:
             node = self._node(node_name)
             node.malformed += 1
             if node.malformed <= 3 or node.malformed % 1000 == 0:  # say why, without flooding the log
-                node.log.append(f"[console] malformed line #{node.malformed}: {e}")
+                node.log.append(f"[console] malformed line #{node.malformed}: {e}: {_excerpt(line)}")
             self.version += 1
             return
         self.ingest_event(node_name, event)
@@ -365,14 +381,19 @@ class Fleet:
         ts = event["ts"]
         node.last_ts = ts
         node._own_ts = ts if node._own_ts is None else max(node._own_ts, ts)
+        kind = event["type"]
+        proof = kind in _OVERRULES_DEAD or (kind == "membership" and event["change"] == "joined"
+                                            and event["subject"] == node.name)
+        if proof:
+            node._proof_ts = ts if node._proof_ts is None else max(node._proof_ts, ts)
         if node.state is NodeState.UNREACHABLE:  # a line arrived: the link is back
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
-        elif node.mesh_dead_ts is not None and ts > node.mesh_dead_ts:  # the same process, heard after the report
+        elif proof and node.mesh_dead_ts is not None and ts > node.mesh_dead_ts:  # heard after the report
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
             node.mesh_dead_ts = None
-        self._handlers[event["type"]](node, event)
+        self._handlers[kind](node, event)
         self.version += 1
 
     def _engine_says(self, node: Node, state: NodeState, reason: str | None = None) -> None:
@@ -394,7 +415,7 @@ class Fleet:
                                                    "diloco", "dataset") if k in event}
         if isinstance(event.get("dataset"), str):
             self.dataset = event["dataset"]
-        node.engine_state = NodeState.STARTING
+        node.engine_state, node.run_ended, node.error = NodeState.STARTING, False, None
         if node.mesh_dead_ts is None:  # a new process: it settles any DEAD/FAILED of the old one
             node.state = NodeState.STARTING  # (a mesh dead report newer than this start is about this process)
             node.reason = None
@@ -463,9 +484,10 @@ class Fleet:
         number, ts = event["outer_step"], event["ts"]
         rnd = self.outer_rounds.get(number)
         if rnd is None:
-            rnd = self.outer_rounds[number] = OuterRound(number, ts, len(event["members"]))
-            while len(self.outer_rounds) > OUTER_ROUNDS:
-                del self.outer_rounds[next(iter(self.outer_rounds))]
+            rnd = self._new_round(number, ts, len(event["members"]))
+            if rnd is None:
+                node._outer_ts = ts
+                return
         allreduce = float(event["allreduce_s"])
         rnd.reporters += 1
         rnd.members = max(rnd.members, len(event["members"]))
@@ -487,12 +509,27 @@ class Fleet:
             rnd.idle_s = max(rnd.idle_s or 0.0, idle)
         node._outer_ts = ts
 
+    def _new_round(self, number: int, ts: float, members: int) -> OuterRound | None:
+        """A round for an outer step not seen yet, kept in outer-step order (the chart and the headless lines read
+        it so); beyond OUTER_ROUNDS the lowest step goes. None for a step older than every kept one: --attach reads
+        one node's file, then the next, whose early reports would otherwise evict good rounds for rounds of one."""
+        rounds = self.outer_rounds
+        if len(rounds) >= OUTER_ROUNDS and number < next(iter(rounds)):
+            return None
+        in_order = not rounds or number > next(reversed(rounds))
+        rnd = rounds[number] = OuterRound(number, ts, members)
+        if not in_order:  # a file replayed after a longer one (a late joiner's steps come first)
+            self.outer_rounds = rounds = dict(sorted(rounds.items()))
+        while len(rounds) > OUTER_ROUNDS:
+            del rounds[next(iter(rounds))]
+        return rnd
+
     def _on_membership(self, node: Node, event: dict[str, Any]) -> None:
         generation, subject, change = event["generation"], event["subject"], event["change"]
         self._set_members(generation, event["members"])
         if change == "dead" and subject in self.nodes:
             subj, ts = self.nodes[subject], event["ts"]
-            heard_since = subj._own_ts is not None and subj._own_ts >= ts  # an old report, replayed late
+            heard_since = subj._proof_ts is not None and subj._proof_ts >= ts  # an old report, replayed late
             if subj.mesh_dead_ts is not None:  # dead on the mesh's word already: the latest report counts
                 subj.mesh_dead_ts = max(subj.mesh_dead_ts, ts)
             elif not heard_since and subj.state not in _GONE:
@@ -527,6 +564,8 @@ class Fleet:
 
     def _on_error(self, node: Node, event: dict[str, Any]) -> None:
         node.reason = event["message"]
+        if node.error is None:
+            node.error = event["message"]
         node.log.append(_LazyLine(event))
 
     def _on_run_end(self, node: Node, event: dict[str, Any]) -> None:
@@ -534,8 +573,9 @@ class Fleet:
             return
         status = event["status"]
         state = _RUN_END_STATE.get(status, NodeState.FAILED)
-        reason = node.reason if state is NodeState.FAILED and node.reason else status
+        reason = node.error if state is NodeState.FAILED and node.error else status
         self._engine_says(node, state, reason)
+        node.run_ended = True
         node.step = event["step"]
         node.log.append(_LazyLine(event))
 
@@ -573,6 +613,12 @@ class Fleet:
 def _num(value: Any) -> float | None:
     """A number from an optional event field (a bool or a string is not one)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _excerpt(line: str | bytes, limit: int = 120) -> str:
+    """A malformed line as the log shows it: a user's stray print should be recognisable, not flood the pane."""
+    text = (line.decode("utf-8", "replace") if isinstance(line, bytes) else line).strip()
+    return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
 def _eta(node: Node | None, max_steps: int | None) -> float | None:

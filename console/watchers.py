@@ -194,9 +194,8 @@ class Watchers:
             if node.state is not NodeState.FAILED:  # a store failure already said why
                 self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
             return
-        if node.engine_state in (NodeState.LEFT, NodeState.FAILED) and (node.state is not NodeState.DEAD
-                                                                         or self.fleet.process_ended(name)):
-            return  # the engine said how it ended (run_end / drained); a mesh "dead" after that is moot
+        if node.run_ended and (node.state is not NodeState.DEAD or self.fleet.process_ended(name)):
+            return  # the engine said how it ended (run_end); a mesh "dead" after that is moot
         try:
             rc = await t.read_text(self.hosts.path(name, C.RC))
             log = (await t.last_lines(self.hosts.path(name, C.LOG), 3)).strip().splitlines()
@@ -212,6 +211,11 @@ class Watchers:
         if status is None:
             self.fleet.set_state(name, NodeState.DEAD, f"process gone without an exit status (killed?): {last}")
         elif status == "0":
+            # a clean exit after `drained` or `state left` without its run_end line (lost with the pipe): its word
+            # stands; a non-zero one after them (killed writing its last checkpoint) did not end as it said
+            if node.engine_state in (NodeState.LEFT, NodeState.FAILED) and (node.state is not NodeState.DEAD
+                                                                             or self.fleet.process_ended(name)):
+                return
             self.fleet.set_state(name, NodeState.LEFT, "stopped" if proc.stopping else "exited")
         else:
             self.fleet.set_state(name, NodeState.FAILED, f"exited with status {status}: {last}")

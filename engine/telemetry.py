@@ -133,6 +133,20 @@ def _loss_text(loss: float | None) -> str:
     return f"{loss:.4f}" if loss is not None else "not finite"
 
 
+def _outer_times(event: dict[str, Any]) -> str:
+    """An outer step's seconds: compute_s, outer_s, wire_s and codec_s are optional (an engine from before them, read
+    by a console attached to its run), so each shows only when sent; the all-reduce (always sent) stands in for the
+    outer step without outer_s, and for its split without wire_s and codec_s."""
+    compute, outer, wire, codec = (event.get(k) for k in ("compute_s", "outer_s", "wire_s", "codec_s"))
+    text = "" if compute is None else f" compute {compute:.2f}s"
+    text += f" allreduce {event['allreduce_s']:.2f}s" if outer is None else f" outer {outer:.2f}s"
+    if wire is not None and codec is not None:
+        text += f" (wire {wire:.2f}s codec {codec:.2f}s)"
+    elif outer is not None:
+        text += f" (allreduce {event['allreduce_s']:.2f}s)"
+    return text
+
+
 def format_human(event: dict[str, Any]) -> str | None:
     """The one-line progress text for a person watching stderr; None for events not worth a line."""
     t = event["type"]
@@ -146,8 +160,7 @@ def format_human(event: dict[str, Any]) -> str | None:
         return f"{who} eval  step {event['step']:>6} loss {_loss_text(event['loss'])}"
     if t == "outer_step":
         return (f"{who} outer {event['outer_step']:>4} gen {event['generation']} members {len(event['members'])}"
-                f" pgrad {event['pgrad_norm']:.4f} compute {event['compute_s']:.2f}s outer {event['outer_s']:.2f}s"
-                f" (wire {event['wire_s']:.2f}s codec {event['codec_s']:.2f}s) sum {event['checksum']}")
+                f" pgrad {event['pgrad_norm']:.4f}{_outer_times(event)} sum {event['checksum']}")
     if t == "membership":
         return f"{who} membership {event['change']} {event['subject']} -> {len(event['members'])} members"
     if t in ("checkpoint", "export"):

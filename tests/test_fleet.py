@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from console.fleet import Fleet, NodeState
+from console.fleet import OUTER_ROUNDS, Fleet, Node, NodeState
 from engine.telemetry import encode, make_event
 
 
@@ -71,6 +71,19 @@ def test_malformed_lines_counted_and_skipped():
     assert sum("malformed line" in text for text in a.log) == 3  # the first few are explained, not all
 
 
+def test_a_stray_print_on_stdout_shows_in_the_log():
+    """A user's print() lands on the engine's stdout, the event stream: the log says what the line was, not only
+    that it was not JSON (cut short: a stray dump of a tensor must not flood the pane)."""
+    fleet = Fleet()
+    fleet.ingest("a", "loss looks fine here")
+    fleet.ingest("a", "x" * 500)
+    fleet.ingest("a", b'{"v": 1, "type": "step"}\n')
+    log = list(fleet.nodes["a"].log)
+    assert log[0].startswith("[console] malformed line #1: not JSON: ") and log[0].endswith(": 'loss looks fine here'")
+    assert log[1].endswith(": '" + "x" * 117 + "...'")
+    assert log[2].endswith(""": '{"v": 1, "type": "step"}'""") and "missing" in log[2]
+
+
 def test_state_transitions_engine_and_console_facts():
     fleet = Fleet()
     fleet.add_node("a", "h")
@@ -106,11 +119,77 @@ def test_state_transitions_engine_and_console_facts():
 
 
 def test_failed_run_end_keeps_the_error_as_reason():
+    """engine/train.py's closing lines of a crash: the error, a second one if the checkpoint before exit failed too,
+    then shutdown()'s `state left` (whose reason-less LEFT once wiped the error) and run_end "failed"."""
     fleet = Fleet()
     fleet.ingest("a", start("a"))
-    fleet.ingest("a", line("error", message="CUDA out of memory"))
+    fleet.ingest("a", line("state", state="training"))
+    fleet.ingest("a", line("error", message="RuntimeError: CUDA OOM"))
+    fleet.ingest("a", line("error", message="checkpoint before exit failed: RuntimeError: CUDA OOM"))
+    fleet.ingest("a", line("state", state="left"))
     fleet.ingest("a", line("run_end", status="failed", step=3))
-    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.FAILED, "CUDA out of memory")
+    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.FAILED, "RuntimeError: CUDA OOM")
+    # the next process starts clean: its own failure without an error line says "failed", not the old cause
+    fleet.ingest("a", start("a", pid=200))
+    fleet.ingest("a", line("state", state="left"))
+    fleet.ingest("a", line("run_end", status="failed", step=3))
+    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.FAILED, "failed")
+
+
+class _NodeFiles:
+    """A node's run folder as settle() reads it through a transport: the exit status, the log, the kill mark."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+        self.fleet = None
+
+    def transport(self, name: str) -> _NodeFiles:
+        return self
+
+    def path(self, name: str, file: str) -> str:
+        return file
+
+    async def read_text(self, path: str) -> str | None:
+        return self.files.get(path)
+
+    async def last_lines(self, path: str, lines: int = 5) -> str:
+        return "\n".join(self.files.get(path, "").splitlines()[-lines:])
+
+
+async def _settled(events: list[str], files: dict[str, str]) -> Node:
+    """The node after its events were read and its process was found gone, with these files left behind."""
+    from console.watchers import Watchers
+
+    fleet, hosts = Fleet(), _NodeFiles(files)
+    hosts.fleet = fleet
+    fleet.add_node("a", "h", NodeState.STARTING)
+    for text in events:
+        fleet.ingest("a", text)
+    await Watchers(hosts).settle("a")  # type: ignore[arg-type]
+    return fleet.nodes["a"]
+
+
+async def test_a_drained_node_killed_writing_its_last_checkpoint_failed():
+    """`drained` says the last round was sent, not that the process ended well: OOM-killed while it writes its final
+    checkpoint (exit 137, no `state left`, no run_end), it failed, and --headless must not exit 0."""
+    from console.outcome import EXIT_FAILED, EXIT_OK, run_outcome
+
+    draining = [start("a"), line("state", state="training"), line("state", state="draining"),
+                line("membership", change="drained", subject="a", generation=2, members=["a"]),
+                line("drained", outer_step=4, step=20)]
+    log = {"engine.log": "[a:0] drained\nsaving checkpoint step 20\n"}
+    node = await _settled(draining, {"rc": "137\n", **log})
+    assert (node.state, node.reason) == (NodeState.FAILED, "exited with status 137: saving checkpoint step 20")
+    fleet = Fleet()
+    fleet.nodes["a"] = node
+    assert run_outcome(fleet) == EXIT_FAILED
+    # the same, ended as it said: run_end (whatever the exit status read), or a clean exit whose run_end was lost
+    ended = draining + [line("state", state="left"), line("run_end", status="drained", step=20)]
+    for events, rc in ((ended, "137\n"), (ended, None), (draining, "0\n")):
+        node = await _settled(events, {"rc": rc, **log} if rc else log)
+        assert (node.state, node.reason) == (NodeState.LEFT, "drained"), (len(events), rc)
+        fleet.nodes["a"] = node
+        assert run_outcome(fleet) == EXIT_OK
 
 
 def test_membership_timeline_dedup_and_dead_peer():
@@ -244,6 +323,28 @@ def test_outer_rounds_from_todays_fields_and_from_the_new_ones():
     assert bars == {"compute": [11.0, 8.0], "wire": [0.0, 0.4], "codec": [0.0, 0.3], "idle": [0.0, rnd.idle_s]}
 
 
+def test_attach_replay_keeps_the_newest_outer_rounds_with_every_nodes_report():
+    """--attach reads a's file, then b's, then c's (a late joiner): early reports replayed after the window filled
+    evicted good rounds for rounds of one report each. The newest OUTER_ROUNDS steps are kept, in order."""
+    fleet = Fleet()
+    newest = OUTER_ROUNDS + 60
+    for name, first in (("a", 1), ("b", 1), ("c", 100)):
+        fleet.add_node(name, "h")
+        for n in range(first, newest + 1):
+            fleet.ingest(name, outer(n, 1000.0 + n, name, members=("a", "b", "c")))
+    assert list(fleet.outer_rounds) == list(range(61, newest + 1))
+    assert {fleet.outer_rounds[n].reporters for n in range(61, 100)} == {2}
+    assert {fleet.outer_rounds[n].reporters for n in range(100, newest + 1)} == {3}
+    # the late joiner's file first: the others' older rounds go in order, the oldest drop out
+    fleet = Fleet()
+    for name, first in (("c", 100), ("a", 1)):
+        fleet.add_node(name, "h")
+        for n in range(first, newest + 1):
+            fleet.ingest(name, outer(n, 1000.0 + n, name, members=("a", "c")))
+    assert list(fleet.outer_rounds) == list(range(61, newest + 1))
+    assert fleet.outer_rounds[99].reporters == 1 and fleet.outer_rounds[100].reporters == 2
+
+
 def test_store_health_and_its_alert():
     from console.widgets import cells
 
@@ -299,6 +400,30 @@ def test_a_mesh_dead_node_that_speaks_again_trains_without_a_new_run_start():
     fleet.set_state("c", NodeState.DEAD, "process gone without an exit status (killed?)")
     fleet.ingest("c", step(30, 1.0, 1.0, "c", ts=t0 + 31))
     assert c.state is NodeState.DEAD and c.mesh_dead_ts is None
+
+
+def test_a_mesh_dead_node_is_back_only_on_an_event_that_shows_it_in_the_mesh():
+    """Cut off by a link fault, c trains and samples on until its next outer step finds it out: a resource sample
+    or a step newer than the peers' report does not put it back in the mesh; its own `joined` (or a heartbeat, an
+    outer step, a state) does. --attach in the other order (c's file first) ends the same."""
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("a", _dead("a", "c", t0 + 10))
+    c = fleet.nodes["c"]
+    fleet.ingest("c", line("resource", "c", ts=t0 + 11, device="cpu", util=50.0, mem_used=1, mem_total=2))
+    fleet.ingest("c", step(6, 1.0, 1.0, "c", ts=t0 + 12))
+    assert (c.state, c.mesh_dead_ts) == (NodeState.DEAD, t0 + 10)
+    fleet.ingest("c", line("membership", "c", ts=t0 + 13, change="joined", subject="b", generation=4,
+                           members=["a", "b"]))  # another node's join, as c saw it long ago: not c's own
+    assert c.state is NodeState.DEAD
+    fleet.ingest("c", line("membership", "c", ts=t0 + 14, change="joined", subject="c", generation=4,
+                           members=["a", "b", "c"]))
+    assert (c.state, c.mesh_dead_ts) == (NodeState.TRAINING, None)
+
+    fleet, t0 = _mesh_of_three()
+    fleet.ingest("c", line("resource", "c", ts=t0 + 11, device="cpu", util=50.0, mem_used=1, mem_total=2))
+    fleet.ingest("c", step(6, 1.0, 1.0, "c", ts=t0 + 12))
+    fleet.ingest("a", _dead("a", "c", t0 + 10))
+    assert fleet.nodes["c"].state is NodeState.DEAD
 
 
 def test_attach_replay_a_peers_old_dead_report_does_not_kill_a_node_that_spoke_since():

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.telemetry import SCHEMA_VERSION, BadEvent, Telemetry, encode, make_event, parse_line
+from engine.telemetry import SCHEMA_VERSION, BadEvent, Telemetry, encode, format_human, make_event, parse_line
 
 
 def test_round_trip_every_engine_event():
@@ -38,6 +38,22 @@ def test_emitter_writes_json_and_human_lines():
     silent = io.StringIO()
     Telemetry("n", 1, json_out=silent, enabled=False).emit("state", state="left")
     assert silent.getvalue() == ""
+
+
+def test_an_outer_step_without_the_optional_seconds_still_has_a_line():
+    """compute_s, wire_s, codec_s and outer_s are optional (an older engine's run, read by a console attached to it):
+    the line of such an event raised KeyError when the console's log pane formatted it, and ended the app."""
+    base = dict(outer_step=7, step=70, generation=2, members=["a", "b"], pgrad_norm=0.5, bytes_sent=10,
+                allreduce_s=1.25, checksum="c0ffee")
+    old = format_human(make_event("outer_step", "a", 0, ts=1.0, **base))
+    assert old == "[a:0] outer    7 gen 2 members 2 pgrad 0.5000 allreduce 1.25s sum c0ffee"
+    new = format_human(make_event("outer_step", "a", 0, ts=1.0, **base, compute_s=9.0, outer_s=1.5, wire_s=1.0,
+                                  codec_s=0.25))
+    assert new == ("[a:0] outer    7 gen 2 members 2 pgrad 0.5000 compute 9.00s outer 1.50s (wire 1.00s codec 0.25s)"
+                   " sum c0ffee")
+    between = format_human(make_event("outer_step", "a", 0, ts=1.0, **base, compute_s=9.0, outer_s=1.5))
+    assert between == ("[a:0] outer    7 gen 2 members 2 pgrad 0.5000 compute 9.00s outer 1.50s (allreduce 1.25s)"
+                       " sum c0ffee")
 
 
 @pytest.mark.parametrize("line, reason", [
