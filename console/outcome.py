@@ -51,7 +51,7 @@ def heartbeat_timeout_of(profile: Any) -> float:
     from console.profile import toml_value
 
     try:
-        as_text = {k: toml_value(v) for k, v in overrides.items()}  # as the engine reads its command line
-        return float(load_config(profile.engine.config, as_text).mesh.heartbeat_timeout)
+        words = [f"--{k}={toml_value(v)}" for k, v in overrides.items()]  # the engine's command line
+        return float(load_config(profile.engine.config, words).mesh.heartbeat_timeout)
     except (ConfigError, OSError, AttributeError):  # a remote-only config is not readable here: the default
         return DEFAULT_HEARTBEAT_TIMEOUT

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 
 class ConfigError(ValueError):
@@ -26,7 +27,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are no setting: an infinite timeout overflowed timedelta deep in the mesh, after training began
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -54,7 +56,8 @@ class TrainConfig(_Section):
     micro_batch_size: int = Field(default=8, gt=0)  # sequences per device per forward
     batch_size: int = Field(default=8, gt=0)  # sequences per optimizer step across this node's workers
     max_steps: int = Field(default=100, gt=0)  # inner optimizer steps in total
-    seed: int = 1337
+    # numpy's generators refuse a negative seed, and a TOML integer is signed 64-bit (torch takes [-2**63, 2**64))
+    seed: int = Field(default=1337, ge=0, lt=2**63)
     precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
     compile: bool = False
     activation_checkpointing: bool = False
@@ -351,7 +354,9 @@ def _variable_of(key: str) -> str:
 
 
 def parse_overrides(args: list[str]) -> dict[str, str]:
-    """`--section.key=value` or `--section.key value` -> {"section.key": "value"}."""
+    """`--section.key=value` or `--section.key value` -> {"section.key": "value"}; a bare `--section.key` is true,
+    for a boolean key only (a bare `--train.max_steps` read as true was 1 step). A key given twice: the last wins, so
+    that a run can layer its own values over a shared list of them."""
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -363,19 +368,43 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
         elif i + 1 < len(args) and not args[i + 1].startswith("--"):
             key, value = arg[2:], args[i + 1]
             i += 1
-        else:  # a bare flag means true
+        else:
             key, value = arg[2:], "true"
+            field = _field(key)
+            if field is not None and field.annotation is not bool:  # an unknown key is named by the validation
+                raise ConfigError(f"command line: {key}: needs a value (--{key}=VALUE)")
         out[key] = value
         i += 1
     return out
 
 
-def _coerce(text: str) -> Any:
-    """A command-line value as TOML would read it (1e-3 -> float, true -> bool), else the plain string."""
+def _field(key: str) -> FieldInfo | None:
+    """The config field of a dotted key (`optim.lr`), or None if there is none."""
+    model: Any = Config
+    field = None
+    for part in key.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        field = model.model_fields[part]
+        model = field.annotation
+    return field
+
+
+def _is_text(key: str) -> bool:
+    """A key whose value is free text (run.name, mesh.node_id, data.path): `str` or `str | None`."""
+    field = _field(key)
+    return field is not None and field.annotation in (str, str | None)
+
+
+def _coerce(key: str, text: str) -> Any:
+    """A command-line or environment value as TOML would read it (1e-3 -> float, true -> bool), else the plain
+    string. A text key takes the text as written unless it is a TOML string ("x", as the console quotes every string
+    it passes): a run named 2024-06-01 or a node id 0 is text, not a date or a number."""
     try:
-        return tomllib.loads(f"v = {text}")["v"]
+        value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    return text if _is_text(key) and not isinstance(value, str) else value
 
 
 def _set_dotted(tree: dict[str, Any], key: str, value: Any, source: str) -> None:
@@ -428,30 +457,49 @@ def _format_error(err: ValidationError, source: str, origins: Mapping[str, tuple
     return f"{source}: {loc + ': ' if loc else ''}{msg}{also}{extra}"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, str] = (),
+def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any] = (),
                 environ: Mapping[str, str] | None = None) -> Config:
-    """File, then environment, then command line (the command line wins)."""
+    """File, then environment, then command line (the command line wins). Overrides are command-line words, or a
+    mapping of typed values (the console's profile): there a str of a text key is taken as it is, and any other
+    str is read as on the command line."""
     source = str(path) if path is not None else "defaults"
-    tree: dict[str, Any] = {}
-    if path is not None:
-        try:
-            tree = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: config file not found") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    tree = _read_file(Path(path), source) if path is not None else {}
     origins: dict[str, tuple[str, str]] = {}  # keys not set by the file: who set them, as they wrote it
     for key, value in env_overrides(environ or {}).items():
-        _set_dotted(tree, key, _coerce(value), "environment")
+        _set_dotted(tree, key, _coerce(key, value), "environment")
         origins[key] = ("environment", f"{_variable_of(key)}={value!r}")
-    pairs = overrides if isinstance(overrides, Mapping) else parse_overrides(list(overrides))
+    typed = isinstance(overrides, Mapping)
+    pairs = overrides if typed else parse_overrides(list(overrides))
     for key, value in pairs.items():
-        _set_dotted(tree, key, _coerce(value) if isinstance(value, str) else value, "command line")
-        origins[key] = ("command line", f"--{key}={value}")
+        if isinstance(value, str) and not (typed and _is_text(key)):
+            value = _coerce(key, value)
+        _set_dotted(tree, key, value, "command line")
+        origins[key] = ("command line", f"--{key}={pairs[key]}")
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e, source, origins)) from None
+
+
+def _read_file(path: Path, source: str) -> dict[str, Any]:
+    """The config file's tree; each way it cannot be read is one line naming it (a folder was a traceback)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{source}: not a file (a folder)") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read: {e.strerror or e}") from None
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{source}: not UTF-8 text: byte 0x{data[e.start]:02x} on line {line}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
 
 
 # the diloco settings a checkpoint's run is resumed with (digest); min_nodes, timeouts and how each node lands

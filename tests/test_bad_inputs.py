@@ -110,6 +110,37 @@ def test_a_cross_rule_broken_by_the_environment_names_the_variable():
         load_config(ROOT / "configs" / "debug.toml", [], environ={"ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "1"})
 
 
+def test_a_config_path_that_is_a_folder_is_one_line(capsys, monkeypatch):
+    """Defect: `python -m engine.train configs/` was an IsADirectoryError traceback."""
+    code, _, err = run_main(capsys, monkeypatch, "configs/", "--data.fake=true")
+    assert code == 2 and err.splitlines() == ["error: configs/: not a file (a folder)"], err
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(capsys, monkeypatch, tmp_path):
+    """Defect: a Latin-1 file gave `'utf-8' codec can't decode byte 0xe9 in position 17`, naming no file."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[data]\nfake = true\n[run]\nname = "café"\n'.encode("latin-1"))
+    code, _, err = run_main(capsys, monkeypatch, str(path))
+    assert code == 2 and err.splitlines() == [f"error: {path}: not UTF-8 text: byte 0xe9 on line 4"], err
+
+
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(capsys, monkeypatch, tmp_path):
+    """Defect: an unreadable file was an unhandled PermissionError. No mode bit stops root, who may run this suite:
+    the read itself fails here, as it does for another user."""
+    path = tmp_path / "locked.toml"
+    path.write_text("[data]\nfake = true\n")
+    open_path = Path.open
+
+    def refuse(self: Path, *args, **kwargs):
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return open_path(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    code, _, err = run_main(capsys, monkeypatch, str(path))
+    assert code == 2 and err.splitlines() == [f"error: {path}: cannot read: Permission denied"], err
+
+
 def test_a_bad_command_line_value_names_the_command_line():
     with pytest.raises(ConfigError, match=r"^command line: train\.max_steps: Input should be a valid integer.* "
                                           r"\(--train\.max_steps=many\)$"):

@@ -59,6 +59,81 @@ def test_overrides_win_and_are_typed(tmp_path):
         parse_overrides(["lr=3"])
 
 
+@pytest.mark.parametrize("override, key, text", [
+    ("--mesh.node_id=42", "mesh.node_id", "42"),
+    ("--run.name=2024-06-01", "run.name", "2024-06-01"),
+    ("--run.dir=true", "run.dir", "true"),
+    ("--data.path=2024", "data.path", "2024"),
+    ('--run.name="007"', "run.name", "007"),  # quoted, as the console writes every string: the same text
+    ("--mesh.node_id='x'", "mesh.node_id", "x"),
+])
+def test_a_text_key_takes_text_that_toml_would_read_as_a_number_a_date_or_a_boolean(tmp_path, override, key, text):
+    """Defect: `--mesh.node_id=42`, `--run.name=2024-06-01` and `GLOBAL_UNIQUE_ID=0` were `Input should be a valid
+    string`: every value was read as TOML, whatever the key's type."""
+    cfg = load_config(write(tmp_path, "[data]\nfake = true\n"), [override])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == text
+
+
+def test_a_node_id_from_the_environment_is_text(tmp_path):
+    cfg = load_config(write(tmp_path, "[data]\nfake = true\n"), [], environ={"GLOBAL_UNIQUE_ID": "0"})
+    assert cfg.mesh.node_id == "0"
+
+
+def test_a_str_the_profile_gives_a_text_key_stays_that_string(tmp_path):
+    # console/profile.py checks a profile's overrides as typed values: a str is the text, whatever it looks like
+    cfg = load_config(write(tmp_path, "[data]\nfake = true\n"),
+                      {"run.name": "2024-06-01", "mesh.node_id": "0", "run.dir": "true", "optim.lr": "1e-3"})
+    assert (cfg.run.name, cfg.mesh.node_id, cfg.run.dir, cfg.optim.lr) == ("2024-06-01", "0", "true", 1e-3)
+
+
+@pytest.mark.parametrize("args, key", [(["--train.max_steps"], "train.max_steps"),
+                                       (["--optim.lr", "--train.compile"], "optim.lr"),
+                                       (["--run.name"], "run.name")])
+def test_a_bare_flag_is_true_for_a_boolean_key_only(tmp_path, args, key):
+    """Defect: a bare `--train.max_steps` was true, which pydantic took for 1 step (`--optim.lr`: a rate of 1.0)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[data]\nfake = true\n"), args)
+    assert str(e.value) == f"command line: {key}: needs a value (--{key}=VALUE)"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("--mesh.store_timeout=inf", "mesh.store_timeout"),
+    ("--diloco.straggler_timeout=inf", "diloco.straggler_timeout"),
+    ("--optim.lr=nan", "optim.lr"),
+    ("--optim.clip_norm=-inf", "optim.clip_norm"),
+])
+def test_inf_and_nan_are_refused_naming_the_key(tmp_path, override, key):
+    """Defect: `--mesh.store_timeout=inf` passed, and the run ended in an OverflowError from timedelta in the mesh."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[data]\nfake = true\n"), [override])
+    assert str(e.value) == f"command line: {key}: Input should be a finite number ({override})"
+
+
+def test_inf_from_the_environment_or_the_file_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, "[data]\nfake = true\n"), [],
+                    environ={"ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "inf"})
+    assert str(e.value) == ("environment: ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS='inf': mesh.store_timeout: "
+                            "Input should be a finite number")
+    path = write(tmp_path, "[data]\nfake = true\n[mesh]\nstore_timeout = inf\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: mesh.store_timeout: Input should be a finite number"
+
+
+@pytest.mark.parametrize("seed, message", [("-5", "greater than or equal to 0"),
+                                           (str(2**63), f"less than {2**63}")])
+def test_the_seed_is_one_numpy_and_torch_both_take(tmp_path, seed, message):
+    """Defect: `--train.seed=-5` passed the config, then numpy's default_rng refused it after training started."""
+    path = write(tmp_path, "[data]\nfake = true\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [f"--train.seed={seed}"])
+    assert str(e.value) == f"command line: train.seed: Input should be {message} (--train.seed={seed})"
+    assert load_config(path, ["--train.seed=0"]).train.seed == 0
+    assert load_config(path, [f"--train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
 def test_data_path_required_unless_fake(tmp_path):
     with pytest.raises(ConfigError, match="data.path is required"):
         load_config(write(tmp_path, "[train]\nmax_steps = 3\n"))
