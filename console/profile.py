@@ -68,6 +68,37 @@ class StoreSpec(_Spec):
     etcd_prefix: str | None = None  # the run's key prefix; None: zeroband/<run.name>/
 
 
+# engine keys the console sets on every engine's command line or environment (console/launch.py): an override of
+# one was silently dropped (run.dir) or beat the console's own value (mesh.store_port: every engine dialled a port
+# where no store listened). Each points at what sets it.
+CONSOLE_KEYS = {
+    "run.name": "[run] name", "run.dir": "[run] dir (each node's folder is RUN_DIR/HOST)",
+    "mesh.drain_file": "the console (its drain key and command)", "mesh.node_id": "the host's name",
+    "mesh.store_addr": "[store] address", "mesh.store_port": "[store] port", "mesh.store_backend": "[store] backend",
+    "mesh.etcd_endpoints": "[store] etcd_hosts or etcd_endpoints", "mesh.etcd_prefix": "[store] etcd_prefix",
+    "mesh.etcd_ca": "[store] etcd_ca", "mesh.etcd_cert": "[store] etcd_cert", "mesh.etcd_key": "[store] etcd_key",
+}
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _overrides(value: dict[str, Any]) -> dict[str, Any]:
+    for key, item in value.items():
+        if "." not in key:
+            raise ValueError(f"override {key!r} is not of the form section.key")
+        if isinstance(item, (dict, list)):
+            raise ValueError(f"override {key!r} must be a single value")
+        if key in CONSOLE_KEYS:
+            raise ValueError(f"override {key!r}: the console sets it from {CONSOLE_KEYS[key]}; set it there")
+    return value
+
+
+def _env_names(value: dict[str, str]) -> dict[str, str]:
+    for key in value:
+        if not ENV_NAME.fullmatch(key):
+            raise ValueError(f"{key!r} is not an environment variable name")
+    return value
+
+
 class EngineSpec(_Spec):
     config: str  # an engine TOML under configs/, relative to each host's workdir
     overrides: dict[str, Any] = {}  # "section.key" -> value, as `--section.key=value` on the command line
@@ -75,12 +106,7 @@ class EngineSpec(_Spec):
     @field_validator("overrides")
     @classmethod
     def _dotted(cls, value: dict[str, Any]) -> dict[str, Any]:
-        for key, item in value.items():
-            if "." not in key:
-                raise ValueError(f"override {key!r} is not of the form section.key")
-            if isinstance(item, (dict, list)):
-                raise ValueError(f"override {key!r} must be a single value")
-        return value
+        return _overrides(value)
 
 
 class ConsoleSpec(_Spec):
@@ -106,10 +132,7 @@ class SyncSpec(_Spec):
     @field_validator("setup_env")
     @classmethod
     def _names(cls, value: dict[str, str]) -> dict[str, str]:
-        for key in value:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise ValueError(f"{key!r} is not an environment variable name")
-        return value
+        return _env_names(value)
 
 
 class HostSpec(_Spec):
@@ -134,12 +157,24 @@ class HostSpec(_Spec):
     standby: bool = False  # in the profile, ready to be added, not started with the cluster
     overrides: dict[str, Any] = {}  # engine overrides for this host only (e.g. inner.device)
 
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        return _env_names(value)  # a bad name failed at start, after the other hosts had started
+
+    @field_validator("overrides")
+    @classmethod
+    def _host_overrides(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _overrides(value)
+
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
         # the name becomes a directory under the run dir and the node id on the mesh
         if not value or value in (".", "..") or "/" in value or "\n" in value or "\0" in value:
             raise ValueError("a host name must be non-empty, not . or .., without / or newlines")
+        if value.startswith("_"):  # the run dir's own folders (_store, _store_probe, _archive: console/hosts.py)
+            raise ValueError("a host name must not begin with _ (the run folder's own folders do)")
         return value
 
     @model_validator(mode="after")
@@ -493,36 +528,28 @@ def missing_key(host: HostSpec) -> str:
 
 
 def check_engine_config(profile: Profile) -> None:
-    """Load the engine config with each local host's overrides, as the engine will; a ProfileError if it fails.
-
-    Only hosts whose files are visible here (transport local) can be checked before start; a remote host's
-    config is checked by its engine, whose failure then shows on that node.
-    """
+    """Load the engine config with each host's overrides and environment, as its engine will; a ProfileError if it
+    fails, before anything starts. A local host's config is its workdir's; a remote host's is read through this
+    checkout's copy (which sync puts there): a bad override of a remote host only failed on that node, after the
+    store and the other nodes had started."""
     from engine.config import ConfigError, load_config, mesh_settings  # the engine's own rules, not a copy
+
+    from console.launch import data_shard, engine_env
 
     lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
     diloco: bool | None = None
     shared: dict[str, dict[str, Any]] = {}  # host -> the settings every node of a DiLoCo run must share
     for host in profile.hosts.values():
-        if host.transport != "local":
-            continue
         config = _engine_config_path(profile, host)
-        overrides = engine_overrides(profile, host)
+        if host.transport != "local" and not config.is_file():
+            continue  # no copy here: the host's own engine says what is wrong, on its node
         try:
-            cfg = load_config(config, overrides)
+            cfg = load_config(config, engine_overrides(profile, host),
+                              environ=engine_env(profile, host, *data_shard(profile, host.name)))
         except ConfigError as e:
             raise ProfileError(_engine_error(str(e), profile, host, lines)) from None
-        diloco, shared[host.name] = cfg.diloco.enabled, mesh_settings(cfg)
-    if Path(profile.engine.config).is_file():  # remote hosts: this checkout's copy, which sync puts there
-        for host in profile.hosts.values():
-            if host.transport == "local":
-                continue
-            try:
-                cfg = load_config(profile.engine.config, engine_overrides(profile, host))
-            except ConfigError:
-                continue  # the host's own engine will say what is wrong, on its node
-            diloco = cfg.diloco.enabled if diloco is None else diloco
-            shared[host.name] = mesh_settings(cfg)
+        diloco = cfg.diloco.enabled if diloco is None else diloco
+        shared[host.name] = mesh_settings(cfg)
     if diloco:
         _check_equal_workers(profile, lines)
         _check_shared_settings(profile, shared, lines)
@@ -561,17 +588,13 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
                     if shared[first].get(k) != shared[name].get(k)), None)
         if key is None:
             continue
-        try:  # the overrides each host's own table sets ([defaults] is merged into every host's)
-            tables = tomlkit.parse(Path(profile.path).read_text()).get("hosts", {})
-            own = {n: set((tables.get(n) or {}).get("overrides") or {}) for n in (first, name)}
-        except (OSError, tomlkit.exceptions.TOMLKitError, AttributeError):
-            own = {n: set(profile.hosts[n].overrides) for n in (first, name)}
         # point at the host whose own overrides set it (the other one follows [engine] or [defaults])
-        here, there = (first, name) if key in own[first] and key not in own[name] else (name, first)
+        own = {n: _written_in(profile, n, key)[0] == "hosts" for n in (first, name)}
+        here, there = (first, name) if own[first] and not own[name] else (name, first)
         why = ("every node of a DiLoCo run must share the model, data.seq_len and the run-wide diloco settings "
                "(the mesh would refuse this node)")
         mine, theirs = shared[here].get(key), shared[there].get(key)
-        if key in own[here]:
+        if own[here]:
             where = ("hosts", here, "overrides")
             line = lines.get(where + (key,)) or lines.get(where) or lines.get(("hosts", here), 0)
             raise ProfileError(f"{profile.path}:{line}: hosts.{here}.overrides.{key}: {mine!r} differs from "
@@ -582,11 +605,34 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
                            f"{config}, {theirs!r} for {there}; {why}")
 
 
+def _written_in(profile: Profile, host: str, key: str) -> tuple[str, ...]:
+    """The table a host's override `key` is written in: the host's own, [defaults] (merged into every host's) or
+    [engine]."""
+    try:
+        doc = tomlkit.parse(Path(profile.path).read_text()).unwrap()
+    except (OSError, tomlkit.exceptions.TOMLKitError):
+        doc = {}
+    own = ((doc.get("hosts") or {}).get(host) or {}).get("overrides") or {}
+    if key in own:
+        return ("hosts", host, "overrides")
+    if key in ((doc.get("defaults") or {}).get("overrides") or {}):
+        return ("defaults", "overrides")
+    return ("engine", "overrides")
+
+
 def _engine_error(message: str, profile: Profile, host: HostSpec, lines: dict[tuple[str, ...], int]) -> str:
-    """Point at the override that broke the engine config when there is one, else at engine.config."""
+    """Point at the override that broke the engine config when there is one (the host's own table, [defaults] or
+    [engine]), in the profile's words; else at engine.config, or at the host's env for a variable of it."""
     for key in engine_overrides(profile, host):
-        if f": {key}:" in message:
-            where = ("hosts", host.name, "overrides") if key in host.overrides else ("engine", "overrides")
-            line = lines.get(where + (key,), lines.get(where, 0))
-            return f"{profile.path}:{line}: {'.'.join(where)}.{key}: {message}"
+        said = f"command line: {key}: "
+        if said not in message:
+            continue
+        where = _written_in(profile, host.name, key)
+        line = lines.get(where + (key,), lines.get(where, 0))
+        what = message.split(said, 1)[1]
+        what = re.sub(rf" \(--{re.escape(key)}=[^)]*\)$", "", what)  # the command line the console would write
+        return f"{profile.path}:{line}: {'.'.join(where)}.{key}: {what}"
+    if message.startswith("environment: "):
+        return f"{profile.path}:{lines.get(('hosts', host.name, 'env'), lines.get(('hosts', host.name), 0))}: " \
+               f"hosts.{host.name}.env: {message.removeprefix('environment: ')}"
     return f"{profile.path}:{lines.get(('engine', 'config'), 0)}: engine.config: {message}"

@@ -44,7 +44,6 @@ from typing import Any, Sequence
 # exactly this list (docs/strategies.md, tests/test_console_inputs.py)
 SECRET_WORDS = ("TOKEN", "SECRET", "PASSW", "KEY", "PRIVATE", "CREDENTIAL", "AUTH")
 SECRET_NAME = re.compile("|".join(SECRET_WORDS), re.IGNORECASE)
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{2}){0,2}")
 HOSTFILE_LINE = re.compile(r"(\S+) slots=(\d+)")
 # what a multi-node NCCL job needs, unless the environment or the profile already says otherwise
@@ -125,6 +124,8 @@ def _load_profile(path: str):
 
 def env_lines(env: dict[str, str], where: str) -> list[str]:
     """`export K=V` lines; a credential-like name is required from the environment, never written."""
+    from console.profile import ENV_NAME
+
     lines = []
     for key, value in env.items():
         if not ENV_NAME.fullmatch(key):

@@ -80,6 +80,15 @@ def test_defaults_merge_and_inherit():
     (("standby = true", "standby = true\n[hosts.node-a.x]"), "p.toml:19: hosts.node-a.x: unknown key"),
     (("[hosts.node-a]\nenv", "[hosts.node-a]\nstandby = true\nenv"), "p.toml:14: hosts: every host is standby"),
     (('[engine]\nconfig = "configs/debug-diloco.toml"', '[engine]'), "p.toml:6: engine.config: Field required"),
+    # a bad variable name failed at start, after the other hosts had started
+    (('env = { B = "2" }', 'env = { "B C" = "2" }'), "p.toml:15: hosts.node-a.env: 'B C' is not an environment "
+                                                     "variable name"),
+    (("[hosts.node-a]", "[hosts._store]"), "p.toml:14: hosts._store.name: a host name must not begin with _"),
+    # a key the console sets was dropped (run.dir) or beat the console's (mesh.store_port: no store listened there)
+    (('overrides = { "train.max_steps" = 20 }', 'overrides = { "run.dir" = "/x" }'),
+     "p.toml:8: engine.overrides: override 'run.dir': the console sets it from [run] dir"),
+    (('env = { B = "2" }', 'overrides = { "mesh.store_port" = 29999 }'),
+     "p.toml:15: hosts.node-a.overrides: override 'mesh.store_port': the console sets it from [store] port"),
 ])
 def test_errors_name_file_line_and_key(edit, expected):
     old, new = edit
@@ -116,11 +125,35 @@ def test_missing_file_and_bad_engine_config(tmp_path):
         mp.setenv("HOME", str(home))
         check_engine_config(load_profile(tilde))
     path.write_text(text.replace('"train.max_steps" = 20', '"train.max_steps" = -1'))
-    with pytest.raises(ProfileError, match=r"p\.toml:8: engine\.overrides\.train\.max_steps: .*: Input should be"):
+    with pytest.raises(ProfileError, match=r"p\.toml:8: engine\.overrides\.train\.max_steps: Input should be greater "
+                                           r"than 0$"):
         check_engine_config(load_profile(path))
     path.write_text(text.replace("configs/e.toml", "configs/missing.toml"))
     with pytest.raises(ProfileError, match=r"p\.toml:7: engine\.config: .*missing\.toml: config file not found"):
         check_engine_config(load_profile(path))
+
+
+def test_every_hosts_overrides_are_checked_before_start_and_named_where_written(tmp_path):
+    """A remote host's overrides were not checked (its engine failed alone, after the store and the other nodes had
+    started); an override inherited from [defaults] was named at line 0 under a table nobody wrote; a host named 1
+    (the engine's node id "1") was refused by the engine as not text."""
+    config = ROOT / "configs" / "debug-diloco.toml"
+    text = MINIMAL.replace("configs/debug-diloco.toml", str(config)).replace(
+        '[defaults]\ntransport = "local"\n', f'[defaults]\ntransport = "local"\nworkdir = "{ROOT}"\n') + \
+        '\n[hosts.1]\n\n[hosts.remote]\ntransport = "ssh"\noverrides = { "optim.lrr" = 1 }\n'
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as e:
+        check_engine_config(load_profile(path))
+    line = text.splitlines().index('overrides = { "optim.lrr" = 1 }') + 1
+    assert str(e.value) == f"{path}:{line}: hosts.remote.overrides.optim.lrr: unknown key (did you mean optim.lr?)"
+    path.write_text(text.replace('\noverrides = { "optim.lrr" = 1 }\n', "\n").replace(
+        '[defaults]\n', '[defaults]\noverrides = { "train.max_stepz" = 3 }\n'))
+    with pytest.raises(ProfileError) as e:
+        check_engine_config(load_profile(path))
+    assert str(e.value).startswith(f"{path}:11: defaults.overrides.train.max_stepz: unknown key"), str(e.value)
+    path.write_text(text.replace('\noverrides = { "optim.lrr" = 1 }\n', "\n"))
+    check_engine_config(load_profile(path))  # and the numeric host name is a node id like any other
 
 
 def test_add_host_round_trip_keeps_comments_and_layout(tmp_path):
