@@ -304,3 +304,59 @@ def test_outer_parameters_that_require_grad_are_synced_in_place():
     torch.testing.assert_close(_flat(inner).detach()[lo:hi], s0[lo:hi] - 0.5 * (s0[lo:hi] - own[lo:hi]),
                                rtol=0, atol=1e-6)
     assert torch.equal(_flat(inner).detach()[hi:], own[hi:]) and not outer.bufs.pgrad.requires_grad
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_a_node_left_out_that_rejoins_in_flight_takes_the_runs_step_and_tokens(delay):
+    """b was left out (it arrived late) and is admitted again by the plan of outer step 6, from a at step 5 with
+    5000 tokens. With step rounds it takes a's step and tokens and keeps the steps it trained meanwhile. Defect:
+    with fragment_delay the re-join happened in flight and b kept its own (step 4, 4000 tokens) while its anchors
+    counted from a's (6000): its next fragment's weight was -2000, its boundaries off by the steps it missed."""
+    import threading
+
+    from engine.mesh.protocol import Excluded
+    from test_outer_nonfinite import _gloo
+
+    store = dist.HashStore()
+    plan = make_plan(1, 6, 0, ["a", "b"], joiners=["b"], source="a")
+
+    class LeftOut(FakeMesh):
+        def boundary(self, *args, **kwargs):
+            raise Excluded("b arrived late: left out")
+
+    nodes, out = {}, {}
+    for name in "ab":
+        inner = TinyInner(0)
+        mesh = (FakeMesh if name == "a" else LeftOut)([plan], [True])
+        outer = make_outer(inner, mesh, node=name, inner_steps=2, fragments=2, fragment_delay=delay,
+                           outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0,
+                           group_factory=lambda p, n, r: _gloo(dist.PrefixStore(f"g{p.generation}/", store),
+                                                               p.rank_of(n), p.size))
+        progress = Progress(step=5, outer_step=5, tokens=5000) if name == "a" else \
+            Progress(step=2, outer_step=2, tokens=2000)
+        outer.start(progress)
+        nodes[name] = (inner, outer, progress)
+
+    def run(name: str) -> None:
+        inner, outer, progress = nodes[name]
+        try:
+            inner.train_step(3)
+            progress.step, progress.tokens = progress.step + 1, progress.tokens + 1000
+            outer.after_inner_step(progress)  # a: the boundary of outer step 6; b: left out, re-admitted
+            inner.train_step(4)  # with fragment_delay, in flight
+            progress.step, progress.tokens = progress.step + 1, progress.tokens + 1000
+            outer.flush()
+            out[name] = (progress, outer._round_weight(progress, 0), fingerprint(outer.bufs.snapshot))
+        except Exception:  # reported below
+            out[name] = traceback.format_exc()
+        finally:
+            outer.close("completed")
+
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(v, tuple) for v in out.values()) and len(out) == 2, out
+    assert out["a"][0] == out["b"][0] == Progress(step=7, outer_step=6, tokens=7000), out
+    assert out["b"][1] == 1000 and out["a"][2] == out["b"][2], out  # its step since the hand-off; the agreed weights

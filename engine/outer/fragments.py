@@ -95,7 +95,7 @@ class FragmentedDiloco(DilocoOuter):
         if self.delay and world.world_size > 1:
             raise ValueError(f"diloco.fragment_delay: needs nodes of one process; this node has {world.world_size} "
                              f"(its local collectives would run beside the inner strategy's on the same group)")
-        self._flight_progress: tuple[Progress, Progress] | None = None
+        self._flight_progress: tuple[Progress, Progress, int, int] | None = None  # frozen, live, live's step, tokens
         self._land_at: int | None = None
         self._pending: tuple[str, int, bool] | None = None
         self._pgrad_ready = False
@@ -313,7 +313,7 @@ class FragmentedDiloco(DilocoOuter):
         self._pseudo_gradient()
         self._pgrad_ready = True
         frozen = copy.copy(progress)  # the counters as of the boundary: the outer step and the weight's tokens
-        self._flight_progress, self._pending = (frozen, progress), None
+        self._flight_progress, self._pending = (frozen, progress, progress.step, progress.tokens), None
         self._start_flight(lambda: self._round(frozen, plan=None, draining=False, tokens=tokens), "diloco-fragment")
         self._land_at = progress.step + self.delay
         self.watch.round_starts()
@@ -324,12 +324,15 @@ class FragmentedDiloco(DilocoOuter):
         if self._flight is None:
             return
         assert self._flight_progress is not None
-        frozen, live = self._flight_progress
+        frozen, live, step0, tokens0 = self._flight_progress
         try:
             self._join_flight("diloco.fragment_delay")
         finally:
             self._land_at = None
             live.outer_step = frozen.outer_step
+        # a re-join in flight took the source's step and tokens (step rounds): what trained meanwhile goes on top,
+        # as the anchors the commit set count from them (the node kept its own, and its next weight was negative)
+        live.step, live.tokens = frozen.step + live.step - step0, frozen.tokens + live.tokens - tokens0
         pending, self._pending = self._pending, None
         if pending is None:
             return
