@@ -105,3 +105,42 @@ def test_a_single_nan_element_gives_the_round_weight_zero(overlap):
     assert len(said) == 1 and "not finite" in said[0], said
     assert (nodes["a"][0].resets, nodes["b"][0].resets) == (0, 1)
     assert events["a"][-1]["checksum"] == events["b"][-1]["checksum"]
+
+
+def test_a_mean_beyond_the_codecs_range_stops_every_member_before_it_commits():
+    """fp16 ends at 65504: a finite pseudo-gradient element beyond it (the sentinel off, or not flagging it) made
+    the mean inf, and the commit put inf into every member's snapshot. Every member now stops before its vote, with
+    one line that names the codec, on the weights it had."""
+    store = dist.HashStore()
+    plan = make_plan(1, 1, 0, ["a", "b"], source="a")
+    nodes, errors = {}, {}
+    for name in "ab":
+        inner = Inner(0)
+        outer = make_outer(inner, FakeMesh([plan], [True]), node=name, inner_steps=1, compression="fp16",
+                           sentinel_ratio=0, group_factory=lambda p, n, r: _gloo(
+                               dist.PrefixStore(f"g{p.generation}/", store), p.rank_of(n), p.size))
+        outer.start(Progress())
+        nodes[name] = (inner, outer)
+    snapshot = nodes["a"][1].bufs.snapshot.clone()
+    nodes["b"][0].train_step(2)
+    with torch.no_grad():
+        nodes["b"][0].model.weight[POISONED] = -2e5  # its pseudo-gradient there about 2e5: finite in fp32, the mean 1e5
+
+    def node(name: str) -> None:
+        inner, outer = nodes[name]
+        try:
+            outer.after_inner_step(Progress(step=1))
+        except Exception as e:  # noqa: BLE001 - the assertion below
+            errors[name] = e
+        finally:
+            outer.close("failed")
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(errors) == ["a", "b"], errors
+    assert all(str(e).startswith("outer step 1: the mean of finite pseudo-gradients is not finite: a value beyond "
+                                 "diloco.compression = 'fp16''s range") for e in errors.values()), errors
+    assert all(torch.equal(outer.bufs.snapshot, snapshot) for _, outer in nodes.values())  # nothing committed

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -331,6 +332,13 @@ class DilocoOuter:
         with self.watch.phase("norm"):
             sq = float(torch.linalg.vector_norm(bufs.mean)) ** 2 if stats is not None else 0.0
         ok, nbytes, sq = self.local.stats(stats is not None, stats.bytes_sent if stats else 0, sq)
+        if ok and not math.isfinite(sq):
+            # every contributor's pseudo-gradient was finite, yet the mean is not: a value beyond the codec's range
+            # (fp16: 65504). The same bits on every member, so every member stops here, before its vote, on the last
+            # committed weights (a commit would have put inf into every member's snapshot)
+            raise MeshError(f"outer step {plan.outer_step}: the mean of finite pseudo-gradients is not finite: a "
+                            f"value beyond diloco.compression = {self.cfg.compression!r}'s range (fp16 ends at "
+                            f"65504); use \"bf16\" or \"int8\" (scaled per chunk), then resume")
         if not self.local.on_leader("mesh commit", lambda: self.mesh.commit(plan, ok)):
             why = reason or ("another local rank failed" if not ok else "another member failed")
             self._emit("warning", message=f"outer step {plan.outer_step} attempt {plan.attempt} "
