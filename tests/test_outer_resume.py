@@ -94,3 +94,14 @@ def test_resume_restores_the_outer_momentum_and_continues_the_uninterrupted_run(
     sums = {e["outer_step"]: e["checksum"] for e in events if e["type"] == "outer_step"}
     full_sums = {e["outer_step"]: e["checksum"] for e in full_events if e["type"] == "outer_step"}
     assert sums == {k: full_sums[k] for k in got}
+
+
+def test_a_fragments_checkpoint_resumed_with_time_rounds_is_refused():
+    """A fragments run counts an outer step per fragment; time rounds read outer_step as rounds, so the resumed run
+    was P times further into its length and LR schedule (stopped at step 500 of 1000 with P = 4: finished at once)."""
+    fragmented = make_outer(TinyInner(0), FakeMesh([], []), inner_steps=4, fragments=2)
+    timed = make_outer(TinyInner(0), FakeMesh([], []), inner_steps=4, round="time", round_seconds=5)
+    with pytest.raises(ValueError, match=r"synced the model in 2 fragments, so its outer steps count fragments, not "
+                                         r"rounds: .* resume it with diloco.round = \"steps\"$"):
+        timed.load_state_dict(fragmented.state_dict())
+    make_outer(TinyInner(0), FakeMesh([], []), inner_steps=4).load_state_dict(fragmented.state_dict())  # steps: fine

@@ -244,6 +244,11 @@ class DilocoOuter:
         if snapshot.numel() != self.bufs.numel:
             raise ValueError(f"outer state: the snapshot holds {snapshot.numel()} values, this node's parameters "
                              f"{self.bufs.numel} (another model or worker count?)")
+        if self.rounds.timed and int(sd.get("fragments") or 1) > 1:  # time rounds read outer_step as rounds
+            raise ValueError(f"outer state: the checkpoint's run synced the model in {sd['fragments']} fragments, so "
+                             f"its outer steps count fragments, not rounds: with diloco.round = \"time\" it would "
+                             f"be {sd['fragments']}x further into the run and its LR schedule; resume it with "
+                             f"diloco.round = \"steps\"")
         self.bufs.snapshot.copy_(snapshot)
         self._restored = True
         self.opt.load_state_dict(sd["outer_optimizer"])
