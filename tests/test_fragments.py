@@ -360,3 +360,26 @@ def test_a_node_left_out_that_rejoins_in_flight_takes_the_runs_step_and_tokens(d
     assert all(isinstance(v, tuple) for v in out.values()) and len(out) == 2, out
     assert out["a"][0] == out["b"][0] == Progress(step=7, outer_step=6, tokens=7000), out
     assert out["b"][1] == 1000 and out["a"][2] == out["b"][2], out  # its step since the hand-off; the agreed weights
+
+
+def test_a_run_resumed_at_its_last_boundary_before_it_committed_syncs_every_fragment():
+    """A stop in the wait of the run's last outer step saves its checkpoint there, uncommitted. The resume sends that
+    step's fragment at start; defect: the run then ended, every other fragment never synced since its own last
+    boundary and the synced one mixed by fragment_alpha, so the nodes ended on different weights."""
+    saved_inner = TinyInner(0)
+    saved = make_outer(saved_inner, FakeMesh([], []), inner_steps=4, fragments=2, fragment_alpha=0.5)
+    saved.start(Progress())  # the run's snapshot, as the checkpoint holds it
+    saved_inner.train_step(1)
+    state = saved.state_dict()
+    inner = TinyInner(0)
+    inner.model.load_state_dict(saved_inner.model.state_dict())
+    events: list = []
+    plans = [make_plan(1, k, 0, ["a"], source="a") for k in (2, 3)]
+    outer = make_outer(inner, FakeMesh(plans, [True, True]), inner_steps=4, fragments=2, fragment_alpha=0.5,
+                       events=events)
+    outer.load_state_dict(state)
+    progress = Progress(step=4, outer_step=1, tokens=400)  # step 4 is the last; outer step 2 did not commit
+    outer.start(progress)
+    assert outer.finished(progress, 4)
+    assert [(e["outer_step"], e["fragment"]) for e in events if e["type"] == "outer_step"] == [(2, 1), (3, 0)]
+    assert torch.equal(_flat(inner), outer.bufs.snapshot)  # every fragment on the agreed weights

@@ -95,6 +95,7 @@ class FragmentedDiloco(DilocoOuter):
         if self.delay and world.world_size > 1:
             raise ValueError(f"diloco.fragment_delay: needs nodes of one process; this node has {world.world_size} "
                              f"(its local collectives would run beside the inner strategy's on the same group)")
+        self._resumed_at_boundary = False  # resumed at a boundary before it committed (see finished)
         self._flight_progress: tuple[Progress, Progress, int, int] | None = None  # frozen, live, live's step, tokens
         self._land_at: int | None = None
         self._pending: tuple[str, int, bool] | None = None
@@ -137,11 +138,23 @@ class FragmentedDiloco(DilocoOuter):
     def start(self, progress: Progress) -> None:
         if self._anchors is None:  # a fresh run, or a checkpoint of a run without fragments: count from here
             self._anchors = [progress.tokens] * self.parts
+        self._resumed_at_boundary = self.rounds.pending_at_resume(progress)  # start() sends that step's fragment
         super().start(progress)
 
     def finished(self, progress: Progress, max_steps: int) -> bool:
         self._max_steps = max_steps  # after_inner_step syncs every fragment at the run's last step
-        return super().finished(progress, max_steps)
+        done = super().finished(progress, max_steps)
+        if self._resumed_at_boundary:
+            self._resumed_at_boundary = False
+            if done:
+                # resumed from a checkpoint of the run's last step saved before its outer step committed (a stop in
+                # its wait): start() sent that step's fragment; the others follow, as at the last step, and every
+                # member ends on the agreed model (it ended with one fragment synced and mixed by fragment_alpha)
+                with self._mixing(0.0):
+                    self._send_the_rest(progress, self.parts - 1, draining=False)
+                self.bufs.write_back(self.inner.outer_params())
+                self.inner.after_outer_update()
+        return done
 
     def after_inner_step(self, progress: Progress) -> bool:
         if self._flight is not None and self._land_at is not None and progress.step >= self._land_at:
