@@ -74,6 +74,7 @@ _RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopp
 # a node's own events that overrule an older mesh "dead" report about it: they show it in the mesh again (so does
 # its own `membership joined`), or are its process's own word on how it ends or that it is new. Not its steps or
 # resource samples: a node cut off from the mesh trains and samples on until its next outer step finds it out
+_NO_SAMPLE = "no new health sample"  # the store's reason while its probe's samples stay old
 _OVERRULES_DEAD = frozenset({"heartbeat", "outer_step", "state", "drained", "run_end", "run_start"})
 
 
@@ -229,6 +230,7 @@ class StoreHealth:
     rtt_ms: float | None = None  # one store round trip, measured on its host
     keys: int | None = None
     last_ts: float | None = None  # the probe's clock at its latest sample
+    sampled_at: float | None = None  # the console's clock when that sample was new (a stale one flags the store)
     restarts: int = 0  # restarts done by the console in this session
     pid: int | None = None
 
@@ -352,12 +354,25 @@ class Fleet:
             rtt, keys = event.get("rtt_ms"), event.get("keys")
             store.rtt_ms = float(rtt) if isinstance(rtt, (int, float)) else None
             store.keys = int(keys) if isinstance(keys, int) else None
-            store.last_ts = event["ts"]
+            store.last_ts, store.sampled_at = event["ts"], self._clock()
+            if store.reason and store.reason.startswith(_NO_SAMPLE):
+                store.reason = None  # it answers again
             self.version += 1
         elif kind == "state" and event["state"] == "ready":
             self.set_store("up", None, pid=event.get("pid", store.pid))
         elif kind == "warning" and store.state == "up":
             store.reason = event["message"]  # the probe could not reach it this time
+            self.version += 1
+
+    def check_store_samples(self, limit: float) -> None:
+        """A store whose probe wrote no new sample for `limit` seconds (its own clock) is up but does not answer:
+        hung, stopped (SIGSTOP), swapping. The header showed its last figures as current."""
+        store = self.store
+        if store.state != "up" or store.sampled_at is None:
+            return
+        age = self._clock() - store.sampled_at
+        if age > limit and not (store.reason or "").startswith(_NO_SAMPLE):
+            store.reason = f"{_NO_SAMPLE} for {age:.0f}s: it does not answer its probe (hung? overloaded?)"
             self.version += 1
 
     # ---- ingest ------------------------------------------------------------------------------------------

@@ -151,6 +151,8 @@ class StoreHost:
                 sample = await t.read_text(self.hosts.path(PROBE, HEALTH))
                 if sample:
                     self.fleet.ingest_store(sample)
+                # the probe samples every other poll interval: three missed samples and a poll say it
+                self.fleet.check_store_samples(self.profile.console.poll_interval * 7)
                 if self.hosts.stopping or self.hosts.closed or self.pid is None:
                     return  # stop() ends it, and says so; close() leaves it running
                 if not await t.alive(self.pid, C.TAG):

@@ -362,6 +362,27 @@ def test_store_health_and_its_alert():
     assert [e.change for e in fleet.timeline] == ["store up", "store down"]
 
 
+def test_a_store_whose_probe_writes_nothing_new_is_flagged_then_cleared():
+    """A hung store (alive, not answering: SIGSTOP, swapping) showed `up | rtt 0.4ms | 14 keys` for ever: the probe
+    only warns on its own stream, and the console kept re-reading the last sample. Timed by the console's clock."""
+    from console.widgets import cells
+
+    now = [1000.0]
+    fleet = Fleet(clock=lambda: now[0])
+    fleet.store.address = "10.0.0.1:29600"
+    fleet.ingest_store(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
+    sample = line("heartbeat", "store", rank=-1, ts=5.0, seq=1, peers={}, keys=14, rtt_ms=0.42)
+    fleet.ingest_store(sample)
+    for now[0] in (1005.0, 1010.0):  # the same sample read again (the file is re-read every poll)
+        fleet.ingest_store(sample)
+        fleet.check_store_samples(7.0)
+    assert cells.store_text(fleet.store).plain == ("store 10.0.0.1:29600 up | rtt 0.4ms | 14 keys | no new health "
+                                                   "sample for 10s: it does not answer its probe (hung? overloaded?)")
+    fleet.ingest_store(line("heartbeat", "store", rank=-1, ts=16.0, seq=2, peers={}, keys=14, rtt_ms=0.5))
+    fleet.check_store_samples(7.0)
+    assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 up | rtt 0.5ms | 14 keys"
+
+
 def _mesh_of_three() -> tuple[Fleet, float]:
     fleet, t0 = Fleet(), time.time() - 100
     for name in ("a", "b", "c"):
