@@ -129,7 +129,12 @@ def test_version_packages_manifests_and_links():
     c = HostResult("c", facts=facts(data=[prepared[2]], packages=dict(facts()["packages"], torch="2.5.1")),
                    sent=100, received=100, links=[["10.0.0.1", 29600, "refused", "ECONNREFUSED"]])
     found = lines(plans, [a, b, c])
-    assert found == [  # a is the console's own checkout: its version is the console's whatever the digest says
+    assert found == [
+        # a is the console's own checkout: no sync puts the commit there. Its engine files differ from the commit
+        # (edits not committed) while b and c get the commit: a would run other code than theirs
+        "a: the console's checkout /c has engine files that differ from its commit abc (engine old on disk, e1 "
+        "committed): this node would run them, and the other hosts the commit; fix: commit them and sync, or stash "
+        "them",
         "b: torch, transformers not installed for /v/bin/python; fix: zeroband-console p.toml sync (it runs "
         "scripts/setup.sh in the venv)",
         "b: the project in /w is not the console's (host: commit ffffffffff, engine old; console: commit abc, engine "
@@ -141,6 +146,8 @@ def test_version_packages_manifests_and_links():
         # c's refusal is no problem: no listener of the check held that port (the store's host has its own line)
         "c: data.path /d differs from a's /d (manifest m2 vs m1): not the same prepared data; fix: copy one prepared "
         "folder to every host (python -m engine.data verify DIR checks a copy)"]
+    # alone (every engine in the console's checkout) its edits are what the run runs: no problem
+    assert lines(plans[:1], [a]) == []
 
 
 def test_unreachable_hosts_carry_the_transport_reason_and_a_fix():
@@ -387,7 +394,7 @@ def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_
     assert f"node-b: {work} is up to date ({len(here.files)} files of {here.label()})" in third.stdout, third.stdout
     assert "sending" not in third.stdout
     # a relative workdir is the folder's under where the console runs (the login folder over SSH), for the check too
-    relative = write_profile(tmp_path, node_b='workdir = "w"\n')
+    relative = write_profile(tmp_path, workdir=work, node_b='workdir = "w"\n')  # not this checkout: its edits
     checked = run_console(str(relative), "check", cwd=tmp_path)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert [row.split()[0] for row in checked.stdout.splitlines()[1:]] == ["node-a", "node-b"], checked.stdout

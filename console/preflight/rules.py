@@ -94,6 +94,7 @@ def judge(plans: Sequence[HostPlan], results: dict[str, HostResult], expect: Exp
     for plan in plans:
         out += judge_host(plan, results[plan.name], expect, torch)
     out += judge_manifests(plans, results)
+    out += _edited_checkout(plans, results, expect)
     order = {p.name: i for i, p in enumerate(plans)}
     return sorted(out, key=lambda p: order.get(p.host, len(order)))  # stable: a host's lines stay in check order
 
@@ -164,8 +165,7 @@ def _project(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]
         return [Problem(plan.name, "workdir", f"the workdir {plan.workdir} does not exist",
                         f"{sync} (it creates it and puts the project there), or fix hosts.{plan.name}.workdir")]
     out = []
-    own = expect.root is not None and expect.machine == f["machine"] and f["workdir"] == expect.root
-    if not own and f["engine"] != expect.engine:
+    if not _own(f, expect) and f["engine"] != expect.engine:
         host = (f"commit {f['git'][:10]}, " if f.get("git") else "") + \
                (f"engine {f['engine']}" if f["engine"] else "no engine/ folder")
         out.append(Problem(plan.name, "version", f"the project in {f['workdir']} is not the console's (host: {host}; "
@@ -180,6 +180,26 @@ def _project(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]
                                    f"copy it there (the same folder on every host), or set "
                                    f"hosts.{plan.name}.overrides.\"{setting}\""))
     return out
+
+
+def _own(f: dict[str, Any], expect: Expect) -> bool:
+    """The host's folder is the console's own checkout (the same machine and real path)."""
+    return expect.root is not None and expect.machine == f["machine"] and f["workdir"] == expect.root
+
+
+def _edited_checkout(plans: Sequence[HostPlan], results: dict[str, HostResult], expect: Expect) -> list[Problem]:
+    """Engines in the console's own checkout run its files as they are on disk; `sync` sends the other hosts its
+    commit. Edits to engine/**/*.py not committed (or new files) would have this machine's nodes run other code
+    than the others' (a new module: the others fail at import), so they are a problem where there are others."""
+    facts = {p.name: results[p.name].facts for p in plans if p.engine and results[p.name].facts}
+    own = [n for n, f in facts.items() if _own(f, expect)]
+    if not own or len(own) == len(facts) or expect.engine is None:
+        return []
+    edited = [n for n in own if facts[n]["engine"] != expect.engine]
+    return [Problem(n, "version", f"the console's checkout {expect.root} has engine files that differ from its "
+                    f"{expect.label} (engine {facts[n]['engine']} on disk, {expect.engine} committed): this node would "
+                    f"run them, and the other hosts the commit", "commit them and sync, or stash them")
+            for n in edited]
 
 
 def _machine(plan: HostPlan, f: dict[str, Any], expect: Expect, result: HostResult) -> list[Problem]:
@@ -325,7 +345,7 @@ def _row(plan: HostPlan, result: HostResult, expect: Expect) -> tuple[str, ...]:
     if not f:
         return (plan.name, ",".join(sorted(plan.roles)), *(["-"] * (len(COLUMNS) - 2)))
     py = ".".join(map(str, f["python"]))
-    own = expect.root is not None and expect.machine == f["machine"] and f["workdir"] == expect.root
+    own = _own(f, expect)
     gpus = f["gpus"]
     on_gpu = plan.device == "cuda" or (plan.device == "auto" and gpus["count"] > 0)
     devices = (f"{plan.workers}/{gpus['count']} GPU" if on_gpu else f"{plan.workers}/{f['cpus']} CPU") \
