@@ -59,8 +59,8 @@ def destinations(profile: Profile) -> list[Destination]:
             key = "local:" + os.path.realpath(os.path.expanduser(host.workdir))
         elif profile.sync.shared_fs:
             key = "shared:" + host.workdir
-        else:
-            key = "host:" + host.name
+        else:  # nodes of one machine (one address, user and port) in one folder are one destination: written once
+            key = f"ssh:{host.user or ''}@{host.target}:{host.port or ''}:{host.workdir}"
         out.setdefault(key, Destination(key, [])).hosts.append(host)
     return list(out.values())
 
@@ -126,7 +126,7 @@ async def _destination(profile: Profile, d: Destination, transports: dict[str, T
         return True
     ok = True
     venvs: dict[str, HostSpec] = {}
-    for host in d.hosts:  # one set-up per venv the folder's hosts name
+    for host in [writer, *(h for h in d.hosts if h is not writer)]:  # one set-up per venv, the writer's by it
         venvs.setdefault(host.venv or f"python:{host.python}", host)
     for host in venvs.values():
         ok = await _setup(profile, transports[host.name] if host is not writer else t, host, say) and ok

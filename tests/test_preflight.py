@@ -422,6 +422,12 @@ def test_sync_writes_a_shared_folder_once_and_every_other_host_apart():
     assert [(d.label, [h.name for h in d.hosts]) for d in shared] == [("a+b+c", ["a", "b", "c"])]
     apart = destinations(parse_profile(text.replace("SHARED", "false")))
     assert [d.label for d in apart] == ["a", "b", "c"]
+    # two nodes of one machine in one folder: written once (two writes raced on each file, two set-ups on one venv)
+    one_machine = text.replace("SHARED", "false").replace("[hosts.a]\n", '[hosts.a]\naddress = "gpu1"\n').replace(
+        "[hosts.b]\n", '[hosts.b]\naddress = "gpu1"\n')
+    assert [d.label for d in destinations(parse_profile(one_machine))] == ["a+b", "c"]
+    other_user = one_machine.replace('[hosts.b]\naddress = "gpu1"\n', '[hosts.b]\naddress = "gpu1"\nuser = "bob"\n')
+    assert [d.label for d in destinations(parse_profile(other_user))] == ["a", "b", "c"]
 
 
 # ---- in the lab: network namespaces, a real sshd in each --------------------------------------------------------
