@@ -15,7 +15,11 @@ import os
 import re
 from typing import Any
 
-_TARGET = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>[^@:\s]+)(?::(?P<port>\d+))?")
+_TARGET = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>[^@:\s\[\]]+)(?::(?P<port>\d+))?")
+# an IPv6 address: in brackets when a port follows (ssh -J's form), else bare (at least two colons, no port)
+_TARGET6 = re.compile(r"(?:(?P<user>[^@\s]+)@)?\[(?P<host>[0-9A-Fa-f:.]+(?:%[\w.-]+)?)\](?::(?P<port>\d+))?")
+_BARE6 = re.compile(r"(?:(?P<user>[^@\s]+)@)?(?P<host>[0-9A-Fa-f.]*:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(?:%[\w.-]+)?)"
+                    r"(?P<port>)")
 
 DEFAULT_CONFIG = "~/.ssh/config"
 
@@ -28,8 +32,10 @@ def config_paths(host: Any) -> list[str]:
 
 
 def split_target(text: str) -> tuple[str | None, str, int | None] | None:
-    """`[user@]host[:port]` (as ssh -J and the dashboard's add take it) -> (user, host, port); None if it is not."""
-    match = _TARGET.fullmatch(text.strip())
+    """`[user@]host[:port]` (as ssh -J and the dashboard's add take it; an IPv6 address bare, or in brackets with a
+    port: `[2001:db8::5]:2222`) -> (user, host, port); None if it is not."""
+    text = text.strip()
+    match = _TARGET.fullmatch(text) or _TARGET6.fullmatch(text) or _BARE6.fullmatch(text)
     if match is None:
         return None
     return match["user"], match["host"], int(match["port"]) if match["port"] else None

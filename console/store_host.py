@@ -98,10 +98,11 @@ class StoreHost:
         address = profile.store_bind
         if profile.store.bind or profile.store.address or host.address or host.transport == "local":
             return address
-        probe = (f"{C.q(host.python_path)} -c 'import socket,sys; socket.socket().bind((sys.argv[1], 0))' "
-                 f"{C.q(address)}")
-        rc, _, _ = await self.hosts.transport(host.name).run(probe)
-        return address if rc == 0 else "0.0.0.0"
+        code = ("import socket,sys; f,_,_,_,a=socket.getaddrinfo(sys.argv[1],0,0,socket.SOCK_STREAM)[0]; "
+                "socket.socket(f).bind(a)")
+        rc, _, _ = await self.hosts.transport(host.name).run(f"{C.q(host.python_path)} -c {C.q(code)} "
+                                                             f"{C.q(address)}")
+        return address if rc == 0 else "::" if ":" in address else "0.0.0.0"  # every interface, of its family
 
     async def start(self) -> str | None:
         """Start the store detached and watch it; the reason if it could not start."""

@@ -82,6 +82,9 @@ def test_what_add_takes_for_a_new_machine(workdir):
     assert new_host_target(profile, "bob@box") == ("bob", "box", None)
     assert new_host_target(profile, "box:2222") == (None, "box", 2222)
     assert new_host_target(profile, "gpu7") == (None, "gpu7", None)  # an ~/.ssh/config alias
+    # IPv6: bare, or in brackets with a port (ssh -J's form); "not a host name" before
+    assert new_host_target(profile, "2001:db8::5") == (None, "2001:db8::5", None)
+    assert new_host_target(profile, "bob@[2001:db8::5]:2222") == ("bob", "2001:db8::5", 2222)
     with pytest.raises(UnknownHost, match=r"gpu8 is not a host of [^:]*p\.toml \(its hosts: node-a, node-b, node-c;"):
         new_host_target(profile, "gpu8")
     with pytest.raises(ValueError, match="node-x is not a host of .*did you mean node-a, node-b or node-c\\?"):

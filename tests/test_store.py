@@ -71,6 +71,22 @@ def test_store_binds_loopback_by_default_and_warns_when_asked_for_every_interfac
     assert "warning: listening on every interface" in every.stderr.read()
 
 
+def test_an_ipv6_store_serves_and_its_engines_find_their_route_to_it(procs, port):
+    """--host ::1 was "not a known host name" (an IPv4 socket), and the gloo groups' address was picked over IPv4.
+    (Two engines over ::1 trained and averaged by hand with this: the gloo links take the route's address.)"""
+    from engine.mesh.group import _local_address
+
+    proc = procs.start([sys.executable, "-m", "engine.store", "--host", "::1", "--port", str(port)])
+    assert _ready(proc)["state"] == "ready"
+    assert _listening(proc.pid, port) == {"::1"}
+    client = connect_store("::1", port, 5.0)
+    client.set("zb/x", "1")
+    assert client.get("zb/x") == b"1"
+    assert _local_address(client) == "::1"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+
+
 def test_unreachable_store_fails_within_its_timeout(port):
     import torch.distributed  # noqa: F401 -- connect_store imports it; a cold import is not the timeout's
     t0 = time.monotonic()

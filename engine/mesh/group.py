@@ -31,8 +31,9 @@ def _local_address(store: Any) -> str:
     host = getattr(store, "host", "127.0.0.1")
     port = getattr(store, "port", 1)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))  # UDP connect sends nothing: it only picks the route
+        family, _, _, _, address = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)  # UDP connect sends nothing: it only picks the route (IPv4 or IPv6, as the store's)
             return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"

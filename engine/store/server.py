@@ -26,14 +26,18 @@ from engine.telemetry import encode, make_event
 def _listen(host: str, port: int) -> socket.socket | str:
     """A listening socket on host:port only (TCPStore alone would listen on every interface), or why not: one line
     that says what to change."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:  # the address's own family: an IPv6 one (::1, or :: for every interface) as an IPv4 one
+        family, _, _, _, address = socket.getaddrinfo(None if host in ("0.0.0.0", "") else host, port,
+                                                      socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:  # before OSError: a name that does not resolve is not a port problem
+        return f"{host} is not a known host name ({e.strerror})"
+    if host in ("0.0.0.0", ""):
+        family, address = socket.AF_INET, ("", port)
+    s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        s.bind(("" if host in ("0.0.0.0", "") else host, port))
+        s.bind(address)
         s.listen(512)
-    except socket.gaierror as e:  # before OSError: a name that does not resolve is not a port problem
-        s.close()
-        return f"{host} is not a known host name ({e.strerror})"
     except OSError as e:
         s.close()
         if e.errno == errno.EADDRNOTAVAIL:
