@@ -131,8 +131,9 @@ class DilocoConfig(_Section):
     # lands before the next fragment's boundary). Nodes of one process only, as diloco.overlap
     fragment_delay: int = Field(default=0, ge=0)
     # the poisoned-update sentinel (engine/outer/sentinel.py): before the mean, a contributor whose pseudo-gradient
-    # norm is over sentinel_ratio x the others' median, or whose direction has a cosine under sentinel_min_cosine
-    # with the others' mean, is left out of that outer step. 0 turns it off
+    # norm per token is over sentinel_ratio x the others' median, or whose direction has a cosine under
+    # sentinel_min_cosine with the others' (the worst first, one at a time), is left out of that outer step; never
+    # every contributor. 0 turns it off
     sentinel_ratio: float = Field(default=10.0, ge=0)
     sentinel_min_cosine: float = Field(default=-0.1, ge=-1, le=1)
     # "steps": a round is inner_steps steps on every node. "time": a round ends at a deadline the plan sets

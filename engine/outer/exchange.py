@@ -39,7 +39,7 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
 
     def run() -> Exchanged:
         w = weight
-        left_out = sentinel.screen(plan, group, pgrad if w else None, mean)
+        left_out = sentinel.screen(plan, group, pgrad if w else None, w, mean)  # w: the sentinel judges per token
         if node_id in left_out:
             w = 0.0
         send = pgrad if w else mean.zero_()

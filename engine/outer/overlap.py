@@ -19,8 +19,10 @@ round t+1's pseudo-gradient like any of its steps. So the working weights miss t
 steps before the landing; landing a whole round late cost 3-16 % of held-out loss in docs/learning.md, landing one
 step in far less. The snapshot, whose fingerprint the members compare, is the same on every member; only the
 working weights differ, as they do inside any round. Nothing is lost or counted twice: d_t goes into the mean
-once, and the working weights are rebuilt from the agreed weights at every landing. A draining node's last round
-is synchronous; flush() lands the round in flight at once (a checkpoint, the export).
+once, and the working weights are rebuilt from the agreed weights at every landing. A node whose round the
+sentinel left out gets fresh optimizer state as the round lands, on the training thread (its own d_t is gone from
+the working weights then; the steps since the boundary are carried over, as at any landing). A draining node's last
+round is synchronous; flush() lands the round in flight at once (a checkpoint, the export).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class OverlappedDiloco(DilocoOuter):
         self._diverged_at_boundary = False  # the boundary found this round diverged (and repaired it)
         self._land_at: int | None = None  # the inner step at which the round in flight lands (diloco.overlap_delay)
         self._flight_tokens = 0  # the tokens of the round in flight (its weight)
+        self._reset_at_landing = False  # the sentinel left the round in flight out: fresh optimizer state as it lands
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
 
@@ -122,7 +125,8 @@ class OverlappedDiloco(DilocoOuter):
         self.rounds.begin(progress)  # the next round starts now, before its plan exists: the deadline is chained
 
     def _settle(self) -> bool:
-        """Wait for the round in flight (bounded); True when its new weights wait in bufs.mean."""
+        """Wait for the round in flight (bounded); True when its new weights wait in bufs.mean. A node the sentinel
+        left out of it starts over here with fresh optimizer state, on the training thread that owns the optimizer."""
         try:
             if not self._join_flight("diloco.overlap"):
                 return False
@@ -134,6 +138,9 @@ class OverlappedDiloco(DilocoOuter):
         # the round's counters (its outer step; a hand-off's step and tokens) plus what trained meanwhile
         live.step, live.tokens = frozen.step + live.step - step0, frozen.tokens + live.tokens - tokens0
         live.outer_step = frozen.outer_step
+        if self._reset_at_landing:
+            self._reset_at_landing = False
+            self.inner.reset_optimizer_state()
         return True
 
     @torch.no_grad()
@@ -214,8 +221,12 @@ class OverlappedDiloco(DilocoOuter):
             self.bufs.mean.copy_(params)
 
     def _after_discarded_round(self) -> None:
-        if not self._in_flight():  # in flight: done at the boundary (_boundary)
+        """In flight the inner optimizer is the training thread's: a node the sentinel left out is reset as its round
+        lands (_settle); a diverged round was restarted at its boundary already (_boundary)."""
+        if not self._in_flight():
             super()._after_discarded_round()
+        elif not self._discard:
+            self._reset_at_landing = True
 
     def _next_round_starts(self, progress: Progress, plan: Any) -> None:
         if not self._in_flight():  # in flight, the next round began at the boundary (_launch)
