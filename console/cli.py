@@ -71,7 +71,7 @@ def node_line(node: Node, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) 
     reason = cells.reason_text(node.state, node.reason)
     return (f"{node.name:<14} {node.host:<16} {cells.state_name(node.state):<11} {util.plain:<14} "
             f"{mem.plain:<16} hb {age:<7} step {step:<7} loss {cells.loss_cell(node.loss):<8} "
-            f"{cells.num_cell(node.tokens_per_s) if live else '-'} tok/s" + _position(node)
+            f"{cells.num_cell(node.tokens_per_s_now) if live else '-'} tok/s" + _position(node)
             + (f"  ({reason})" if reason else ""))
 
 

@@ -45,6 +45,7 @@ TIMELINE = 500  # membership events kept for the whole cluster
 _STEP_WINDOW = 32  # (ts, step) points per node used for the ETA
 CHECKPOINTS = 5  # per node, for the detail view
 OUTER_ROUNDS = 240  # outer steps kept for the chart and the headless line
+STALE_STEP_S = 30.0  # a node's tokens/s is no current figure once no step came for this long (or 4 intervals)
 
 
 class NodeState(str, Enum):
@@ -199,6 +200,18 @@ class Node:
     _own_ts: float | None = field(default=None, repr=False)  # its newest event's ts (files replay out of order)
     _proof_ts: float | None = field(default=None, repr=False)  # ... of those that overrule a mesh "dead" report
     _outer_ts: float | None = field(default=None, repr=False)  # its previous outer step, by its own clock
+
+    @property
+    def tokens_per_s_now(self) -> float | None:
+        """The node's latest throughput while it is current: None once no step came for four times its recent
+        interval between step events, and at least STALE_STEP_S. A node held at a boundary (a lost store, a
+        straggler, a re-formation) still beats and samples its resources, and its last figure was summed into the
+        cluster's tokens/s as if it trained."""
+        if self.tokens_per_s is None or not self._steps:
+            return self.tokens_per_s
+        (t0, _), (t1, _) = self._steps[0], self._steps[-1]
+        interval = (t1 - t0) / (len(self._steps) - 1) if len(self._steps) > 1 else 0.0
+        return self.tokens_per_s if time.time() - t1 <= max(STALE_STEP_S, 4 * interval) else None
 
     @property
     def heartbeat_age(self) -> float | None:
@@ -616,7 +629,7 @@ class Fleet:
             members = sum(1 for m in self.members if m not in self.nodes or self.nodes[m].state not in _GONE)
         return Summary(
             run=self.run, members=members, outer_step=max(outer) if outer else None,
-            tokens_per_s=float(sum(n.tokens_per_s or 0.0 for n in active)),
+            tokens_per_s=float(sum(n.tokens_per_s_now or 0.0 for n in active)),
             loss=sum(losses) / len(losses) if losses else None,
             eta_s=_eta(lead, max_steps), step=lead.step if lead else None, max_steps=max_steps,
             store=self.store_status)

@@ -362,6 +362,23 @@ def test_store_health_and_its_alert():
     assert [e.change for e in fleet.timeline] == ["store up", "store down"]
 
 
+def test_a_node_held_without_steps_no_longer_counts_its_last_tokens_per_s():
+    """Held at a boundary (a lost store, a straggler) a node beats and samples on, and its last tokens/s was summed
+    into the cluster's as if it trained: no step for 30 s (or four of its step intervals) and it is no figure."""
+    from console.widgets.node_table import node_row
+
+    fleet, now = Fleet(), time.time()
+    for name, last in (("a", now - 1), ("b", now - 60)):
+        fleet.add_node(name, "h", NodeState.STARTING)
+        fleet.ingest(name, start(name))
+        fleet.ingest(name, line("state", name, state="training"))
+        for k in range(3):
+            fleet.ingest(name, step(k + 1, 2.0, 1000.0, node=name, ts=last - 2 + k))
+        fleet.ingest(name, line("heartbeat", name, seq=1, peers={}))  # b beats on, held
+    assert fleet.summary().tokens_per_s == 1000.0
+    assert [node_row(fleet.nodes[n], 6.0)["tps"].plain for n in "ab"] == ["1,000", "-"]
+
+
 def test_a_store_whose_probe_writes_nothing_new_is_flagged_then_cleared():
     """A hung store (alive, not answering: SIGSTOP, swapping) showed `up | rtt 0.4ms | 14 keys` for ever: the probe
     only warns on its own stream, and the console kept re-reading the last sample. Timed by the console's clock."""

@@ -63,7 +63,7 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
         "step": Text(cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
                      justify="right"),
         "loss": Text(cells.loss_cell(node.loss), justify="right"),
-        "tps": Text(cells.num_cell(node.tokens_per_s), justify="right"),
+        "tps": Text(cells.num_cell(getattr(node, "tokens_per_s_now", node.tokens_per_s)), justify="right"),
         "trend": Text(cells.sparkline(_last_values(history, TREND_WIDTH), TREND_WIDTH), style=spark_style),
     }
 
