@@ -197,6 +197,7 @@ class Node:
     epoch: float | None = None  # fraction of its data shard consumed (engines that report it)
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=CHECKPOINTS))  # (step, path, seconds)
     _steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)
+    _outer_steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)  # (ts, outer step)
     _own_ts: float | None = field(default=None, repr=False)  # its newest event's ts (files replay out of order)
     _proof_ts: float | None = field(default=None, repr=False)  # ... of those that overrule a mesh "dead" report
     _outer_ts: float | None = field(default=None, repr=False)  # its previous outer step, by its own clock
@@ -259,6 +260,7 @@ class Summary:
     step: int | None  # the furthest node's step
     max_steps: int | None
     store: str | None = None  # the store's health where it is known (etcd: "etcd 3/3 up, leader node-a")
+    rounds: int | None = None  # time rounds: the run's length in outer steps (max_steps is then no node's end)
 
 
 class Fleet:
@@ -440,7 +442,7 @@ class Fleet:
         node.pid = event["pid"]
         node.max_steps = event["max_steps"]
         node.run_info = {k: event.get(k) for k in ("host", "world_size", "config_digest", "strategy", "run",
-                                                   "diloco", "dataset") if k in event}
+                                                   "diloco", "dataset", "rounds") if k in event}
         if isinstance(event.get("dataset"), str):
             self.dataset = event["dataset"]
         node.engine_state, node.run_ended, node.error = NodeState.STARTING, False, None
@@ -497,6 +499,7 @@ class Fleet:
 
     def _on_outer_step(self, node: Node, event: dict[str, Any]) -> None:
         node.outer_step = event["outer_step"]
+        node._outer_steps.append((event["ts"], event["outer_step"]))
         shares = _shares(event)
         if shares is not None:
             weights = dict(zip(event["contributors"], event["weights"]))
@@ -627,12 +630,19 @@ class Fleet:
             members = len(active)
         else:  # the mesh's latest list, less the nodes known to be gone since (it lags a death or a stop)
             members = sum(1 for m in self.members if m not in self.nodes or self.nodes[m].state not in _GONE)
+        rounds = max((n.run_info.get("rounds") or 0 for n in self.nodes.values()), default=0) or None
+        if rounds:  # time rounds: the run lasts `rounds` outer steps, whatever each node's own step count
+            ahead = max((n for n in self.nodes.values() if n.outer_step is not None),
+                        key=lambda n: n.outer_step, default=None)  # type: ignore[arg-type, return-value]
+            eta = _eta(ahead._outer_steps if ahead else None, rounds)
+        else:
+            eta = _eta(lead._steps if lead else None, max_steps)
         return Summary(
             run=self.run, members=members, outer_step=max(outer) if outer else None,
             tokens_per_s=float(sum(n.tokens_per_s_now or 0.0 for n in active)),
             loss=sum(losses) / len(losses) if losses else None,
-            eta_s=_eta(lead, max_steps), step=lead.step if lead else None, max_steps=max_steps,
-            store=self.store_status)
+            eta_s=eta, step=lead.step if lead else None, max_steps=None if rounds else max_steps,
+            store=self.store_status, rounds=rounds)
 
     def marked(self) -> list[str]:
         return [n.name for n in self.nodes.values() if n.marked]
@@ -649,14 +659,15 @@ def _excerpt(line: str | bytes, limit: int = 120) -> str:
     return repr(text if len(text) <= limit else text[:limit - 3] + "...")
 
 
-def _eta(node: Node | None, max_steps: int | None) -> float | None:
-    """Seconds left at the furthest node's recent pace (its last _STEP_WINDOW step events)."""
-    if node is None or max_steps is None or len(node._steps) < 2:
+def _eta(points: deque | None, last: int | None) -> float | None:
+    """Seconds left to `last` at the furthest node's recent pace: its last _STEP_WINDOW (ts, step) points (outer
+    steps with time rounds)."""
+    if points is None or last is None or len(points) < 2:
         return None
-    (t0, s0), (t1, s1) = node._steps[0], node._steps[-1]
+    (t0, s0), (t1, s1) = points[0], points[-1]
     if s1 <= s0 or t1 <= t0:
         return None
-    return max(0.0, (max_steps - s1) * (t1 - t0) / (s1 - s0))
+    return max(0.0, (last - s1) * (t1 - t0) / (s1 - s0))
 
 
 def _shares(event: dict[str, Any]) -> dict[str, float] | None:

@@ -63,6 +63,7 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 # fields added after SCHEMA_VERSION 1 shipped: checked when present, never required, so that a reader still takes
 # the lines of an engine from before them (a console attached to an older run)
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "run_start": {"rounds": (int,)},
     "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
                    "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,)},
 }

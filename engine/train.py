@@ -30,6 +30,7 @@ failure after training started saves a checkpoint first: no trained step is lost
 from __future__ import annotations
 
 import gc
+import math
 import os
 import signal
 import sys
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
             gc.freeze()
         telemetry.emit("run_start", pid=world.pid, host=world.hostname, world_size=world.world_size,
                        config_digest=digest(cfg), strategy=cfg.inner.strategy, max_steps=cfg.train.max_steps,
-                       run=cfg.run.name, diloco=cfg.diloco.enabled, dataset=training.dataset_name(cfg.data))
+                       run=cfg.run.name, diloco=cfg.diloco.enabled, dataset=training.dataset_name(cfg.data),
+                       **time_rounds(cfg))
         inputs = training.read_inputs(cfg, world, telemetry)
         session = training.build(cfg, world, telemetry, inputs)
         status = training.run(session)
@@ -226,6 +228,14 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
         shutdown(session, telemetry, status, clean=code == 0, training=training)
     return code
+
+
+def time_rounds(cfg: Config) -> dict[str, int]:
+    """run_start's `rounds`: with time rounds the run lasts that many outer steps, each node taking its own count of
+    steps (a fast node's passes max_steps), so the console follows the outer steps for the run's progress."""
+    if not (cfg.diloco.enabled and cfg.diloco.round == "time"):
+        return {}
+    return {"rounds": math.ceil(cfg.train.max_steps / cfg.diloco.inner_steps)}
 
 
 def import_session() -> ModuleType:

@@ -55,6 +55,26 @@ def test_ingest_numbers_and_summary():
     assert 11 < a.heartbeat_age < 30 and a.peers == {"b": 0.5}  # type: ignore[operator]
 
 
+def test_time_rounds_progress_and_eta_follow_the_outer_steps():
+    """With time rounds the run lasts max_steps / H rounds; each node counts its own steps, and a fast one passes
+    max_steps: the header said `step 1580/1000 ... ETA 0s` with rounds left. run_start says the rounds now."""
+    from console.widgets import cells
+
+    fleet, t0 = Fleet(run="mixed"), time.time() - 100
+    fleet.add_node("fast", "h")
+    fleet.ingest("fast", line("run_start", "fast", pid=1, host="h", world_size=1, config_digest="x",
+                              strategy="ddp", max_steps=1000, rounds=50))
+    fleet.ingest("fast", line("state", "fast", state="training"))
+    fleet.ingest("fast", step(1580, 2.0, 900.0, node="fast"))
+    for k in (10, 20):  # 10 rounds in 50 s: 30 rounds left -> 150 s
+        fleet.ingest("fast", line("outer_step", "fast", ts=t0 + 5 * k, outer_step=k, step=79 * k, generation=1,
+                                  members=["fast"], pgrad_norm=0.1, bytes_sent=0, allreduce_s=0.0, checksum="c"))
+    s = fleet.summary()
+    assert (s.rounds, s.max_steps, s.step, s.outer_step) == (50, None, 1580, 20)
+    assert s.eta_s == pytest.approx(150.0)
+    assert "| outer 20/50 | step 1580 |" in cells.summary_text(s)
+
+
 def test_malformed_lines_counted_and_skipped():
     fleet = Fleet()
     fleet.add_node("a", "h")

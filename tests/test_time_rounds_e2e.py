@@ -36,6 +36,7 @@ def test_time_rounds_end_together_and_weigh_each_node_by_its_tokens(procs, port,
     e2e.assert_identical(nodes)
     a, b = fast.outer(), slow.outer()
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]  # the run is measured in rounds, the same on both
+    assert fast.of("run_start")[0]["rounds"] == 4  # and says so, for the console's progress and ETA
     for k in (2, 3, 4):  # the first round also holds the start-up, the formation's wait
         ea, eb = a[k], b[k]
         assert ea["contributors"] == ["a", "b"] and ea["weights"] == eb["weights"]

@@ -217,6 +217,9 @@ def summary_text(summary: Any) -> str:
     if summary.max_steps:
         step += f"/{summary.max_steps}"
     outer = "-" if summary.outer_step is None else str(summary.outer_step)
+    rounds = getattr(summary, "rounds", None)
+    if rounds:  # time rounds: the run is its outer steps; each node counts its own steps
+        outer += f"/{rounds}"
     store = getattr(summary, "store", None)
     return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
             f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
