@@ -66,7 +66,8 @@ def node_line(node: Node, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) 
     live = cells.shows_figures(node.state)  # a dead or left node's last sample is not a current figure
     util, mem = (live and cells.gpu_cells(node.devices)) or cells.device_cells(
         node.device if live else None, node.util, node.mem_used, node.mem_total)
-    age = cells.age_cell(node.heartbeat_age, heartbeat_timeout).plain
+    quiet = cells.state_name(node.state) in cells.QUIET_STATES  # as the dashboard's row
+    age = cells.age_cell(node.heartbeat_age, heartbeat_timeout, live=not quiet).plain
     step = "-" if node.step is None else str(node.step)
     reason = cells.reason_text(node.state, node.reason)
     return (f"{node.name:<14} {node.host:<16} {cells.state_name(node.state):<11} {util.plain:<14} "
@@ -200,8 +201,10 @@ async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out:
         if args.command == "status":
             await cluster.status()
             print(status_line(fleet), file=out)
+            timeout = heartbeat_timeout_of(cluster.profile) if hasattr(cluster, "profile") else \
+                DEFAULT_HEARTBEAT_TIMEOUT  # the ages coloured as the dashboard colours them
             for node in fleet.nodes.values():
-                print("  " + node_line(node), file=out)
+                print("  " + node_line(node, timeout), file=out)
             return EXIT_OK
         if args.command in ("drain", "kill") and args.node not in fleet.nodes:
             print(f"zeroband-console: {args.command}: unknown node {args.node!r} (nodes: {', '.join(fleet.nodes)})",
