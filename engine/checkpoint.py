@@ -1,16 +1,22 @@
 """Checkpoints (torch.distributed.checkpoint), the `latest` pointer, keep-last-K, and transformers export.
 
-Layout of ckpt.dir (default <run.dir>/checkpoints):
+Layout of ckpt.dir (default <run.dir>/checkpoints; one node's, whose ranks write it together):
 
     step-00000100/          one complete checkpoint
         .metadata, *.distcp   model + optimizer (DCP: each rank writes its own shards)
         rank-0.pt ...         per-rank state: scheduler, scaler, data position, RNG, Progress, outer state
+        owner                 "HOST PID" of the rank 0 that wrote it (what tells a stale .tmp folder from a live one)
         meta.json             step, world size, strategy, config digest, data position; written last
     latest                  the name of the newest complete checkpoint
 
-Commit protocol: every rank writes into `.step-N.tmp/`; after a barrier rank 0 writes meta.json, renames the
-folder to `step-N/` and only then replaces `latest` (write `latest.tmp`, fsync, rename). A crash at any point
-leaves `latest` naming the previous complete checkpoint; a stale `.tmp` folder is removed by the next save.
+Commit protocol: every rank writes into `.step-N.tmp/`; when all of them say they succeeded, rank 0 writes
+meta.json, renames the folder to `step-N/` and only then replaces `latest` (write `latest.tmp`, fsync, rename) and
+prunes. Each phase ends in an agreement of the node's ranks (an all-gather of each one's error), not a bare
+barrier: a rank that fails (a full disk, a DCP write error) makes every rank raise CheckpointFailed at the same
+point, the partial folder is removed and nothing of it is committed. A crash at any point leaves `latest` naming
+the previous complete checkpoint (or, between the rename and the pointer, a complete step-N that a resume of
+`latest` takes); the first save of a process removes every `.step-*.tmp` left by a crash, but not one that a live
+process of this host is writing.
 
 Nothing is overwritten and nothing is deleted: a fresh run (no ckpt.resume) that finds an older run's checkpoints
 in ckpt.dir moves that folder to `<its parent>/_archive/<time>/` first (as the console archives a node's folder),
@@ -43,6 +49,7 @@ from engine.config import CkptConfig
 from engine.world import World
 
 POINTER = "latest"
+OWNER = "owner"
 ARCHIVE = "_archive"  # an older run's checkpoints, moved aside by a fresh run
 META = "meta.json"
 EXTRA_KEYS = {"scheduler", "scaler", "data", "progress", "rng", "outer"}
@@ -50,6 +57,12 @@ EXTRA_KEYS = {"scheduler", "scaler", "data", "progress", "rng", "outer"}
 
 def _step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def _step_of(folder: Path) -> int:
+    """The step of a step-N folder's name (-1 for another name: older than any)."""
+    digits = folder.name[5:]
+    return int(digits) if folder.name.startswith("step-") and digits.isdigit() else -1
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -92,6 +105,10 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}"
 
 
+class CheckpointFailed(RuntimeError):
+    """A save that failed on some rank of the node, raised on every rank alike once they agreed on it."""
+
+
 class Checkpointer:
     """`device` and `group` may be given later (before load/save): plan_start() needs neither, so that a bad folder
     is refused before the process group exists."""
@@ -107,6 +124,9 @@ class Checkpointer:
         self.older_run = False  # plan_start found an older run's checkpoints where a fresh run starts
         self.resume_meta: dict[str, Any] | None = None  # meta.json of the checkpoint plan_start chose
         self.archived: Path | None = None  # where check_start moved an older run's checkpoints (for a warning)
+        self.notes: list[str] = []  # plan_start's warnings (a resume that took a newer folder than `latest`)
+        self.failed_step: int | None = None  # the step whose save every rank agreed had failed
+        self.swept = False  # the first save removed the .step-*.tmp folders that crashed processes left
 
     # ------------------------------------------------------------------------------------------ checks
     def steps_on_disk(self) -> list[int]:
@@ -131,7 +151,7 @@ class Checkpointer:
         on_disk = self.steps_on_disk()
         resume = self.cfg.resume
         if resume == "auto":  # continue this folder's run if it has one, else start fresh (console launches)
-            resume = "latest" if (self.dir / POINTER).is_file() else None
+            resume = "latest" if (self.dir / POINTER).is_file() or self._newest_complete() else None
         if not resume:
             self.older_run = bool(on_disk) or (self.dir / POINTER).exists()
             return None
@@ -170,12 +190,29 @@ class Checkpointer:
         return target
 
     def resolve(self, resume: str) -> Path:
-        if resume == "latest":
-            pointer = self.dir / POINTER
-            if not pointer.is_file():
-                raise ValueError(f"ckpt.resume: no checkpoint to resume in {self.dir} (no {POINTER} pointer)")
-            return self.dir / pointer.read_text().strip()
-        return Path(resume)
+        """The folder that ckpt.resume names. `latest` is the pointer's folder, or a complete step folder newer
+        than it: a save that crashed after its rename and before the pointer's update is whole (meta.json was
+        written before the rename), and resuming anywhere older would be refused as overwriting it."""
+        if resume != "latest":
+            return Path(resume)
+        pointer = self.dir / POINTER
+        named = self.dir / pointer.read_text().strip() if pointer.is_file() else None
+        newest = self._newest_complete()
+        if newest is not None and (named is None or _step_of(named) < _step_of(newest)):
+            said = f"{POINTER} names {named.name}" if named is not None else f"there is no {POINTER} pointer"
+            self.notes.append(f"ckpt.resume: {said}, but {newest.name} is complete and newer (a save ended between "
+                              f"its commit and the pointer's update): resuming from {newest}")
+            return newest
+        if named is None:
+            raise ValueError(f"ckpt.resume: no checkpoint to resume in {self.dir} (no {POINTER} pointer)")
+        return named
+
+    def _newest_complete(self) -> Path | None:
+        """The newest step folder with its meta.json, or None."""
+        for step in reversed(self.steps_on_disk()):
+            if (self.dir / _step_name(step) / META).is_file():
+                return self.dir / _step_name(step)
+        return None
 
     def read_meta(self, path: Path) -> dict[str, Any]:
         meta_file = path / META
@@ -199,40 +236,110 @@ class Checkpointer:
 
     # ------------------------------------------------------------------------------------------ save / load
     def save(self, step: int, inner, data, progress, outer) -> tuple[Path, float]:
-        """Collective: every rank of the node calls it. Returns (folder, seconds)."""
+        """Collective: every rank of the node calls it. Returns (folder, seconds). A failure on any rank raises
+        CheckpointFailed on every rank (see _agreed), with `latest` left as it was and the partial folder removed."""
         assert self.device is not None, "Checkpointer: the device is given before the first save"
         t0 = time.monotonic()
         final, tmp = self.dir / _step_name(step), self.dir / f".{_step_name(step)}.tmp"
         if final.exists():
             raise ValueError(f"ckpt.dir: {final} already exists (refusing to overwrite)")
-        if self.world.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left by a crash during an earlier save: never pointed to
-            tmp.mkdir(parents=True)
-        self._barrier()
-        state = inner.state_dict()
-        dcp.save({"model": state["model"], "optim": state["optim"]}, checkpoint_id=str(tmp))
-        extras = {"scheduler": state["scheduler"], "scaler": state["scaler"], "data": data.train.state_dict(),
-                  "progress": progress.state_dict(), "rng": rng_state(self.device), "outer": outer.state_dict()}
-        with open(tmp / f"rank-{self.world.rank}.pt", "wb") as fh:
-            torch.save(extras, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        self._barrier()
-        if self.world.rank == 0:
-            # data: the layout-free position (sequences of the global order read), the dataset and its
-            # fingerprint; each rank-N.pt holds the same, and resume checks the fingerprint against the data
-            meta = {"step": step, "world_size": self.world.world_size, "strategy": self.strategy,
-                    "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict(),
-                    "data": data.train.state_dict(), "max_steps": self.max_steps}
-            _write_atomic(tmp / META, json.dumps(meta, indent=1))
-            os.rename(tmp, final)
-            _fsync_dir(self.dir)
-            _write_atomic(self.dir / POINTER, final.name + "\n")  # only now is the new checkpoint "latest"
-            self._prune()
-        self._barrier()
+        try:
+            with self._agreed(step, "preparing its folder"):
+                if self.world.rank == 0:
+                    self._prepare(tmp)
+            with self._agreed(step, "writing"):
+                state = inner.state_dict()
+                dcp.save({"model": state["model"], "optim": state["optim"]}, checkpoint_id=str(tmp))
+                extras = {"scheduler": state["scheduler"], "scaler": state["scaler"],
+                          "data": data.train.state_dict(), "progress": progress.state_dict(),
+                          "rng": rng_state(self.device), "outer": outer.state_dict()}
+                with open(tmp / f"rank-{self.world.rank}.pt", "wb") as fh:
+                    torch.save(extras, fh)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            with self._agreed(step, "committing"):  # the other ranks wait here for rank 0's commit
+                if self.world.rank == 0:
+                    # data: the layout-free position (sequences of the global order read), the dataset and its
+                    # fingerprint; each rank-N.pt holds the same, and resume checks the fingerprint against the data
+                    meta = {"step": step, "world_size": self.world.world_size, "strategy": self.strategy,
+                            "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict(),
+                            "data": data.train.state_dict(), "max_steps": self.max_steps}
+                    _write_atomic(tmp / META, json.dumps(meta, indent=1))
+                    os.rename(tmp, final)
+                    _fsync_dir(self.dir)
+                    _write_atomic(self.dir / POINTER, final.name + "\n")  # only now is the new checkpoint "latest"
+                    self._prune()
+        except CheckpointFailed:
+            if self.world.rank == 0 and self._owner(tmp) == self._me():  # every rank is past writing into it
+                shutil.rmtree(tmp, ignore_errors=True)  # of no use, and a full disk wants the space back
+            raise
         self.last_saved_step = step
         return final, time.monotonic() - t0
+
+    @contextlib.contextmanager
+    def _agreed(self, step: int, doing: str):
+        """Run the block on every rank, then agree on whether it failed anywhere (a collective, in place of a bare
+        barrier): if it did, every rank raises CheckpointFailed here, naming the first failing rank's error (rank 0
+        reports for the node). A rank that raised alone left the others in a barrier that its next collective
+        paired with: rank 0 committed a checkpoint missing rank 1's file, and both ranks hung. DCP's
+        CheckpointException is a BaseException: caught here, or it would escape every handler of engine/train.py."""
+        error: BaseException | None = None
+        try:
+            yield
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - told to every rank, then raised on each
+            error = e
+        reasons = self._gathered(_reason(error) if error is not None else None)
+        failed = [rank for rank, reason in enumerate(reasons) if reason is not None]
+        if not failed:
+            return
+        self.failed_step = step
+        pointer = self.dir / POINTER
+        now = f"{POINTER} names {pointer.read_text().strip()}" if pointer.is_file() else f"no {POINTER} checkpoint"
+        raise CheckpointFailed(f"checkpoint {_step_name(step)} failed on rank {', '.join(map(str, failed))} while "
+                               f"{doing}: {reasons[failed[0]]}; {now}") from error
+
+    def _gathered(self, mine: str | None) -> list[str | None]:
+        """Every rank's value, in rank order, on every rank (an object collective: gloo, also beside NCCL)."""
+        if not (dist.is_initialized() and self.world.world_size > 1):
+            return [mine]
+        every: list[str | None] = [None] * self.world.world_size
+        dist.all_gather_object(every, mine, group=self.group)
+        return every
+
+    def _prepare(self, tmp: Path) -> None:
+        """Rank 0: the empty temporary folder of this save, marked as this process's. The first save of the process
+        first removes the temporary folders that crashed saves left, of any step. The folder is this node's: the
+        processes that could write there run on this host, where the owner's pid tells whether it still runs (a run
+        started twice on one folder keeps its folder; one of this step stops this save at mkdir). Another host's
+        (ckpt.dir on a shared filesystem, the node moved) is kept: nothing here can tell whether it is alive."""
+        if not self.swept:
+            for left in self.dir.glob(".step-*.tmp"):
+                if self._stale(left):
+                    shutil.rmtree(left)
+            self.swept = True
+        if tmp.exists() and self._stale(tmp):
+            shutil.rmtree(tmp)  # an earlier failed save of this step in this process, left where rmtree failed
+        tmp.mkdir(parents=True)
+        (tmp / OWNER).write_text(self._me() + "\n")
+
+    def _me(self) -> str:
+        return f"{self.world.hostname} {self.world.pid}"
+
+    @staticmethod
+    def _owner(tmp: Path) -> str | None:
+        try:
+            return (tmp / OWNER).read_text().strip()
+        except OSError:
+            return None
+
+    def _stale(self, tmp: Path) -> bool:
+        """No live process writes into this temporary folder: its owner is this process, or a process of this host
+        that is gone; or it has no owner (a crash between its mkdir and the owner file, or an older engine's)."""
+        owner = self._owner(tmp)
+        if owner is None or owner == self._me():
+            return True
+        host, _, pid = owner.rpartition(" ")
+        return host == self.world.hostname and pid.isdigit() and not psutil.pid_exists(int(pid))
 
     def _prune(self) -> None:
         for step in self.steps_on_disk()[:-self.cfg.keep]:
@@ -270,6 +377,11 @@ class Checkpointer:
 
 def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=None, *, agreed: bool = False) -> Path:
     """Final weights as a transformers folder (AutoModelForCausalLM.from_pretrained loads it). Collective.
+    The folder is what `model.save_pretrained()` of the trained model gives: fp32 weights (the training weights, so
+    a model.path whose config says bfloat16 is exported in fp32, and its config says float32: a transformers user
+    gets what was trained, and casts at load with `dtype=torch.bfloat16` if wanted; a silent bf16 cast would drop
+    the low bits that small fine-tuning updates live in), and `use_cache` on, which training turns off
+    (engine/model.py): generate() on the export keeps a KV cache.
     Nodes of one DiLoCo run (agreed: every node ends on the run's agreed model) that share the folder (one host, a
     shared filesystem) each write their own temporary folder; the first to finish moves it into place, and the
     others drop theirs, the same model. Without DiLoCo a folder written meanwhile by another process is an error
@@ -286,7 +398,9 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
                 shutil.rmtree(left, ignore_errors=True)
         hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
         hf_config.bos_token_id, hf_config.eos_token_id = tokenizer.bos_id, tokenizer.eos_id
-        model = AutoModelForCausalLM.from_config(hf_config)  # on CPU: buffers (rotary) must be real tensors
+        hf_config.use_cache = True  # also into generation_config.json, which save_pretrained derives from it
+        # on CPU: buffers (rotary) must be real tensors; fp32 whatever dtype the config names (see above)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
         model.load_state_dict(full, strict=True)
         model.save_pretrained(tmp)
         if hasattr(tokenizer, "tok"):

@@ -33,7 +33,7 @@ def model_config(cfg: ModelConfig, vocab_size: int, seq_len: int) -> LlamaConfig
     else:
         hf_config = LlamaConfig(**PRESETS[cfg.preset], vocab_size=vocab_size,
                                 max_position_embeddings=max(2048, seq_len), rms_norm_eps=1e-5,
-                                tie_word_embeddings=False, use_cache=False)
+                                tie_word_embeddings=False, use_cache=False)  # training; the export turns it on
     if cfg.vocab_size is not None:
         hf_config.vocab_size = cfg.vocab_size
     if hf_config.vocab_size < vocab_size:

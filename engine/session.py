@@ -157,7 +157,7 @@ def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
         ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy,
                             max_steps=cfg.train.max_steps)
         resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
-    for note in [*data.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake),
+    for note in [*data.notes, *ckpt.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake),
                  unsynced_tail_note(cfg)]:
         if note:
             telemetry.emit("warning", message=note)
@@ -396,8 +396,11 @@ def check_finite(s: Session, loss: torch.Tensor | None) -> None:
 
 def save_before_failing(s: Session | None) -> None:
     """A failure after training started (the mesh gave up, a crash in the outer loop) keeps the trained steps:
-    the model and data state are intact in memory, and a checkpoint mid-round resumes exactly."""
-    if s is None or not s.training:
+    the model and data state are intact in memory, and a checkpoint mid-round resumes exactly. Not when the failure
+    was this step's save: every rank of the node raised it at the same point, having agreed it failed
+    (Checkpointer.save), so every rank skips this alike. Another try would write the same step again to the disk
+    that just refused it; a try from the failing rank alone once paired its barrier with rank 0's and hung both."""
+    if s is None or not s.training or s.ckpt.failed_step == s.progress.step:
         return
     try:
         save(s)

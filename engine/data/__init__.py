@@ -28,8 +28,10 @@ sequence, and for one global batch the union of what the workers read is the sam
 process with gradient accumulation reads exactly the sequences that two DDP ranks read together.
 
 Position: the number of global sequences consumed (`state_dict()["position"]`), saved in checkpoints. It is
-layout-free, so a run can resume with a different number of workers; a joiner is handed the mesh's step and
-reads on from there (engine.session.follow_handoff).
+layout-free, so a node's checkpoint resumes under another number of nodes (a worker then skips rather than repeats
+sequences); the number of workers of the node may not change, since each one's model and optimizer shards and
+rank file are its own (engine.checkpoint refuses another). A joiner is handed the mesh's step and reads on from
+there (engine.session.follow_handoff).
 """
 
 from __future__ import annotations
