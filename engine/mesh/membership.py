@@ -10,12 +10,15 @@ other field is one reference written whole (the GIL keeps each read and write at
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine.mesh.protocol import Keys, Liveness, MeshError, NodeState, Plan
 
+UPDATE_WITHIN_S = 120.0  # how long Registry.update keeps losing races before it gives up
 STORE_ERRORS = (RuntimeError, OSError, LookupError)  # TCPStore: RuntimeError (DistStoreError); MemoryStore: OSError
 
 
@@ -47,15 +50,24 @@ class Registry:
         return json.dumps({"ids": self.ids, "gone": self.gone}, separators=(",", ":"))
 
     @classmethod
-    def update(cls, store: Any, keys: Keys, change: Callable[["Registry"], None], attempts: int = 50) -> "Registry":
-        """Read-modify-compare_set, retried while another node changes it at the same time (bounded)."""
-        for _ in range(attempts):
+    def update(cls, store: Any, keys: Keys, change: Callable[["Registry"], None],
+               within: float = UPDATE_WITHIN_S) -> "Registry":
+        """Read-modify-compare_set, retried while other nodes change it at the same time: each lost race waits a
+        random pause that doubles (up to a second), for `within` seconds. Every try has one winner, so N nodes at
+        once all get through; 50 tries without a pause let only the first 50 of a mass start (or of the
+        re-registrations after a store restart) through, and the rest failed."""
+        deadline, pause = time.monotonic() + within, 0.005
+        while True:
             raw, reg = cls.read(store, keys)
             change(reg)
             new = reg.to_json()
             if new == raw or text(store.compare_set(keys.ids(), raw, new)) == new:
                 return reg
-        raise MeshError(f"the registry key {keys.ids()} kept changing under {attempts} attempts to update it")
+            if time.monotonic() > deadline:
+                raise MeshError(f"the registry key {keys.ids()} kept changing under this node's updates for "
+                                f"{within:g}s")
+            time.sleep(random.uniform(0, pause))
+            pause = min(1.0, pause * 2)
 
 
 @dataclass(eq=False)
