@@ -75,9 +75,14 @@ def make_group(store: Any, plan: Plan, node_id: str, local_rank: int, timeout: f
     return group
 
 
-def forget_groups() -> None:
-    """Drop the cached groups (after a failed collective the caller moves to a new generation anyway)."""
+def forget_groups(store_restarted: bool = False) -> None:
+    """Drop the cached groups (after a failed collective the caller moves to a new generation anyway). After a store
+    restart also the rendezvous keys this process would delete at its next group: they were the old store's, and
+    the new store's generations count from 1 again, so the key of that name may be another member's fresh one
+    (its deletion left the group's rendezvous waiting out allreduce_timeout)."""
     _groups.clear()
+    if store_restarted:
+        _own_keys.clear()
 
 
 def attempt_decided(store: Any, plan: Plan) -> bool:

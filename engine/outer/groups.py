@@ -167,16 +167,16 @@ class MeshLinks:
         """The store restarted empty: every group of the old store is gone, and so is every rank's client."""
         self._groups.clear()
         self._store_stale = self._group_factory is None
-        self._forget_cached()
+        self._forget_cached(store_restarted=True)
 
     def forget(self) -> None:
         self._groups.clear()
         self._forget_cached()
 
-    def _forget_cached(self) -> None:
+    def _forget_cached(self, store_restarted: bool = False) -> None:
         if self._group_factory is None:
             from engine.mesh import forget_groups
-            forget_groups()
+            forget_groups(store_restarted)
 
     # ---- bounded collectives ----------------------------------------------------------------------------------
 
