@@ -110,6 +110,21 @@ def _prev(members, gen=3, k=4, a=0, joiners=(), leaving=()):
                 source=members[0], leaving=tuple(leaving), contributors=tuple(members))
 
 
+def test_a_re_formation_makes_a_node_with_no_round_to_give_a_joiner_of_a_node_that_has_one():
+    """A joiner whose admission a store restart voided arrives at the re-formation with no state of the run. It
+    was a member there, and the source when its id sorted first: its stale weights became everyone's."""
+    arrived = {"a": Arrival(outer_step=4, contributing=False), "b": Arrival(outer_step=4),
+               "c": Arrival(outer_step=4)}
+    plan = compute_plan(BoundaryView(epoch=1, outer_step=4, attempt=0, prev=None, prev_committed=False,
+                                     arrived=arrived, min_nodes=2))
+    assert (plan.members, plan.joiners, plan.source, plan.contributors) == (("a", "b", "c"), ("a",), "b", ("b", "c"))
+    # nobody with a round (every node diverged): they stay members, as before
+    alone = {n: Arrival(outer_step=4, contributing=False) for n in "ab"}
+    plan = compute_plan(BoundaryView(epoch=1, outer_step=4, attempt=0, prev=None, prev_committed=False,
+                                     arrived=alone, min_nodes=2))
+    assert plan.joiners == () and plan.source == "a"
+
+
 def test_plan_waits_for_every_live_member_then_drops_the_dead():
     prev = _prev(["a", "b", "c"])
     arrived = {"a": Arrival(), "b": Arrival()}

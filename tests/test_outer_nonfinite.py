@@ -144,3 +144,53 @@ def test_a_mean_beyond_the_codecs_range_stops_every_member_before_it_commits():
     assert all(str(e).startswith("outer step 1: the mean of finite pseudo-gradients is not finite: a value beyond "
                                  "diloco.compression = 'fp16''s range") for e in errors.values()), errors
     assert all(torch.equal(outer.bufs.snapshot, snapshot) for _, outer in nodes.values())  # nothing committed
+
+
+def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run():
+    """b waits for admission when the store restarts empty: its wait raised Reformed out of DilocoOuter.start (a
+    traceback, exit 1). Now it joins the re-formed run, which makes it a joiner (it arrives with nothing to give)
+    and hands it a's state and step."""
+    from engine.mesh.protocol import Reformed
+
+    store = dist.HashStore()
+    plan = make_plan(1, 6, 0, ["a", "b"], joiners=["b"], source="a", forming=True)
+
+    class VoidedAdmission(FakeMesh):
+        def wait_admission(self):
+            raise Reformed("node b: mesh admission: the membership store restarted empty; the run re-forms")
+
+        def boundary(self, outer_step, attempt, *, contributing, draining, budget=None):
+            assert not contributing  # it has no round of the run to give
+            return self.plans.pop(0)
+
+    nodes, errors, events = {}, {}, {"a": [], "b": []}
+    for name in "ab":
+        inner = Inner(0 if name == "a" else 1)  # b's own (stale) weights differ
+        mesh = FakeMesh([plan], [True]) if name == "a" else VoidedAdmission([plan], [True], joiner=True)
+        outer = make_outer(inner, mesh, node=name, events=events[name], inner_steps=1, group_factory=lambda p, n, r:
+                           _gloo(dist.PrefixStore(f"g{p.generation}/", store), p.rank_of(n), p.size))
+        nodes[name] = (inner, outer, Progress(step=5, outer_step=5, tokens=500) if name == "a" else Progress())
+
+    def node(name: str) -> None:
+        inner, outer, progress = nodes[name]
+        try:
+            outer.start(progress)  # b: its admission voided, then the re-formed run's plan
+            if name == "a":
+                inner.train_step(6)
+                progress.step, progress.tokens = 6, 600
+                outer.after_inner_step(progress)  # the re-formation's outer step: a sends b the state
+        except Exception as e:  # noqa: BLE001 - the assertion below
+            errors[name] = e
+        finally:
+            outer.close("completed")
+
+    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    (a_inner, a, a_progress), (b_inner, b, b_progress) = nodes["a"], nodes["b"]
+    assert torch.equal(_flat(a_inner), _flat(b_inner)) and torch.equal(a.bufs.snapshot, b.bufs.snapshot)
+    assert (b_progress.step, b_progress.outer_step) == (a_progress.step, a_progress.outer_step) == (6, 6)
+    assert any("restarted empty" in e.get("message", "") for e in events["b"] if e["type"] == "warning")

@@ -312,6 +312,13 @@ def compute_plan(v: BoundaryView) -> Plan | None:
         behind = {n for n, s in steps.items() if s is not None and s < outer_step}
         core -= behind
         joiners |= behind
+        # and nodes that arrive with no round to give (a joiner whose admission a store restart voided: it has no
+        # state of the run) take the state too, from a node that has one; it was a member, and the source when its
+        # id sorted first, its stale weights everyone's
+        stateless = {n for n in core if not v.arrived[n].contributing}
+        if core - stateless:
+            core -= stateless
+            joiners |= stateless
         generation = v.base_generation + 1
         forming = True
     else:

@@ -172,10 +172,15 @@ class DilocoOuter:
         self.rounds.resume(progress)
         if joiner:
             self._emit("state", state="joining")
-            plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
+            try:
+                plan = self.local.on_leader("mesh admission", lambda: self.mesh.wait_admission())
+            except Reformed as e:  # the store restarted empty: the run re-forms, and this node joins it there
+                self._emit("warning", message=f"{e}")
+                self.links.after_reform()
+                plan = None
             self._first_join = True
             try:
-                self._round(progress, plan=plan, draining=False, tokens=0)
+                self._round(progress, plan=plan, draining=False, tokens=0, joining=True)
             finally:
                 self._first_join = False
         elif self.rounds.pending_at_resume(progress):
@@ -258,15 +263,17 @@ class DilocoOuter:
 
     # ------------------------------------------------------------------ one outer step, with retries
 
-    def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int) -> None:
+    def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int,
+               joining: bool | None = None) -> None:
         """One outer step of a round of `tokens` (the node's weight). plan is given for a joiner (its admission);
         members ask the mesh for it. A member the mesh left out (it arrived late, Excluded) re-joins: its
         pseudo-gradient is stale, it takes the state. A plan that lists a member as a joiner (a formation at a
         newer outer step than its checkpoint) makes it one too. After a store restart (Reformed) the round starts
-        over in the re-formed run."""
-        joining = plan is not None
-        index = plan.outer_step if joining else progress.outer_step + 1
-        attempt = plan.attempt if joining else 0
+        over in the re-formed run; a joiner arrives there with nothing to give (joining without a plan: its
+        admission was voided), and the formation makes it a joiner again."""
+        joining = plan is not None if joining is None else joining
+        index = plan.outer_step if plan is not None else progress.outer_step + 1
+        attempt = plan.attempt if plan is not None else 0
         pgrad = None
         rejoined = False  # left out mid-run and admitted again: say "training" once it has the state
         self._discard = False
@@ -352,6 +359,8 @@ class DilocoOuter:
         if joiner:
             own = (progress.step, progress.tokens)
             self.handoff.receive(plan, progress, self._adopt, into_mean=self._mean_is_free())
+            if self._discard:  # a diverged member a re-formation made a joiner: its optimizer's moments are NaN
+                self._after_discarded_round()
             if self.rounds.timed:
                 # with time rounds each node counts its own steps and tokens (its data position, its checkpoints'
                 # names); the run is counted in rounds (outer_step, the source's). A node that re-joined took the
