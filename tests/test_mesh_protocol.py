@@ -1222,3 +1222,27 @@ def test_a_store_restart_forgets_the_rendezvous_keys_of_the_old_store():
     assert group._own_keys == {("n", 0): "pg/3/0/1"}
     group.forget_groups(store_restarted=True)
     assert group._own_keys == {}
+
+
+def test_a_process_replaced_under_its_id_cannot_overwrite_the_replacements_join_request():
+    """x is cut off and declared dead; a new process x' starts under its id and asks to join. The partition heals:
+    the old process's heartbeat finds itself replaced, and its main thread reaches its boundary. Defect: it wrote
+    state/x (training, its token) before it checked anything, x' was never admitted and failed after
+    join_timeout."""
+    sim = Sim()
+    sim.start("a", "b", "x")
+    _run_committed(sim, 0, ["a", "b", "x"])
+    old = sim.nodes["x"]
+    sim.kill("x")
+    sim.advance(2 * CFG.heartbeat_timeout)
+    _run_committed(sim, 1, ["a", "b"])
+    new = sim.node("x", key="x2")
+    assert new.start() is True
+    new._set_state("joining")
+    sim.alive.add("x")
+    sim.nodes["x"] = new
+    old.heartbeat.beat()  # it finds itself replaced
+    with pytest.raises(MeshError, match="heartbeat stopped"):
+        old.boundary(2, 0)
+    plans = sim.boundary(2, 0, ["a", "b"])
+    assert plans["a"].joiners == ("x",), plans["a"]

@@ -276,6 +276,9 @@ class Mesh:
 
     def _boundary(self, outer_step: int, attempt: int, contributing: bool, draining: bool, what: str,
                   budget: float | None = None) -> Plan:
+        # before any write: a process whose id was taken over by a new one while it was cut off (its heartbeat
+        # found the other's token) overwrote the new one's join request here, which was then never admitted
+        self.polling.check_heartbeat()
         if self._m.reset:  # the store restarted while this node trained: this boundary forms the run anew
             self._m.forget_run()
         if self._stepped_out:
