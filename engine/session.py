@@ -234,12 +234,19 @@ def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
 
 
 def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step over `accum` micro-batches: (mean micro-batch loss, grad norm), both on device."""
-    losses = []
-    for i in range(accum):
-        input_ids, labels = stream.next_batch(micro_batch_size)
-        losses.append(inner.micro_step(input_ids, labels, last=i == accum - 1))
-    grad_norm = inner.optimizer_step()
+    """One optimizer step over `accum` micro-batches: (mean micro-batch loss, grad norm), both on device. A step
+    that fails part way (a CUDA OOM in its second micro-batch) did not happen: the data position goes back to its
+    start, so the checkpoint saved before exit reads those sequences again (it skipped them on resume)."""
+    consumed = stream.consumed
+    try:
+        losses = []
+        for i in range(accum):
+            input_ids, labels = stream.next_batch(micro_batch_size)
+            losses.append(inner.micro_step(input_ids, labels, last=i == accum - 1))
+        grad_norm = inner.optimizer_step()
+    except BaseException:
+        stream.consumed = consumed
+        raise
     return torch.stack(losses).mean(), grad_norm
 
 

@@ -316,3 +316,32 @@ def test_the_export_generates_with_a_kv_cache_and_holds_the_trained_fp32_weights
         assert loaded.config.use_cache and loaded.dtype == torch.float32, name
         exported = loaded.state_dict()
         assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items()), name
+
+
+def test_a_step_that_fails_part_way_leaves_the_data_position_at_its_start():
+    """A CUDA OOM in a step's second micro-batch: the checkpoint saved before exit said step 3 with the position of
+    step 3 and a half, and the resume skipped those sequences."""
+    import numpy as np
+
+    from engine.data import PackedSource, TokenStream
+    from engine.session import train_step
+
+    class Failing:
+        calls = 0
+
+        def micro_step(self, input_ids, labels, last):
+            Failing.calls += 1
+            if Failing.calls == 8:  # the second micro-batch of step 4
+                raise RuntimeError("CUDA out of memory")
+            return torch.zeros(())
+
+        def optimizer_step(self):
+            return torch.zeros(())
+
+    stream = TokenStream(PackedSource(np.arange(8 * 4000 + 1, dtype=np.int32), 8), 0, 1, seed=0)
+    steps = 0
+    with pytest.raises(RuntimeError, match="out of memory"):
+        while True:
+            train_step(Failing(), stream, micro_batch_size=4, accum=2)
+            steps += 1
+    assert steps == 3 and stream.state_dict()["position"] == 3 * 2 * 4  # an uninterrupted run's at step 3
