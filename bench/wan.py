@@ -260,7 +260,7 @@ def engine_overrides(args, arm: Arm, host: net.NetHost, store: net.NetHost, port
                      index: int = 0) -> list[str]:
     h = args.inner_steps
     over: dict[str, object] = {
-        "train.seed": 1234 + index,  # each host its own start: the hand-off moves the state (the docstring)
+        "train.init_seed": 1234 + index,  # each host its own start: the hand-off moves the state (the docstring)
         "model.preset": args.preset, "data.fake": "true", "data.seq_len": args.seq_len,
         "train.micro_batch_size": args.micro_batch, "train.batch_size": args.micro_batch, "train.precision": "fp32",
         "train.max_steps": h * (args.rounds + 2), "train.log_interval": 1, "train.eval_interval": 0,

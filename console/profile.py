@@ -591,8 +591,8 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
         # point at the host whose own overrides set it (the other one follows [engine] or [defaults])
         own = {n: _written_in(profile, n, key)[0] == "hosts" for n in (first, name)}
         here, there = (first, name) if own[first] and not own[name] else (name, first)
-        why = ("every node of a DiLoCo run must share the model, data.seq_len and the run-wide diloco settings "
-               "(the mesh would refuse this node)")
+        why = ("every node of a DiLoCo run must share the model, data.seq_len, the run-wide diloco settings and "
+               "train.seed (the mesh would refuse this node)")
         mine, theirs = shared[here].get(key), shared[there].get(key)
         if own[here]:
             where = ("hosts", here, "overrides")

@@ -58,6 +58,9 @@ class TrainConfig(_Section):
     max_steps: int = Field(default=100, gt=0)  # inner optimizer steps in total
     # numpy's generators refuse a negative seed, and a TOML integer is signed 64-bit (torch takes [-2**63, 2**64))
     seed: int = Field(default=1337, ge=0, lt=2**63)
+    # the model's initialisation alone, when it must differ from node to node (the nodes of a run share `seed`: it
+    # orders the data they read their shares of); None: seed
+    init_seed: int | None = Field(default=None, ge=0, lt=2**63)
     precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
     compile: bool = False
     activation_checkpointing: bool = False
@@ -511,6 +514,9 @@ DILOCO_SHARED = ("enabled", "inner_steps", "outer_optimizer", "outer_lr", "outer
 # fragment each outer step syncs and its size, when a round ends, and the sentinel's verdict, which every member
 # computes from the same rows. A resume may change them: the checkpoint's state is the same whatever they are.
 DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sentinel_min_cosine")
+# the nodes read one seeded order of the data, the k-th sequence on node k % num_nodes (engine.data.shard_of): nodes
+# of different seeds read overlapping sequences. Not in the checkpoint's digest: every checkpoint would be refused.
+TRAIN_RUN_WIDE = ("seed",)
 
 
 def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
@@ -533,8 +539,11 @@ def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq
 def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
            run_wide: bool = False) -> str:
     """A short hash of shared_settings()."""
-    blob = json.dumps(_canonical(shared_settings(cfg, sections, run_wide=run_wide)), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    return _hash(shared_settings(cfg, sections, run_wide=run_wide))
+
+
+def _hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(_canonical(settings), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _canonical(value: Any) -> Any:
@@ -547,9 +556,14 @@ def _canonical(value: Any) -> Any:
 
 
 def run_digest(cfg: Config) -> str:
-    """What the mesh compares (with the workers per node and the wire protocol): digest() and the diloco settings
-    every node of a running run must share."""
-    return digest(cfg, run_wide=True)
+    """What the mesh compares (with the workers per node and the wire protocol): digest() and the diloco and train
+    settings every node of a running run must share."""
+    settings = shared_settings(cfg, run_wide=True)
+    defaults = TrainConfig()
+    # at its default a run-wide train setting leaves the digest as it was before it counted, as the diloco ones do
+    settings.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_RUN_WIDE
+                     if getattr(cfg.train, k) != getattr(defaults, k)})
+    return _hash(settings)
 
 
 def mesh_settings(cfg: Config) -> dict[str, Any]:
@@ -557,6 +571,7 @@ def mesh_settings(cfg: Config) -> dict[str, Any]:
     what the mesh shows a refused node (engine/mesh/registration.py, differences)."""
     settings = flat_settings(shared_settings(cfg, run_wide=True))
     settings.update({f"diloco.{k}": getattr(cfg.diloco, k) for k in DILOCO_RUN_WIDE})
+    settings.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_RUN_WIDE})
     return settings
 
 

@@ -169,7 +169,8 @@ def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Se
     device, group = setup_distributed(cfg.inner, world)
     ckpt.device, ckpt.group = device, group
     with same_on_every_rank():  # the strategies' rules (offload, precision, overlap) on the same config and device
-        model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=cfg.train.seed)
+        init_seed = cfg.train.seed if cfg.train.init_seed is None else cfg.train.init_seed
+        model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, device, seed=init_seed)
         params = count_params(model)  # before sharding: ZeRO-3 empties the partitioned tensors
         inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, world, device)
         outer = build_outer(cfg, world, inner, telemetry, local_group=group)

@@ -391,10 +391,10 @@ def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path):
     port = free_port()
     start_store(procs, port)
     steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4"]
-    # b starts from other weights (another seed, as after resuming from an older checkpoint): the first outer
+    # b starts from other weights (another init seed, as after resuming from an older checkpoint): the first outer
     # step of the run's life aligns everyone on the source's state, so checksums agree from step 1 on
     nodes = [start_node(procs, port, "a", tmp_path, *steps, workers=2),
-             start_node(procs, port, "b", tmp_path, *steps, "--train.seed=7", workers=2)]
+             start_node(procs, port, "b", tmp_path, *steps, "--train.init_seed=7", workers=2)]
     for n in nodes:
         assert finish(n, 240, nodes) == 0, n.report()
     assert_identical(nodes)

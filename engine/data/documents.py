@@ -10,6 +10,11 @@ and `plan_tasks` cuts the same documents, in the same order, into chunks of roug
 worker processes read and tokenize on their own (`read_task`). A .jsonl file is cut into byte ranges at line
 starts, so workers parse it in parallel; a table file is streamed by the planner and its rows sent as text.
 
+Decoding, the same in both readers so that a prepared folder and its raw files give the same tokens: UTF-8, a
+byte-order mark dropped (a .jsonl line's too, as where files were concatenated), each invalid byte as U+FFFD; in
+a .jsonl text, each unpaired UTF-16 surrogate escape (`"\\ud83d"`, an emoji cut in half by a web scrape, which JSON
+accepts) as U+FFFD too, since it has no UTF-8 form and the tokenizers refuse it.
+
 Held-out split: a document goes to eval when a hash of its text falls in the first eval_percent percent, so the
 split does not depend on file order, chunking or the number of workers.
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +35,9 @@ SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
 
 # ("file", path) | ("jsonl", path, start, end) | ("texts", path, [text, ...]): plain tuples, cheap to pickle
 Task = tuple
+
+# what json.loads leaves of a "\udXXX" escape without its pair (a pair becomes the one character it encodes)
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def find_files(path: str, what: str = "data.path") -> list[Path]:
@@ -57,14 +66,20 @@ def is_eval_document(text: str, eval_percent: float) -> bool:
 
 # ---------------------------------------------------------------------------------------------- one file kind each
 
-def _record_text(path: Path, lineno: int, line: bytes | str, text_field: str) -> str:
+def read_text_file(path: Path) -> str:
+    return path.read_text(encoding="utf-8-sig", errors="replace")
+
+
+def _record_text(path: Path, lineno: int, line: bytes, text_field: str) -> str:
     try:
-        record = json.loads(line)
-    except ValueError:  # UnicodeDecodeError is a ValueError too
+        record = json.loads(line.decode("utf-8-sig", errors="replace"))
+    except ValueError:
         raise ValueError(f"{path}:{lineno}: not a JSON object") from None
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         raise ValueError(f"{path}:{lineno}: no string field {text_field!r} (set data.text_field / --text-field)")
+    if not text.isascii():  # O(1) for the common all-ASCII text
+        text = LONE_SURROGATE.sub("\ufffd", text)
     return text
 
 
@@ -149,9 +164,9 @@ def read_documents(files: list[Path], text_field: str) -> Iterator[str]:
     for f in files:
         suffix = f.suffix.lower()
         if suffix in TEXT_SUFFIXES:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            yield read_text_file(f)
         elif suffix in JSONL_SUFFIXES:
-            with f.open(encoding="utf-8", errors="replace") as fh:
+            with f.open("rb") as fh:  # lines of bytes, as jsonl_range cuts them
                 for lineno, line in enumerate(fh, 1):
                     if line.strip():
                         yield _record_text(f, lineno, line, text_field)
@@ -188,7 +203,7 @@ def read_task(task: Task, text_field: str) -> tuple[list[str], int]:
     """(documents, source bytes they came from) of one task."""
     kind, path = task[0], Path(task[1])
     if kind == "file":
-        return [path.read_text(encoding="utf-8", errors="replace")], path.stat().st_size
+        return [read_text_file(path)], path.stat().st_size
     if kind == "jsonl":
         return jsonl_range(path, task[2], task[3], text_field), task[3] - task[2]
     return task[2], sum(len(t.encode("utf-8")) for t in task[2])

@@ -5,7 +5,9 @@
 The story: list the source files; plan chunks of about --chunk-mb of text in corpus order (documents.plan_tasks);
 workers (forked, each with the tokenizer) read and tokenize chunks; the parent takes results back in order, at
 most 2 x workers in flight (memory stays flat), appends them to the open train and eval shards, and closes a
-shard group once its train shard holds --shard-tokens tokens. The output does not depend on --workers.
+shard group once its train shard holds --shard-tokens tokens. The output does not depend on --workers. A .txt/.md
+file is one document and one chunk, tokenized whole: one over --max-text-mb (32) is refused, so a worker's memory
+stays bounded too (about 12x the largest chunk).
 
 Never a shard that looks complete when it is not: an open shard is `NAME.partial`, renamed only once written and
 fsynced; prepare.json (the journal: which groups are final and how many chunks they hold) is replaced atomically
@@ -14,7 +16,8 @@ manifest lists and refuses a folder with a journal and no manifest.
 
 Run again on the same DIR: with a journal of the same sources and settings it resumes after the last final group
 (stray `.partial` files and unlisted shards are removed); with a journal of other sources or settings it starts
-clean; a finished folder of the same inputs is left alone. It says which on stderr.
+clean; a finished folder of the same inputs is left alone once its shards match the manifest (sizes and
+checksums), and prepared again from the start when they do not. It says which on stderr.
 """
 
 from __future__ import annotations
@@ -36,12 +39,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.data.documents import find_files, is_eval_document, plan_tasks, read_task
+from engine.data.documents import TEXT_SUFFIXES, find_files, is_eval_document, plan_tasks, read_task
 from engine.data.shards import FORMAT, JOURNAL, MANIFEST, SPLITS, read_manifest, shard_names, verify
 from engine.data.tokenizer import Tokenizer, frame_documents, load_tokenizer, token_dtype
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 per train shard
 DEFAULT_CHUNK_BYTES = 4 << 20
+# a .txt/.md file is one document, read and tokenized whole by one worker at about 12x its size in memory (text,
+# int32 ids, framed ids, the chunk's tokens; 31.5 MiB peaked at 377 MiB over the worker's start): a larger one is
+# refused, not streamed, since a transformers tokenizer cut into pieces would not give the tokens of the whole
+# (merges across a cut, a prefix space per piece), nor the raw path's stream
+DEFAULT_MAX_TEXT_BYTES = 32 << 20
 OWN_FILE = re.compile(r"^(train|eval)-\d{5}\.(bin|idx)(\.partial)?$")
 
 # what a forked worker tokenizes with: (tokenizer, eval_percent, text_field, dtype), set before the pool forks
@@ -71,7 +79,7 @@ class SplitWriter:
         self.out, self.split, self.state = out, split, state  # state: the journal's entry for this split
         self.files: tuple[Path, Path] | None = None
         self.handles: tuple[Any, Any] | None = None
-        self.hash = hashlib.blake2b(digest_size=16)
+        self.hash, self.index_hash = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
         self.tokens = self.documents = 0
 
     def add(self, group: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
@@ -83,7 +91,9 @@ class SplitWriter:
             self.handles = tuple(open(str(f) + ".partial", "wb") for f in self.files)  # type: ignore[assignment]
         tokens.tofile(self.handles[0])
         self.hash.update(memoryview(tokens))
-        (self.tokens + np.cumsum(lengths)).astype("<u8").tofile(self.handles[1])
+        ends = (self.tokens + np.cumsum(lengths)).astype("<u8")
+        ends.tofile(self.handles[1])
+        self.index_hash.update(memoryview(ends))
         self.tokens += len(tokens)
         self.documents += len(lengths)
 
@@ -98,11 +108,11 @@ class SplitWriter:
             os.replace(str(final) + ".partial", final)
         self.state["shards"].append({"file": self.files[0].name, "index": self.files[1].name,
                                      "tokens": self.tokens, "documents": self.documents,
-                                     "blake2b": self.hash.hexdigest()})
+                                     "blake2b": self.hash.hexdigest(), "index_blake2b": self.index_hash.hexdigest()})
         self.state["tokens"] += self.tokens
         self.state["documents"] += self.documents
         self.files = self.handles = None
-        self.hash = hashlib.blake2b(digest_size=16)
+        self.hash, self.index_hash = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
         self.tokens = self.documents = 0
 
 
@@ -144,13 +154,28 @@ def open_out(out: Path, ident: dict[str, Any], say: Callable[[str], None]) -> di
     """The journal to continue from (a fresh one when starting), or None when the folder is already complete."""
     fresh = {"identity": ident["digest"], "tasks_done": 0, "bytes_done": 0, "groups": 0,
              "splits": {s: {"tokens": 0, "documents": 0, "shards": []} for s in SPLITS}}
+    journal_file = out / JOURNAL
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} is a file, not a folder (name a folder for the prepared dataset)")
     if (out / MANIFEST).is_file():
-        if read_manifest(out).get("identity") == ident["digest"]:
+        if read_manifest(out, "--out")["identity"] != ident["digest"]:
+            raise ValueError(f"--out: {out} already holds a prepared dataset of other sources or settings (choose "
+                             f"another --out, or delete it)")
+        try:
+            # sizes and checksums: one read of the shards (blake2b, about 1 s per GiB from the page cache), a
+            # fraction of what preparing them took, and a damaged folder's repair is to prepare it again
+            verify(out, "prepare")
+        except ValueError as e:
+            damage = str(e).removeprefix("prepare: ")
+        else:
             say(f"prepare: {out} is already prepared from these sources and settings; nothing to do")
             return None
-        raise ValueError(f"--out: {out} already holds a prepared dataset of other sources or settings (choose "
-                         f"another --out, or delete it)")
-    journal_file = out / JOURNAL
+        # the journal first: an interruption from here on resumes this prepare rather than trusting the manifest
+        write_json_atomic(journal_file, fresh)
+        (out / MANIFEST).unlink()
+        removed = remove_own_files(out, set())
+        say(f"prepare: preparing {out} again from the start: it is damaged ({damage}; {removed} file(s) removed)")
+        return fresh
     if journal_file.is_file():
         try:
             journal = json.loads(journal_file.read_text())
@@ -240,6 +265,12 @@ def prepare(args: argparse.Namespace, say: Callable[[str], None] = print) -> dic
     for source in args.sources:
         files += find_files(source, "prepare")
     files = list(dict.fromkeys(files))  # a file named by two sources is read once
+    for f in files:
+        if f.suffix.lower() in TEXT_SUFFIXES and f.stat().st_size > args.max_text_bytes:
+            raise ValueError(f"prepare: {f} holds {f.stat().st_size / (1 << 20):.1f} MiB, over --max-text-mb "
+                             f"{args.max_text_bytes / (1 << 20):g} (a .txt/.md file is one document, tokenized "
+                             f"whole, at about 12x its size in memory): split it into files of whole lines (`split "
+                             f"-C 32M --additional-suffix=.txt FILE PREFIX`) or make it a .jsonl of documents")
     tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
     dtype = token_dtype(tokenizer.vocab_size)
     out = Path(args.out)
@@ -323,6 +354,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
                    help="text per worker task, MiB")
     p.add_argument("--task-timeout", type=float, default=600.0, help="seconds a worker may take for one chunk")
+    p.add_argument("--max-text-mb", type=float, default=DEFAULT_MAX_TEXT_BYTES / (1 << 20),
+                   help="the largest .txt/.md file, MiB (one document, tokenized whole: ~12x its size in memory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     v = sub.add_parser("verify", help="check every shard of DIR against the manifest's sizes and checksums")
     v.add_argument("folder", metavar="DIR")
@@ -330,9 +363,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.command == "prepare":
         if not 0 <= args.eval_percent < 100:
             parser.error(f"--eval-percent {args.eval_percent}: expected 0 <= P < 100")
-        if args.workers < 0 or args.shard_tokens < 1 or args.chunk_mb <= 0 or args.task_timeout <= 0:
-            parser.error("--workers must be >= 0, --shard-tokens >= 1, --chunk-mb and --task-timeout > 0")
+        if args.workers < 0 or args.shard_tokens < 1 or min(args.chunk_mb, args.task_timeout, args.max_text_mb) <= 0:
+            parser.error("--workers must be >= 0, --shard-tokens >= 1, --chunk-mb, --task-timeout and --max-text-mb "
+                         "> 0")
         args.chunk_bytes = int(args.chunk_mb * (1 << 20))
+        args.max_text_bytes = int(args.max_text_mb * (1 << 20))
     return args
 
 

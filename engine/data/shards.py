@@ -16,13 +16,16 @@ manifest.json:
     tokenizer       identity: kind, name, vocab_size, bos_id, eos_id, fingerprint (engine.data.tokenizer)
     dtype           "uint16" or "uint32"
     eval_percent, text_field, sources [{path, bytes}], source_bytes, seconds (tokenizing, this run only)
-    splits          {"train"|"eval": {tokens, documents, shards: [{file, index, tokens, documents, blake2b}]}}
+    splits          {"train"|"eval": {tokens, documents, shards: [{file, index, tokens, documents, blake2b,
+                    index_blake2b}]}}: blake2b is the .bin's checksum, index_blake2b the .idx's (absent in folders
+                    prepared before it was written; verify then checks the .idx's size only)
     identity        a digest of what was prepared (sources, tokenizer, split, shard size): how a rerun knows it
 
-Checks when training opens a folder (start-up does not grow with the corpus): the manifest parses, every shard and
-index exists with exactly the size the manifest gives (a truncated file is named), and the tokenizer matches.
+Checks when training opens a folder (start-up does not grow with the corpus): the manifest parses and holds every
+key the reader uses, with its type (check_manifest: a bad one is named), every shard and index exists with exactly
+the size the manifest gives (a truncated file is named), and the tokenizer matches.
 Every sequence read is checked to lie inside the vocabulary (a corrupt shard is named when it is read); the
-per-shard checksums are checked by `python -m engine.data verify DIR`.
+per-shard checksums are checked by `python -m engine.data verify DIR`, and by prepare run again on the folder.
 """
 
 from __future__ import annotations
@@ -64,16 +67,49 @@ def read_manifest(folder: Path, what: str = "data.path") -> dict[str, Any]:
                          f"`python -m engine.data prepare ... --out {folder}` again to finish it")
     try:
         manifest = json.loads(manifest_file.read_text())
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format {manifest.get('format')!r} is not {FORMAT!r}")
-        for split in SPLITS:
-            for shard in manifest["splits"][split]["shards"]:
-                int(shard["tokens"]), int(shard["documents"]), str(shard["file"]), str(shard["index"])
-        np.dtype(manifest["dtype"])
-        int(manifest["tokenizer"]["vocab_size"])
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{what}: {manifest_file} is corrupt ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # UnicodeDecodeError too
+        raise ValueError(f"{what}: {manifest_file} is corrupt (not JSON: {e})") from None
+    try:
+        check_manifest(manifest)
+    except ValueError as e:
+        raise ValueError(f"{what}: {manifest_file} is corrupt: {e}") from None
     return manifest
+
+
+def _key(tree: Any, path: str, kind: type | tuple[type, ...], shown: str | None = None) -> Any:
+    """The value at a dotted key of the manifest, of type `kind`; a ValueError naming the key (as `shown`, when
+    given) otherwise."""
+    value = tree
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ValueError(f"no {shown or path!r}")
+        value = value[part]
+    # a JSON true is a Python bool, which is an int too: not a count
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ValueError(f"{shown or path!r} is {json.dumps(value)[:40]}")
+    return value
+
+
+def check_manifest(manifest: Any) -> None:
+    """Every key that training, verify and a rerun of prepare read, with its type, so that a folder verify passes
+    is one training opens. A ValueError naming the first bad key."""
+    if not isinstance(manifest, dict):
+        raise ValueError("not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"format {manifest.get('format')!r} is not {FORMAT!r}")
+    for key, kind in (("name", str), ("identity", str), ("eval_percent", (int, float)), ("dtype", str),
+                      ("tokenizer", dict), ("tokenizer.vocab_size", int)):
+        _key(manifest, key, kind)
+    if manifest["dtype"] not in ("uint16", "uint32"):
+        raise ValueError(f"'dtype' is {manifest['dtype']!r}, not uint16 or uint32")
+    for split in SPLITS:
+        for i, shard in enumerate(_key(manifest, f"splits.{split}.shards", list)):
+            for key, kind in (("file", str), ("index", str), ("tokens", int), ("documents", int), ("blake2b", str)):
+                value = _key(shard, key, kind, f"splits.{split}.shards[{i}].{key}")
+                if kind is int and value < 0:
+                    raise ValueError(f"'splits.{split}.shards[{i}].{key}' is {value}")
+            if "index_blake2b" in shard:  # absent in folders prepared before it was written
+                _key(shard, "index_blake2b", str, f"splits.{split}.shards[{i}].index_blake2b")
 
 
 def manifest_name(path: str | None) -> str | None:
@@ -153,14 +189,16 @@ def file_checksum(path: Path) -> str:
 
 
 def verify(folder: Path, what: str = "data.path") -> dict[str, Any]:
-    """Every shard's size and checksum against the manifest; the first mismatch is a ValueError naming it."""
+    """Every shard's and index's size and checksum against the manifest; the first mismatch is a ValueError naming
+    the file. An index is checksummed where the manifest has its checksum (index_blake2b)."""
     manifest = read_manifest(folder, what)
     dtype = np.dtype(manifest["dtype"])
     for split in SPLITS:
         for shard in manifest["splits"][split]["shards"]:
-            path = folder / shard["file"]
-            check_size(path, int(shard["tokens"]) * dtype.itemsize, what)
-            check_size(folder / shard["index"], int(shard["documents"]) * 8, what)
-            if file_checksum(path) != shard["blake2b"]:
-                raise ValueError(f"{what}: {path} is corrupt: its checksum differs from {folder / MANIFEST}")
+            files = [(folder / shard["file"], int(shard["tokens"]) * dtype.itemsize, shard["blake2b"]),
+                     (folder / shard["index"], int(shard["documents"]) * 8, shard.get("index_blake2b"))]
+            for path, size, checksum in files:
+                check_size(path, size, what)
+                if checksum is not None and file_checksum(path) != checksum:
+                    raise ValueError(f"{what}: {path} is corrupt: its checksum differs from {folder / MANIFEST}")
     return manifest

@@ -6,6 +6,8 @@ token is a target once). Nothing is copied up front: a sequence is sliced when i
 
 Order: a seeded pseudo-random permutation per epoch, computed index by index (a Feistel network with cycle
 walking), so no table of num_sequences entries is ever built: memory and start-up do not grow with the corpus.
+The seed is train.seed, which every node of a run must share, or their shares of two orders overlap (the mesh
+compares it: engine.config.run_digest).
 
 Sharding: the k-th sequence of that global order belongs to shard k % num_shards (see engine.data.shard_of).
 """
@@ -151,7 +153,14 @@ class TokenStream:
                 "dataset": self.dataset}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("fingerprint") != self.source.fingerprint:
+        theirs, ours = str(state.get("fingerprint")), self.source.fingerprint
+        if theirs != ours:
+            # fake data is made from the seed ("fake-VOCAB-SEQ_LEN-SEED"): name the seed when only it changed
+            if theirs.startswith("fake-") and ours.startswith("fake-") and \
+                    theirs.rpartition("-")[0] == ours.rpartition("-")[0]:
+                raise ValueError(f"checkpoint: the fake data differs from the run that wrote it: train.seed = "
+                                 f"{ours.rpartition('-')[2]} here, {theirs.rpartition('-')[2]} in the checkpoint "
+                                 f"(fake data is generated from the seed: resume with the run's)")
             was = f" (it read {state['dataset']})" if state.get("dataset") else ""
             now = f"; this run reads {self.dataset}" if self.dataset else ""
             raise ValueError(f"checkpoint: the data differs from the run that wrote it{was}{now} (data.path, "
