@@ -58,6 +58,25 @@ def proxy_jump(host: Any) -> str | None:
     return None if not text or text.lower() == "none" else text
 
 
+def known_hosts_files(host: Any) -> tuple[list[str], list[str]]:
+    """The known_hosts files ssh consults for the host: (the user's, the global ones). The profile's known_hosts is
+    the user's; else ssh_config's UserKnownHostsFile, else ~/.ssh/known_hosts. The global ones: ssh_config's
+    GlobalKnownHostsFile, else /etc/ssh/ssh_known_hosts (where clusters hand out their hosts' keys)."""
+    config = _config(host) if config_paths(host) else None
+    user = [host.known_hosts] if host.known_hosts else \
+        list((config.get("UserKnownHostsFile") if config else None) or ["~/.ssh/known_hosts"])
+    system = list((config.get("GlobalKnownHostsFile") if config else None) or ["/etc/ssh/ssh_known_hosts"])
+    return [os.path.expanduser(p) for p in user], [os.path.expanduser(p) for p in system]
+
+
+def ssh_port(host: Any) -> int | None:
+    """The Port ssh_config gives the host's alias, or None."""
+    if not config_paths(host):
+        return None
+    port = _config(host).get("Port")
+    return int(port) if port else None
+
+
 def ssh_hostname(host: Any) -> str | None:
     """The HostName ssh_config gives the host's alias (Host blocks, Match, %-tokens as ssh evaluates them)."""
     if not config_paths(host):

@@ -160,6 +160,23 @@ async def test_unknown_host_key_strict_by_default_and_opt_in(sshd):
         await again.close()
 
 
+async def test_a_key_in_a_global_known_hosts_file_is_trusted_as_ssh_trusts_it(sshd):
+    """Clusters hand out their hosts' keys in a global file (/etc/ssh/ssh_known_hosts, or ssh_config's
+    GlobalKnownHostsFile): ssh connects, and the console said "host key ... is unknown", having read the profile's
+    known_hosts alone."""
+    global_file = sshd.root / "global_known_hosts"
+    global_file.write_text(sshd.known_hosts_line())
+    config = sshd.root / "ssh_config_global"
+    config.write_text(f"Host *\n  GlobalKnownHostsFile {global_file}\n")
+    nothing = sshd.root / "nothing_known_here"
+    t = make_transport(sshd.host_spec("n", known_hosts=str(nothing), ssh_config=str(config)))
+    try:
+        assert (await t.run("echo ok"))[0] == 0
+    finally:
+        await t.close()
+    assert not nothing.exists()  # trusted as it was, nothing recorded
+
+
 async def test_unreachable_host_fails_fast_and_backs_off():
     from console.profile import HostSpec
 

@@ -23,7 +23,7 @@ from typing import Sequence
 import asyncssh
 
 from console.profile import HostSpec, missing_key
-from console.sshconfig import proxy_jump, split_target
+from console.sshconfig import known_hosts_files, proxy_jump, split_target, ssh_hostname, ssh_port
 from console.transport import commands as C
 from console.transport.base import Tail, Transport, TransportError
 
@@ -67,7 +67,15 @@ class SshTransport(Transport):
     # ---- the connection ------------------------------------------------------------------------------------
     @property
     def known_hosts_path(self) -> str:
-        return os.path.expanduser(self.host.known_hosts or "~/.ssh/known_hosts")
+        """The user's known_hosts file: where accept_new_host_key writes, and the one the messages name."""
+        return known_hosts_files(self.host)[0][0]
+
+    def _known_hosts(self) -> asyncssh.SSHKnownHosts:
+        """Every known_hosts file ssh would consult for the host, the global ones included: a key handed out in
+        /etc/ssh/ssh_known_hosts (or ssh_config's UserKnownHostsFile) was "unknown" where ssh connected."""
+        user, system = known_hosts_files(self.host)
+        present = [p for p in user + system if os.path.isfile(p)]
+        return asyncssh.read_known_hosts(present) if present else asyncssh.import_known_hosts("")
 
     async def connect(self) -> None:
         await self._connection()
@@ -93,9 +101,8 @@ class SshTransport(Transport):
     def _options(self) -> dict:
         """Connection options from the profile; what it leaves unset comes from ~/.ssh/config, then defaults."""
         h = self.host
-        kh = self.known_hosts_path
         options = dict(
-            known_hosts=kh if os.path.exists(kh) else asyncssh.import_known_hosts(""),
+            known_hosts=self._known_hosts(),
             connect_timeout=h.connect_timeout, login_timeout=h.connect_timeout,
             keepalive_interval=KEEPALIVE_S, keepalive_count_max=KEEPALIVE_COUNT,
             client_factory=lambda: _Client(self),
@@ -154,10 +161,8 @@ class SshTransport(Transport):
         return True
 
     def _has_known_key(self, host: str, addr: str | None, port: int | None) -> bool:
-        if not os.path.exists(self.known_hosts_path):
-            return False
         try:
-            trusted = asyncssh.match_known_hosts(self.known_hosts_path, host, addr or "",
+            trusted = asyncssh.match_known_hosts(self._known_hosts(), host, addr or "",
                                                  None if port in (None, 22) else port)
         except (OSError, ValueError):
             return False
@@ -167,7 +172,8 @@ class SshTransport(Transport):
         h = self.host
         where = f"{h.user + '@' if h.user else ''}{h.target}{':' + str(h.port) if h.port else ''}"
         if isinstance(e, asyncssh.HostKeyNotVerifiable):
-            if self._has_known_key(h.address or h.target, None, h.port):
+            # the name and port ssh checks the key under: an alias's HostName and Port from ssh_config
+            if self._has_known_key(h.address or ssh_hostname(h) or h.target, None, h.port or ssh_port(h)):
                 return (f"host key CHANGED for {where}: it does not match {self.known_hosts_path}; refusing to "
                         "connect (if the host was reinstalled, remove its old line from known_hosts)")
             return (f"host key of {where} is unknown: not in {self.known_hosts_path}; add it (ssh-keyscan) or set "
