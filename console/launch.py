@@ -1,10 +1,9 @@
-"""What the console runs on a host: the engine's, the store's and the store probe's command lines, and the
-engine's environment. Pure functions of the profile (console/cluster.py starts them; `python -m console.recipes
-launcher` writes the same lines into a script).
+"""What the console runs on a host: the engine's, the store's and the store probe's command lines. Pure functions
+of the profile (console/cluster.py starts them; `python -m console.recipes launcher` writes the same lines into a
+script). The engine's environment is console/profile.py's (data_shard, engine_env): the profile check loads each
+engine's config with it.
 
     engine_argv(profile, host)                  python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
-    data_shard(profile, name)                   (GLOBAL_RANK, GLOBAL_WORLD_SIZE): the host's place in the profile
-    engine_env(profile, host, rank, world)      GLOBAL_* for the mesh, the host's [env], unbuffered output
     store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT
     probe_argv(profile, bind, store_pid, out)   python -m engine.store.probe ... (engine/store/probe.py)
 """
@@ -34,18 +33,6 @@ def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
         rdzv = ["--standalone"]  # its own rendezvous on a free port: nodes sharing a machine never collide
     return [host.python_path, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={host.workers}",
             "-m", "engine.train", *args]
-
-
-def data_shard(profile: Profile, name: str) -> tuple[int, int]:
-    """GLOBAL_RANK and GLOBAL_WORLD_SIZE, which shard the data by node: the host's place among the profile's hosts,
-    standbys included, so every host keeps its own shard however the cluster grows and shrinks."""
-    return list(profile.hosts).index(name), len(profile.hosts)
-
-
-def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> dict[str, str]:
-    return {**host.env, "GLOBAL_ADDR": profile.store_address, "GLOBAL_PORT": str(profile.store.port),
-            "GLOBAL_UNIQUE_ID": host.name, "GLOBAL_RANK": str(rank), "GLOBAL_WORLD_SIZE": str(world_size),
-            "PYTHONUNBUFFERED": "1"}
 
 
 def store_argv(profile: Profile, bind: str | None = None) -> list[str]:

@@ -534,8 +534,6 @@ def check_engine_config(profile: Profile) -> None:
     store and the other nodes had started."""
     from engine.config import ConfigError, load_config, mesh_settings  # the engine's own rules, not a copy
 
-    from console.launch import data_shard, engine_env
-
     lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
     diloco: bool | None = None
     shared: dict[str, dict[str, Any]] = {}  # host -> the settings every node of a DiLoCo run must share
@@ -603,6 +601,18 @@ def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
         config = _engine_config_path(profile, profile.hosts[here])
         raise ProfileError(f"{profile.path}:{lines.get(('hosts', here), 0)}: hosts.{here}: {key} is {mine!r} in "
                            f"{config}, {theirs!r} for {there}; {why}")
+
+
+def data_shard(profile: Profile, name: str) -> tuple[int, int]:
+    """GLOBAL_RANK and GLOBAL_WORLD_SIZE, which shard the data by node: the host's place among the profile's hosts,
+    standbys included, so every host keeps its own shard however the cluster grows and shrinks."""
+    return list(profile.hosts).index(name), len(profile.hosts)
+
+
+def engine_env(profile: Profile, host: HostSpec, rank: int, world_size: int) -> dict[str, str]:
+    return {**host.env, "GLOBAL_ADDR": profile.store_address, "GLOBAL_PORT": str(profile.store.port),
+            "GLOBAL_UNIQUE_ID": host.name, "GLOBAL_RANK": str(rank), "GLOBAL_WORLD_SIZE": str(world_size),
+            "PYTHONUNBUFFERED": "1"}
 
 
 def _written_in(profile: Profile, host: str, key: str) -> tuple[str, ...]:

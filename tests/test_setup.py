@@ -17,10 +17,10 @@ import pytest
 from procs import PYTHON, ROOT, engine_env
 
 from console.cluster import engine_argv
-from console.cluster import engine_env as console_engine_env
-from console.launch import data_shard
+from console.profile import data_shard
+from console.profile import engine_env as console_engine_env
 from console.profile import load_profile
-from engine.config import load_config, parse_overrides
+from engine.config import load_config
 from console.recipes import main, parse_hostfile
 
 HOSTILE = "it's $(touch PWNED) `touch PWNED2` \"q\" a;b"
@@ -305,7 +305,7 @@ def test_slurm_script_runs_torchrun_per_node(lab, tmp_path, layout):
         assert (got["GLOBAL_UNIQUE_ID"], got["GLOBAL_RANK"], got["GLOBAL_WORLD_SIZE"]) == ("job-77", "0", "1")
     # the engine accepts the command line it is given
     overrides = argv[argv.index("engine.train") + 2:]
-    cfg = load_config(ROOT / "configs" / "debug.toml", parse_overrides(overrides))
+    cfg = load_config(ROOT / "configs" / "debug.toml", overrides)  # its words, as engine/train.py reads them
     assert cfg.train.max_steps == 7 and cfg.data.path == HOSTILE and cfg.run.dir == "runs/with space/n2"
     assert not list(lab["work"].glob("PWNED*"))
 
