@@ -146,7 +146,8 @@ def test_a_mean_beyond_the_codecs_range_stops_every_member_before_it_commits():
     assert all(torch.equal(outer.bufs.snapshot, snapshot) for _, outer in nodes.values())  # nothing committed
 
 
-def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run():
+@pytest.mark.parametrize("loop", [{"inner_steps": 1}, {"inner_steps": 2, "fragments": 2}], ids=["diloco", "fragments"])
+def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run(loop):
     """b waits for admission when the store restarts empty: its wait raised Reformed out of DilocoOuter.start (a
     traceback, exit 1). Now it joins the re-formed run, which makes it a joiner (it arrives with nothing to give)
     and hands it a's state and step."""
@@ -167,7 +168,7 @@ def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run
     for name in "ab":
         inner = Inner(0 if name == "a" else 1)  # b's own (stale) weights differ
         mesh = FakeMesh([plan], [True]) if name == "a" else VoidedAdmission([plan], [True], joiner=True)
-        outer = make_outer(inner, mesh, node=name, events=events[name], inner_steps=1, group_factory=lambda p, n, r:
+        outer = make_outer(inner, mesh, node=name, events=events[name], **loop, group_factory=lambda p, n, r:
                            _gloo(dist.PrefixStore(f"g{p.generation}/", store), p.rank_of(n), p.size))
         nodes[name] = (inner, outer, Progress(step=5, outer_step=5, tokens=500) if name == "a" else Progress())
 
@@ -191,6 +192,8 @@ def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run
         t.join(timeout=60)
     assert not errors, errors
     (a_inner, a, a_progress), (b_inner, b, b_progress) = nodes["a"], nodes["b"]
-    assert torch.equal(_flat(a_inner), _flat(b_inner)) and torch.equal(a.bufs.snapshot, b.bufs.snapshot)
+    assert torch.equal(a.bufs.snapshot, b.bufs.snapshot)
+    if "fragments" not in loop:  # with fragments a keeps its own progress on the fragment not synced
+        assert torch.equal(_flat(a_inner), _flat(b_inner))
     assert (b_progress.step, b_progress.outer_step) == (a_progress.step, a_progress.outer_step) == (6, 6)
     assert any("restarted empty" in e.get("message", "") for e in events["b"] if e["type"] == "warning")

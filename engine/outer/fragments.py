@@ -210,10 +210,11 @@ class FragmentedDiloco(DilocoOuter):
             self.watch.boundary()
             self._round(progress, plan=None, draining=draining and i == count - 1, tokens=0)
 
-    def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int) -> None:
+    def _round(self, progress: Progress, *, plan: Any, draining: bool, tokens: int,
+               joining: bool | None = None) -> None:
         if plan is None:
             self._frag = self.fragment_of(progress.outer_step + 1)
-        super()._round(progress, plan=plan, draining=draining, tokens=tokens)
+        super()._round(progress, plan=plan, draining=draining, tokens=tokens, joining=joining)
 
     def _round_weight(self, progress: Progress, tokens: int) -> int:
         """The tokens this node trained since the fragment of this outer step was last synced."""
