@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 from glob import escape as glob_escape
 from pathlib import Path
@@ -46,6 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from engine.config import CkptConfig
+from engine.errors import CheckpointFailed
 from engine.world import World
 
 POINTER = "latest"
@@ -103,10 +105,6 @@ def _reason(e: BaseException) -> str:
         e = next(iter(e.failures.values()))[0]
     text = " ".join(str(e).split()) or type(e).__name__
     return f"{type(e).__name__}: {text[:200]}"
-
-
-class CheckpointFailed(RuntimeError):
-    """A save that failed on some rank of the node, raised on every rank alike once they agreed on it."""
 
 
 class Checkpointer:
@@ -268,12 +266,13 @@ class Checkpointer:
                     os.rename(tmp, final)
                     _fsync_dir(self.dir)
                     _write_atomic(self.dir / POINTER, final.name + "\n")  # only now is the new checkpoint "latest"
-                    self._prune()
         except CheckpointFailed:
             if self.world.rank == 0 and self._owner(tmp) == self._me():  # every rank is past writing into it
                 shutil.rmtree(tmp, ignore_errors=True)  # of no use, and a full disk wants the space back
             raise
         self.last_saved_step = step
+        if self.world.rank == 0:
+            self._prune()  # after the commit: a cleanup that fails is no failed save
         return final, time.monotonic() - t0
 
     @contextlib.contextmanager
@@ -343,7 +342,10 @@ class Checkpointer:
 
     def _prune(self) -> None:
         for step in self.steps_on_disk()[:-self.cfg.keep]:
-            shutil.rmtree(self.dir / _step_name(step))
+            try:
+                shutil.rmtree(self.dir / _step_name(step))
+            except OSError as e:  # the next save tries again
+                print(f"warning: ckpt.keep: could not remove {_step_name(step)}: {e}", file=sys.stderr, flush=True)
 
     def load(self, path: Path, inner, data, progress, outer) -> int:
         """Restore everything saved by save(); returns the step. Errors are ValueErrors naming the folder."""

@@ -12,6 +12,11 @@ def first_line(err: BaseException, limit: int | None = None) -> str:
     return text.splitlines()[0][:limit] if text else type(err).__name__
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint save that failed on some rank of the node, raised on every rank alike once they agreed on it
+    (engine/checkpoint.py): one line, exit 1, nothing of it committed."""
+
+
 class SameOnEveryRank(ValueError):
     """Bad input found by checks that every rank of the node runs alike, on the same inputs: local rank 0 alone
     reports it (main). Not so for the device and rendezvous of setup_distributed or a rank's own checkpoint file."""

@@ -312,7 +312,13 @@ def run(s: Session) -> str:
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
     loss = None
-    while not s.outer.finished(progress, cfg.train.max_steps):
+    while True:
+        try:  # fragments: a run resumed at its last boundary syncs its other fragments here (outer steps)
+            if s.outer.finished(progress, cfg.train.max_steps):
+                break
+        except Stopped as e:
+            status = e.reason
+            break
         schedule_step = s.outer.step_for_schedule(progress)
         if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
             s.inner.schedule_at(schedule_step)

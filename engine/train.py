@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
 
 from engine.config import Config, digest, grad_accum_steps, load_config
-from engine.errors import SameOnEveryRank, first_line, same_on_every_rank
+from engine.errors import CheckpointFailed, SameOnEveryRank, first_line, same_on_every_rank
 from engine.mesh.protocol import MeshError
 from engine.outer.protocol import Diverged
 from engine.telemetry import Telemetry, format_human
@@ -211,6 +211,10 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         if isinstance(e, SameOnEveryRank) and world.rank > 0:  # one line for the node, from local rank 0
             leave_quietly()
         else:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        telemetry.emit("error", message=str(e))
+    except CheckpointFailed as e:  # every rank agreed its save failed: one line (rank 0's says which rank and why)
+        if world.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
     except MeshError as e:  # the mesh said no: bad input before training (store, id, digest), a failure after

@@ -326,7 +326,10 @@ class DilocoOuter:
 
     def _attempt(self, plan: Any, pgrad: torch.Tensor | None, progress: Progress, tokens: int) -> bool:
         joiner = self.node_id in plan.joiners
-        assert joiner or pgrad is not None, "a member without a pseudo-gradient"
+        if not joiner and pgrad is None:  # a re-formation of nodes none of which holds the run's state
+            raise MeshError(f"outer step {plan.outer_step}: the run re-formed with no member that holds its state "
+                            f"(every node arrived as a joiner: {', '.join(plan.members)}); resume the nodes from their "
+                            f"checkpoints (--ckpt.resume=latest)")
         # the mesh's contributors: members that are not joiners and arrived with a pseudo-gradient
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
         # a contributor weighs the tokens of its round (rounds.py); a joiner and a diverged node weigh nothing

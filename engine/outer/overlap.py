@@ -58,6 +58,7 @@ class OverlappedDiloco(DilocoOuter):
         self._diverged_at_boundary = False  # the boundary found this round diverged (and repaired it)
         self._land_at: int | None = None  # the inner step at which the round in flight lands (diloco.overlap_delay)
         self._flight_tokens = 0  # the tokens of the round in flight (its weight)
+        self._committed_in_flight = False  # the round in flight committed (its update waits in bufs.mean)
         self._reset_at_landing = False  # the sentinel left the round in flight out: fresh optimizer state as it lands
 
     # ---- the Outer protocol -----------------------------------------------------------------------------------
@@ -118,6 +119,7 @@ class OverlappedDiloco(DilocoOuter):
         frozen = copy.copy(progress)  # the round's own counters
         self._flight_progress = (frozen, progress, progress.step, progress.tokens)
         self._flight_tokens = tokens
+        self._committed_in_flight = False
         delay = self.cfg.overlap_delay
         self._land_at = progress.step + delay if delay else None  # None: as soon as it is done
         self._start_flight(lambda: self._round(frozen, plan=None, draining=False, tokens=tokens), "diloco-overlap")
@@ -131,8 +133,11 @@ class OverlappedDiloco(DilocoOuter):
             if not self._join_flight("diloco.overlap"):
                 return False
         except Stopped:
-            self._unsent()
-            raise
+            if not self._committed_in_flight:
+                self._unsent()
+                raise
+            # stopped after its commit (in a hand-off's wait): the round landed like any other, and the stop is
+            # seen again at the next poll (the signal stays set)
         assert self._flight_progress is not None
         frozen, live, step0, tokens0 = self._flight_progress
         # the round's counters (its outer step; a hand-off's step and tokens) plus what trained meanwhile
@@ -152,7 +157,8 @@ class OverlappedDiloco(DilocoOuter):
         if self._anchored:
             assert self._step is not None
             if self._step is not self.bufs.pgrad:  # eager: params = snapshot - u - progress -> snapshot - d - ...
-                params, work = self.inner.outer_params(), self.bufs.mean  # free: nothing landed
+                # a buffer of its own: a collective the stop abandoned may still write into bufs.mean
+                params, work = self.inner.outer_params(), torch.empty_like(self.bufs.pgrad)
                 for view, p in zip(self.bufs.views(work), params):
                     view.copy_(p)
                 work.add_(self._step).sub_(self.bufs.pgrad)
@@ -212,6 +218,7 @@ class OverlappedDiloco(DilocoOuter):
             return super()._apply()
         with self.watch.phase("optimizer"):
             self.opt.step_(self.bufs.snapshot, self.bufs.mean, out=self.bufs.mean)
+        self._committed_in_flight = True
 
     def _land(self, params: torch.Tensor) -> None:
         """In flight, the weights land at the next boundary, like an update."""
@@ -219,6 +226,7 @@ class OverlappedDiloco(DilocoOuter):
             return super()._land(params)
         if params.data_ptr() != self.bufs.mean.data_ptr():
             self.bufs.mean.copy_(params)
+        self._committed_in_flight = True
 
     def _after_discarded_round(self) -> None:
         """In flight the inner optimizer is the training thread's: a node the sentinel left out is reset as its round
