@@ -230,7 +230,7 @@ async def _setup(profile: Profile, t: Transport, host: HostSpec, say: Callable[[
 async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     """Why the host's python needs scripts/setup.sh, or None when it is up to date."""
     args = {"mode": "venv", "workdir": host.workdir, "venv": host.venv or ".", "packages": list(PACKAGES),
-            "pythonpath": host.env.get("PYTHONPATH")}
+            "pythonpath": host.env.get("PYTHONPATH"), "fake_gpus": host.env.get("ZEROBAND_FAKE_GPUS")}
     rc, answer, error = await run_probe(t, host.workdir, host.python_path, args, 60)
     if rc in (126, 127):
         return "does not exist"
@@ -242,6 +242,8 @@ async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     ours, theirs = console_torch(), answer["packages"]["torch"]
     if ours and not same_torch(theirs, ours):
         return f"has torch {theirs}, the console {ours}"
+    if answer.get("gpus") and str(theirs).endswith("+cpu"):  # the same version to same_torch, but no CUDA
+        return f"has torch {theirs}, the CPU build, on a host with {answer['gpus']} GPU(s)"
     if host.venv and answer["stamp"] != answer["stamp_want"]:
         return "was set up from another pyproject.toml or setup.sh" if answer["stamp"] else "was not made by setup"
     return None

@@ -87,6 +87,12 @@ fi
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION}  # PyPI's build of a version is the CUDA one on Linux
+  # pip takes an installed 2.13.0+cpu for torch==2.13.0 (the local label matches): the CPU build goes first
+  if "$PY" -c 'import importlib.metadata as m, sys; sys.exit(0 if m.version("torch").endswith("+cpu") else 1)' \
+      2>/dev/null; then
+    say "removing torch's CPU build: this host has an NVIDIA driver"
+    "$PY" -m pip uninstall -y -q torch
+  fi
   say "installing $TORCH_SPEC"
   "$PY" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 else

@@ -404,6 +404,29 @@ def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_
     assert once.returncode == 0 and f"node-a+node-b: {work} is up to date" in once.stdout, once.stdout
 
 
+async def test_sync_sets_up_a_venv_with_torchs_cpu_build_on_a_host_with_gpus(tmp_path):
+    """check names torch's CPU build where GPUs are, and its fix is sync: sync took the venv for set up (the
+    version is the console's; same_torch ignores the build), so the check failed for ever."""
+    from console.profile import HostSpec
+    from console.sync import _setup_due
+    from console.transport import make_transport
+
+    torch = __import__("importlib.metadata").metadata.version("torch")
+    host = HostSpec(name="g", transport="local", workdir=str(ROOT), python=sys.executable,
+                    env={"ZEROBAND_FAKE_GPUS": "2"})
+    t = make_transport(host)
+    try:
+        due = await _setup_due(t, host)
+        plain = await _setup_due(t, host.model_copy(update={"env": {}}))
+    finally:
+        await t.close()
+    if torch.endswith("+cpu"):  # this machine's: the CPU build
+        assert due == f"has torch {torch}, the CPU build, on a host with 2 GPU(s)"
+    else:
+        assert due is None
+    assert plain is None
+
+
 def test_sync_writes_a_shared_folder_once_and_every_other_host_apart():
     from console.sync import destinations
 

@@ -27,6 +27,8 @@ import json, os, sys
 with open(os.environ["STUB_LOG"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 args = sys.argv[1:]
+if args[:1] == ["-c"] and "importlib.metadata" in args[1]:  # is the installed torch the CPU build?
+    sys.exit(0 if os.environ.get("STUB_TORCH", "").endswith("+cpu") else 1)
 if args[:2] == ["-m", "pip"] and "--index-url" not in args and any(a.startswith("torch") for a in args):
     if os.environ["STUB_LOCAL_CPU_WHEEL"] != "1":
         print("ERROR: No matching distribution found for " + args[-1], file=sys.stderr)
@@ -87,3 +89,12 @@ def test_what_sync_runs_installs_the_consoles_torch_over_a_current_stamp_into_a_
     assert done.returncode == 0, done.stderr
     assert [c[-1] for c in installs] == ["torch==2.9.1", ".[dev,deepspeed]"], installs
     assert not (ROOT / "~").exists()
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert not [c for c in calls if c[:3] == ["-m", "pip", "uninstall"]]  # no CPU build to replace
+    # a GPU host whose venv has the CPU build: pip took it for torch==2.13.0 (its local label matches); it goes
+    for name in ("venv", "bin", "calls.jsonl"):
+        subprocess.run(["rm", "-rf", str(tmp_path / name)], check=True)
+    done, installs = _setup(tmp_path, local_wheel=True, gpu=True, FORCE="1", STUB_TORCH="2.13.0+cpu")
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert done.returncode == 0 and ["-m", "pip", "uninstall", "-y", "-q", "torch"] in calls, calls
+    assert calls.index(["-m", "pip", "uninstall", "-y", "-q", "torch"]) < calls.index(installs[0])

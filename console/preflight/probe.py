@@ -388,7 +388,7 @@ def venv(a):
     except OSError:
         pass
     return {"python": list(sys.version_info[:3]), "packages": package_versions(a.get("packages", [])),
-            "stamp": stamp, "stamp_want": setup_digest(workdir)}
+            "stamp": stamp, "stamp_want": setup_digest(workdir), "gpus": gpus(a.get("fake_gpus"), None)["count"]}
 
 
 def main(a):
