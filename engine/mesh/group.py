@@ -21,6 +21,7 @@ from typing import Any
 from engine.errors import first_line
 from engine.mesh.membership import text
 from engine.mesh.protocol import Keys, Liveness, MeshError, Plan
+from engine.store.server import resolve
 
 _groups: dict[tuple[str, int], tuple[int, Any]] = {}  # (node_id, local_rank) -> (generation, group)
 _own_keys: dict[tuple[str, int], str] = {}  # (node_id, local_rank) -> this rank's rendezvous key of its last group
@@ -31,7 +32,7 @@ def _local_address(store: Any) -> str:
     host = getattr(store, "host", "127.0.0.1")
     port = getattr(store, "port", 1)
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_DGRAM)[0]
+        family, address = resolve(host, port, socket.SOCK_DGRAM)  # the family the store is dialled in
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(address)  # UDP connect sends nothing: it only picks the route (IPv4 or IPv6, as the store's)
             return s.getsockname()[0]

@@ -23,12 +23,22 @@ from datetime import timedelta
 from engine.telemetry import encode, make_event
 
 
+def resolve(host: str | None, port: int, socktype: int, flags: int = 0) -> tuple[int, tuple]:
+    """(family, address) of host: IPv4 where the name has an IPv4 address (a name with both kept what every node
+    dialled before), else IPv6 (a literal like ::1, a v6-only name). socket.gaierror when it has neither."""
+    try:
+        info = socket.getaddrinfo(host, port, socket.AF_INET, socktype, 0, flags)
+    except socket.gaierror:
+        info = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socktype, 0, flags)
+    return info[0][0], info[0][4]
+
+
 def _listen(host: str, port: int) -> socket.socket | str:
     """A listening socket on host:port only (TCPStore alone would listen on every interface), or why not: one line
     that says what to change."""
     try:  # the address's own family: an IPv6 one (::1, or :: for every interface) as an IPv4 one
-        family, _, _, _, address = socket.getaddrinfo(None if host in ("0.0.0.0", "") else host, port,
-                                                      socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0]
+        family, address = resolve(None if host in ("0.0.0.0", "") else host, port, socket.SOCK_STREAM,
+                                  socket.AI_PASSIVE)
     except socket.gaierror as e:  # before OSError: a name that does not resolve is not a port problem
         return f"{host} is not a known host name ({e.strerror})"
     if host in ("0.0.0.0", ""):
