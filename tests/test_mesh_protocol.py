@@ -1246,3 +1246,28 @@ def test_a_process_replaced_under_its_id_cannot_overwrite_the_replacements_join_
         old.boundary(2, 0)
     plans = sim.boundary(2, 0, ["a", "b"])
     assert plans["a"].joiners == ("x",), plans["a"]
+
+
+def test_a_crowded_registry_is_tried_again_at_the_next_tick_not_fatal(monkeypatch):
+    """After a store restart every node registers again within a beat. A heartbeat that lost the registry's race
+    for its whole time failed its node; a tick that waited longer than a heartbeat timeout left its counter still
+    and the node dead to its peers. It now tries for half a timeout, then again at the next tick (which beats)."""
+    from engine.mesh.membership import RegistryBusy
+
+    sim = Sim()
+    sim.start("a", "b")
+    _run_committed(sim, 0, ["a", "b"])
+    sim.store.restart()  # empty: every node must register again
+    real, asked = Registry.update, []
+
+    def busy(cls, store, keys, change, within=120.0):
+        asked.append(within)
+        raise RegistryBusy("the registry key zb/ids kept changing under this node's updates")
+
+    monkeypatch.setattr(Registry, "update", classmethod(busy))
+    sim.nodes["a"]._beat()
+    assert sim.nodes["a"].heartbeat.error is None and asked == [CFG.heartbeat_timeout / 2]
+    assert any("registering again at the next tick" in e.get("message", "") for e in sim.events)
+    monkeypatch.setattr(Registry, "update", real)
+    sim.nodes["a"]._beat()
+    assert sim.nodes["a"].heartbeat.error is None and "a" in Registry.parse(sim.store.get(Keys().ids()).decode()).ids

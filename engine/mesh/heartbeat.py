@@ -36,7 +36,7 @@ from collections import deque
 from typing import Any, Callable
 
 from engine.errors import first_line
-from engine.mesh.membership import STORE_ERRORS, Membership, Registry, text
+from engine.mesh.membership import STORE_ERRORS, Membership, Registry, RegistryBusy, text
 from engine.mesh.protocol import Keys, MeshError, NodeState
 from engine.mesh.registration import Registration
 
@@ -168,7 +168,12 @@ class Heartbeat:
         self._seq = s.add(self.keys.hb(self.node_id), 1)
         reg, others, keys = self._read_registry(s)
         if self.node_id not in reg.ids:
-            reset = self.registration.register_again(s)
+            try:  # within half a heartbeat timeout: a tick that waits longer leaves the counter still, and this
+                # node dead to its peers; the next tick (which beats first) tries again
+                reset = self.registration.register_again(s, within=self.cfg.heartbeat_timeout / 2)
+            except RegistryBusy as e:
+                self._emit("warning", message=f"node {self.node_id}: {e}: registering again at the next tick")
+                return
             self._emit("warning", message=f"node {self.node_id}: " + (
                 "the membership store restarted empty: registered again, the run re-forms" if reset else
                 "was removed from the registry while silent: registered again"))
@@ -366,7 +371,10 @@ class Heartbeat:
                 for n in due:
                     r.gone.pop(n, None)
                 r.gone.update({n: list(g) if g else None for n, g in groups.items()})
-            reg = Registry.update(s, self.keys, change)
+            try:
+                reg = Registry.update(s, self.keys, change, within=self.cfg.heartbeat_timeout / 2)
+            except RegistryBusy:  # nodes registering in a crowd: prune at a later tick (a beat must not wait)
+                return
             for n in deleted:
                 self._delete_node_keys(s, n, self._gone_groups.get(n))
         self._gone_seen = set(reg.gone)

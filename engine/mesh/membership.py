@@ -26,6 +26,10 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+class RegistryBusy(MeshError):
+    """Registry.update kept losing the compare_set race for its whole time: other nodes change `ids` as fast."""
+
+
 @dataclass
 class Registry:
     """The value of `ids`: registered ids, and ids pruned from it whose keys are deleted at the next prune
@@ -64,8 +68,8 @@ class Registry:
             if new == raw or text(store.compare_set(keys.ids(), raw, new)) == new:
                 return reg
             if time.monotonic() > deadline:
-                raise MeshError(f"the registry key {keys.ids()} kept changing under this node's updates for "
-                                f"{within:g}s")
+                raise RegistryBusy(f"the registry key {keys.ids()} kept changing under this node's updates for "
+                                   f"{within:g}s")
             time.sleep(random.uniform(0, pause))
             pause = min(1.0, pause * 2)
 

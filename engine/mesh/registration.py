@@ -21,7 +21,7 @@ import json
 import uuid
 from typing import Any, Callable
 
-from engine.mesh.membership import Membership, Registry, text
+from engine.mesh.membership import UPDATE_WITHIN_S, Membership, Registry, text
 from engine.mesh.planner import Planner
 from engine.mesh.protocol import Keys, MeshError, NodeState
 
@@ -209,7 +209,7 @@ class Registration:
             raise MeshError(f"node {self.node_id} was declared dead and a newer process (pid {holder.get('pid')}) "
                             f"took its id over: this process must exit")
 
-    def register_again(self, s: Any) -> bool:
+    def register_again(self, s: Any, within: float = UPDATE_WITHIN_S) -> bool:
         """This id is not in the registry: the store restarted empty, or the others pruned this node while it
         was frozen. Register again (on the heartbeat's client `s`); True after a restart: the waits re-form the
         run (Reformed)."""
@@ -229,5 +229,6 @@ class Registration:
         else:  # pruned while silent: the leader deleted its keys, and a registered id must have them (a reader
             # of an absent TCPStore key blocks until it appears: the planner would wait store_timeout for it)
             self.write_state(m.node_state, s)
-        Registry.update(s, k, lambda reg: reg.ids.append(self.node_id) if self.node_id not in reg.ids else None)
+        Registry.update(s, k, lambda reg: reg.ids.append(self.node_id) if self.node_id not in reg.ids else None,
+                        within=within)
         return reset
