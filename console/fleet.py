@@ -198,6 +198,7 @@ class Node:
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=CHECKPOINTS))  # (step, path, seconds)
     _steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)
     _outer_steps: deque = field(default_factory=lambda: deque(maxlen=_STEP_WINDOW), repr=False)  # (ts, outer step)
+    _step_seen: float | None = field(default=None, repr=False)  # the console's clock when its latest step came
     _own_ts: float | None = field(default=None, repr=False)  # its newest event's ts (files replay out of order)
     _proof_ts: float | None = field(default=None, repr=False)  # ... of those that overrule a mesh "dead" report
     _outer_ts: float | None = field(default=None, repr=False)  # its previous outer step, by its own clock
@@ -208,11 +209,12 @@ class Node:
         interval between step events, and at least STALE_STEP_S. A node held at a boundary (a lost store, a
         straggler, a re-formation) still beats and samples its resources, and its last figure was summed into the
         cluster's tokens/s as if it trained."""
-        if self.tokens_per_s is None or not self._steps:
+        if self.tokens_per_s is None or not self._steps or self._step_seen is None:
             return self.tokens_per_s
         (t0, _), (t1, _) = self._steps[0], self._steps[-1]
         interval = (t1 - t0) / (len(self._steps) - 1) if len(self._steps) > 1 else 0.0
-        return self.tokens_per_s if time.time() - t1 <= max(STALE_STEP_S, 4 * interval) else None
+        # by the console's clock (when the step arrived), not the engine's: a host's clock may be off by more
+        return self.tokens_per_s if time.time() - self._step_seen <= max(STALE_STEP_S, 4 * interval) else None
 
     @property
     def heartbeat_age(self) -> float | None:
@@ -467,6 +469,7 @@ class Fleet:
             node.loss_history.append((ts, loss))
         node.tps_history.append((ts, tps))
         node._steps.append((ts, step))
+        node._step_seen = self._clock()
         node.log.append(_LazyLine(event))
 
     def _on_resource(self, node: Node, event: dict[str, Any]) -> None:

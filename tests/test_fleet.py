@@ -387,16 +387,20 @@ def test_a_node_held_without_steps_no_longer_counts_its_last_tokens_per_s():
     into the cluster's as if it trained: no step for 30 s (or four of its step intervals) and it is no figure."""
     from console.widgets.node_table import node_row
 
-    fleet, now = Fleet(), time.time()
-    for name, last in (("a", now - 1), ("b", now - 60)):
+    now = time.time()
+    seen = [now]
+    fleet = Fleet(clock=lambda: seen[0])  # when the console received each line
+    # c's steps arrive now, by a clock 100 s behind the console's: current (the console's clock decides)
+    for name, received, clock in (("a", now - 1, 0.0), ("b", now - 60, 0.0), ("c", now, -100.0)):
+        seen[0] = received
         fleet.add_node(name, "h", NodeState.STARTING)
         fleet.ingest(name, start(name))
         fleet.ingest(name, line("state", name, state="training"))
         for k in range(3):
-            fleet.ingest(name, step(k + 1, 2.0, 1000.0, node=name, ts=last - 2 + k))
+            fleet.ingest(name, step(k + 1, 2.0, 1000.0, node=name, ts=received + clock - 2 + k))
         fleet.ingest(name, line("heartbeat", name, seq=1, peers={}))  # b beats on, held
-    assert fleet.summary().tokens_per_s == 1000.0
-    assert [node_row(fleet.nodes[n], 6.0)["tps"].plain for n in "ab"] == ["1,000", "-"]
+    assert fleet.summary().tokens_per_s == 2000.0
+    assert [node_row(fleet.nodes[n], 6.0)["tps"].plain for n in "abc"] == ["1,000", "-", "1,000"]
 
 
 def test_a_store_whose_probe_writes_nothing_new_is_flagged_then_cleared():
