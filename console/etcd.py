@@ -158,11 +158,17 @@ class EtcdCluster:
                     return None
                 pid = int(text)
                 await t.signal(pid, "TERM")
+                # the whole group: TERM ends the wrapper shell at once, while etcd may still hold its ports for a
+                # moment (the next start's check then found them taken)
                 for _ in range(int(timeout / 0.1)):
-                    if not await t.alive(pid, C.TAG):
+                    if not await t.group_alive(pid):
                         return None
                     await asyncio.sleep(0.1)
                 await t.signal(pid, "KILL")
+                for _ in range(50):
+                    if not await t.group_alive(pid):
+                        return None
+                    await asyncio.sleep(0.1)
             except TransportError as e:
                 return f"{member.name}: {e}"
             return None
