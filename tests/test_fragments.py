@@ -312,10 +312,8 @@ def test_a_node_left_out_that_rejoins_in_flight_takes_the_runs_step_and_tokens(d
     5000 tokens. With step rounds it takes a's step and tokens and keeps the steps it trained meanwhile. Defect:
     with fragment_delay the re-join happened in flight and b kept its own (step 4, 4000 tokens) while its anchors
     counted from a's (6000): its next fragment's weight was -2000, its boundaries off by the steps it missed."""
-    import threading
-
     from engine.mesh.protocol import Excluded
-    from test_outer_nonfinite import _gloo
+    from test_outer_nonfinite import _gloo, in_threads
 
     store = dist.HashStore()
     plan = make_plan(1, 6, 0, ["a", "b"], joiners=["b"], source="a")
@@ -352,11 +350,7 @@ def test_a_node_left_out_that_rejoins_in_flight_takes_the_runs_step_and_tokens(d
         finally:
             outer.close("completed")
 
-    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    in_threads(run, "ab")
     assert all(isinstance(v, tuple) for v in out.values()) and len(out) == 2, out
     assert out["a"][0] == out["b"][0] == Progress(step=7, outer_step=6, tokens=7000), out
     assert out["b"][1] == 1000 and out["a"][2] == out["b"][2], out  # its step since the hand-off; the agreed weights

@@ -41,6 +41,17 @@ def _gloo(store, rank: int, size: int) -> dist.ProcessGroup:
     return pg
 
 
+def in_threads(run, names: str, timeout: float = 60) -> None:
+    """run(name) for each node in a thread of its own, the nodes' collectives pairing over their gloo groups;
+    every thread ends within `timeout` (an outer step that hung fails here)."""
+    threads = [threading.Thread(target=run, args=(n,), daemon=True) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    assert not any(t.is_alive() for t in threads), "an outer step hung"
+
+
 def _flat(inner) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in inner.outer_params()])
 
@@ -82,12 +93,7 @@ def test_a_single_nan_element_gives_the_round_weight_zero(overlap):
         finally:
             outer.close("completed")
 
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    assert not any(t.is_alive() for t in threads), "an outer step hung"
+    in_threads(node, "ab")
     assert not errors, errors
 
     for name in "ab":
@@ -135,11 +141,7 @@ def test_a_mean_beyond_the_codecs_range_stops_every_member_before_it_commits():
         finally:
             outer.close("failed")
 
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    in_threads(node, "ab")
     assert sorted(errors) == ["a", "b"], errors
     assert all(str(e).startswith("outer step 1: the mean of finite pseudo-gradients is not finite: a value beyond "
                                  "diloco.compression = 'fp16''s range") for e in errors.values()), errors
@@ -185,11 +187,7 @@ def test_a_joiner_whose_admission_a_store_restart_voided_joins_the_re_formed_run
         finally:
             outer.close("completed")
 
-    threads = [threading.Thread(target=node, args=(n,), daemon=True) for n in "ab"]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    in_threads(node, "ab")
     assert not errors, errors
     (a_inner, a, a_progress), (b_inner, b, b_progress) = nodes["a"], nodes["b"]
     assert torch.equal(a.bufs.snapshot, b.bufs.snapshot)
