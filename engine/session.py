@@ -158,7 +158,7 @@ def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
                             max_steps=cfg.train.max_steps)
         resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
     for note in [*data.notes, *ckpt.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake),
-                 unsynced_tail_note(cfg)]:
+                 unsynced_tail_note(cfg), eval_off_note(cfg, data)]:
         if note:
             telemetry.emit("warning", message=note)
     return Inputs(data, hf_config, ckpt, resume_from, stale_drain)
@@ -232,6 +232,15 @@ def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
     how = "stretched" if cfg.train.max_steps > before else "shortened"
     return (f"train.max_steps is {cfg.train.max_steps}, the checkpoint's run had {before}: the {cfg.optim.schedule} "
             f"LR schedule is {how} to {cfg.train.max_steps} steps (lr at {where}: {now:.2e}, was {was:.2e})")
+
+
+def eval_off_note(cfg: Config, data: Data) -> str | None:
+    """train.eval_interval asks for eval, and the data holds nothing out (data.eval_percent = 0, here or at prepare
+    time): no eval event would come, and nothing said why. (Too few held-out tokens has its own note.)"""
+    if not cfg.train.eval_interval or data.eval is not None or any("eval is off" in n for n in data.notes):
+        return None
+    return (f"train.eval_interval = {cfg.train.eval_interval}, but the data holds nothing out for eval "
+            f"(data.eval_percent = 0, or the prepared folder's): eval is off")
 
 
 def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -345,3 +345,19 @@ def test_a_step_that_fails_part_way_leaves_the_data_position_at_its_start():
             train_step(Failing(), stream, micro_batch_size=4, accum=2)
             steps += 1
     assert steps == 3 and stream.state_dict()["position"] == 3 * 2 * 4  # an uninterrupted run's at step 3
+
+
+def test_eval_asked_for_with_nothing_held_out_is_said():
+    """train.eval_interval with data.eval_percent = 0: no eval event came, and nothing said why."""
+    from types import SimpleNamespace
+
+    from engine.session import eval_off_note
+
+    cfg = SimpleNamespace(train=SimpleNamespace(eval_interval=10))
+    none_held = SimpleNamespace(eval=None, notes=[])
+    assert eval_off_note(cfg, none_held) == ("train.eval_interval = 10, but the data holds nothing out for eval "
+                                             "(data.eval_percent = 0, or the prepared folder's): eval is off")
+    assert eval_off_note(cfg, SimpleNamespace(eval=object(), notes=[])) is None
+    assert eval_off_note(SimpleNamespace(train=SimpleNamespace(eval_interval=0)), none_held) is None
+    too_few = SimpleNamespace(eval=None, notes=["data: the held-out split has too few tokens for eval; eval is off"])
+    assert eval_off_note(cfg, too_few) is None  # said already
