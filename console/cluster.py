@@ -45,8 +45,8 @@ from console.attach import Attacher
 from console.fleet import Fleet, NodeState
 from console.hosts import ARCHIVE, KILLED, STORE, Hosts, UnknownHost, host_label, new_host_target, resting_state
 from console.launch import engine_argv, store_argv
-from console.profile import (HostSpec, Profile, ProfileError, add_host, check_engine_config, data_shard,
-                             engine_env, engine_overrides, remove_host)
+from console.engine_config import check_engine_config, data_shard, engine_env
+from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
 from console.transport import Transport, TransportError, make_transport
 from console.transport import commands as C

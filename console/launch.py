@@ -1,7 +1,7 @@
 """What the console runs on a host: the engine's, the store's and the store probe's command lines. Pure functions
 of the profile (console/cluster.py starts them; `python -m console.recipes launcher` writes the same lines into a
-script). The engine's environment is console/profile.py's (data_shard, engine_env): the profile check loads each
-engine's config with it.
+script). The engine's environment is console/engine_config.py's (data_shard, engine_env): the profile check loads
+each engine's config with it.
 
     engine_argv(profile, host)                  python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
     store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT

@@ -148,7 +148,7 @@ def _node_index(profile, node_rank: int):
 
 def launcher_script(profile, node_rank: int, source: str) -> str:
     from console.launch import engine_argv, store_argv
-    from console.profile import data_shard, engine_env
+    from console.engine_config import data_shard, engine_env
     from console.transport.commands import qpath
     host, world = _node_index(profile, node_rank)
     env = engine_env(profile, host, *data_shard(profile, host.name))  # the console's shard, standbys counted

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from console.profile import (ProfileError, add_host, remove_host, check_engine_config, engine_overrides, key_lines,
+from console.engine_config import check_engine_config
+from console.profile import (ProfileError, add_host, remove_host, engine_overrides, key_lines,
                              load_profile, parse_profile, split_key)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,8 @@ import pytest
 from procs import PYTHON, ROOT, engine_env
 
 from console.cluster import engine_argv
-from console.profile import data_shard
-from console.profile import engine_env as console_engine_env
+from console.engine_config import data_shard
+from console.engine_config import engine_env as console_engine_env
 from console.profile import load_profile
 from engine.config import load_config
 from console.recipes import main, parse_hostfile

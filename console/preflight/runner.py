@@ -328,7 +328,8 @@ def mark_refused(fleet: Fleet, report: Report, started: Sequence[str] = ()) -> N
 
 async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport]) -> Report:
     """`zeroband-console PROFILE check`: the profile's engine settings, then every host (transports closed after)."""
-    from console.profile import ProfileError, check_engine_config
+    from console.engine_config import check_engine_config
+    from console.profile import ProfileError
 
     transports: dict[str, Transport] = {}
 
