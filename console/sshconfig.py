@@ -83,3 +83,10 @@ def ssh_hostname(host: Any) -> str | None:
         return None
     name = _config(host).get("Hostname")
     return str(name) if name else None
+
+
+def identity_files(host: Any) -> list[str]:
+    """The IdentityFile entries ssh_config gives the host, expanded; [] when it gives none."""
+    if not config_paths(host):
+        return []
+    return [os.path.expanduser(str(p)) for p in _config(host).get("IdentityFile", ()) or ()]

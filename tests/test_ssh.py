@@ -205,6 +205,62 @@ async def test_wrong_credentials(sshd):
         await t.connect()
 
 
+async def test_keys_are_read_as_ssh_reads_them(sshd):
+    """Defects: a .pub named as identity_file crashed `check` with asyncssh's KeyImportError (a ValueError the
+    transport did not catch) and left a headless console waiting on the node for ever; a key with a passphrase did
+    the same, where ssh leaves it to the agent; an ssh_config IdentityFile that is not there stopped the login,
+    where ssh skips it and tries the next."""
+    with pytest.raises(TransportError, match=r"^hosts\.n\.identity_file: .*user_key\.pub is not a private key"):
+        await make_transport(sshd.host_spec("n", identity_file=f"{sshd.user_key}.pub")).connect()
+    locked = sshd.root / "locked_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "secret", "-f", str(locked)], check=True,
+                   capture_output=True, timeout=30)
+    with pytest.raises(TransportError, match=r"authentication failed .*locked_key has a passphrase: add it to "
+                                             r"ssh-agent"):
+        await make_transport(sshd.host_spec("n", identity_file=str(locked))).connect()
+    with pytest.raises(TransportError, match=r"^hosts\.n\.ssh_config: .*/nowhere does not exist on this machine"):
+        await make_transport(sshd.host_spec("n", ssh_config=str(sshd.root / "nowhere"))).connect()
+    config = sshd.root / "ssh_config_keys"
+    config.write_text(f"Host zb-keys\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+                      f"  IdentityFile {sshd.root / 'not_there'}\n  IdentityFile {sshd.user_key}\n")
+    t = make_transport(sshd.host_spec("n", address=None, port=None, user=None, identity_file=None,
+                                      ssh_alias="zb-keys", ssh_config=str(config)))
+    try:
+        assert await t.run("echo ok") == (0, "ok\n", "")
+    finally:
+        await t.close()
+
+
+async def test_a_jump_hosts_failure_names_the_jump_host(sshd):
+    """Defect: a jump host whose key was unknown was reported as the target's key CHANGED (the lookup used the
+    target's name, whose key was known), and the fix offered was to delete a good known_hosts line."""
+    known = sshd.root / "known_target_only"  # the target is dialled as localhost; the jump as 127.0.0.1
+    known.write_text(sshd.known_hosts_line().replace("[127.0.0.1]", "[localhost]"))
+    t = make_transport(sshd.host_spec("n", address="localhost", known_hosts=str(known),
+                                      jump_host=f"{sshd.user}@127.0.0.1:{sshd.port}"))
+    with pytest.raises(TransportError) as info:
+        await t.connect()
+    assert str(info.value).startswith(f"jump host {sshd.user}@127.0.0.1:{sshd.port}: host key of "
+                                      f"{sshd.user}@127.0.0.1:{sshd.port} is unknown"), info.value
+    assert "CHANGED" not in str(info.value) and "localhost" not in str(info.value)
+
+
+async def test_a_line_longer_than_the_channel_window_is_followed(sshd):
+    """Defect: asyncssh's readline hands back part of a line longer than the channel's window (~2 MiB); the tail
+    took it for the end of the file and reopened at the same offset for ever: the console saw no event again."""
+    t = make_transport(sshd.host_spec("n"))
+    big = b"x" * 3_000_000
+    (sshd.home / "big.jsonl").write_bytes(b'{"i": 0}\n' + big + b'\n{"i": 1}\n')
+    try:
+        tail = t.tail("big.jsonl")
+        lines = await asyncio.wait_for(collect(tail, 3), 30)
+        await tail.aclose()
+        assert [len(x) for x in lines] == [8, len(big), 8] and lines[2] == b'{"i": 1}'
+        assert tail.offset == (sshd.home / "big.jsonl").stat().st_size
+    finally:
+        await t.close()
+
+
 async def test_missing_python_on_the_host(sshd):
     t = make_transport(sshd.host_spec("n", python="/opt/none/bin/python3"))
     try:

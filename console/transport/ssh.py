@@ -18,14 +18,16 @@ import os
 import posixpath
 import socket
 import time
+from collections import deque
+from types import SimpleNamespace
 from typing import Sequence
 
 import asyncssh
 
 from console.profile import HostSpec, missing_key
-from console.sshconfig import known_hosts_files, proxy_jump, split_target, ssh_hostname, ssh_port
+from console.sshconfig import identity_files, known_hosts_files, proxy_jump, split_target, ssh_hostname, ssh_port
 from console.transport import commands as C
-from console.transport.base import Tail, Transport, TransportError
+from console.transport.base import Tail, Transport, TransportError, lines_of
 
 MAX_CHANNELS = 8  # OpenSSH MaxSessions is 10 per connection; keep headroom
 KEEPALIVE_S = 1.0
@@ -33,6 +35,7 @@ KEEPALIVE_COUNT = 3
 CLOSE_WAIT_S = 3.0
 CHANNEL_RETRY_S = (0.05, 0.1, 0.2, 0.4, 0.8)
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+TAIL_CHUNK = 1 << 16
 SFTP_PARALLEL = 16  # files in flight at once: a high-latency link is not paid once per file
 
 
@@ -63,6 +66,7 @@ class SshTransport(Transport):
         self._last_error: str | None = None
         self.lost_reason: str | None = None  # why the last link went down
         self.accepted_key: str | None = None  # the known_hosts line written under accept_new_host_key
+        self._encrypted_key: str | None = None  # an identity file with a passphrase: only ssh-agent can use it
 
     # ---- the connection ------------------------------------------------------------------------------------
     @property
@@ -89,7 +93,7 @@ class SshTransport(Transport):
                 raise TransportError(f"{self._last_error} (retrying in {self._retry_at - now:.1f}s)", link=True)
             try:
                 self._conn = await self._open()
-            except (OSError, asyncssh.Error, asyncio.TimeoutError, TransportError) as e:
+            except (OSError, asyncssh.Error, asyncssh.KeyImportError, asyncio.TimeoutError, TransportError) as e:
                 self._conn = None
                 self._last_error = str(e) if isinstance(e, TransportError) else self._describe(e)
                 self._retry_at = time.monotonic() + BACKOFF_S[min(self._failures, len(BACKOFF_S) - 1)]
@@ -110,11 +114,22 @@ class SshTransport(Transport):
         if h.user is not None:
             options["username"] = h.user
         if h.identity_file:
-            options["client_keys"] = [os.path.expanduser(h.identity_file)]
-            if not os.path.exists(options["client_keys"][0]):  # else the reason is a bare ENOENT "cannot reach"
+            path = os.path.expanduser(h.identity_file)
+            if not os.path.exists(path):  # else the reason is a bare ENOENT "cannot reach"
                 raise TransportError(f"hosts.{h.name}.identity_file: {missing_key(h)}", link=True)
+            self._check_key(path, f"hosts.{h.name}.identity_file")
+            options["client_keys"] = [path]
+        elif (configured := identity_files(h)):
+            # as ssh: an IdentityFile of ssh_config that is not there is skipped (asyncssh stops at it, ENOENT)
+            options["client_keys"] = [p for p in configured if os.path.isfile(p)]
+        # as ssh: a key with a passphrase is left to ssh-agent, which holds it unlocked (asyncssh raises instead)
+        options["ignore_encrypted"] = True
         if h.ssh_config:
             options["config"] = [os.path.expanduser(h.ssh_config)]
+            if not os.path.isfile(options["config"][0]):  # else a bare ENOENT "cannot reach", naming no file
+                raise TransportError(f"hosts.{h.name}.ssh_config: {h.ssh_config} does not exist on this machine"
+                                     + (f" (where the alias {h.ssh_alias} would be)" if h.ssh_alias else ""),
+                                     link=True)
         return options
 
     async def _open(self) -> asyncssh.SSHClientConnection:
@@ -138,8 +153,10 @@ class SshTransport(Transport):
                 self._jump.close()  # the one under a link that dropped
             try:
                 self._jump = await asyncio.wait_for(asyncssh.connect(jump, **jump_options), h.connect_timeout * 2)
-            except (OSError, asyncssh.Error, asyncio.TimeoutError) as e:
-                raise TransportError(f"jump host {jump_spec}: {self._describe(e)}", link=True) from None
+            except (OSError, asyncssh.Error, asyncssh.KeyImportError, asyncio.TimeoutError) as e:
+                # the reason is the jump's, under the name, user and port dialled for it (not the target's)
+                dialled = (jump_options.get("username"), jump, port)
+                raise TransportError(f"jump host {jump_spec}: {self._describe(e, dialled)}", link=True) from None
             options["tunnel"] = self._jump
         # connect_timeout covers TCP + handshake; wait_for bounds the whole login too
         return await asyncio.wait_for(asyncssh.connect(h.target, **options), h.connect_timeout * 2)
@@ -168,27 +185,52 @@ class SshTransport(Transport):
             return False
         return bool(trusted[0] or trusted[1])
 
-    def _describe(self, e: BaseException) -> str:
+    def _check_key(self, path: str, key: str) -> None:
+        """One line for an identity file that is no private key (a .pub named by mistake); a key with a passphrase
+        is remembered, for the reason a refused login then gives."""
+        try:
+            asyncssh.read_private_key(path)
+        except asyncssh.KeyImportError as e:
+            if "assphrase" not in str(e):
+                raise TransportError(f"{key}: {path} is not a private key ({e})", link=True) from None
+            self._encrypted_key = path
+        except OSError as e:
+            raise TransportError(f"{key}: cannot read {path}: {e.strerror or e}", link=True) from None
+
+    def _describe(self, e: BaseException, dialled: tuple | None = None) -> str:
+        """One line for a failed connection. dialled: (user, host, port) of a jump host, else this host."""
         h = self.host
-        where = f"{h.user + '@' if h.user else ''}{h.target}{':' + str(h.port) if h.port else ''}"
-        if isinstance(e, asyncssh.HostKeyNotVerifiable):
+        if dialled is None:
+            user, target, port = h.user, h.target, h.port
             # the name and port ssh checks the key under: an alias's HostName and Port from ssh_config
-            if self._has_known_key(h.address or ssh_hostname(h) or h.target, None, h.port or ssh_port(h)):
+            key_name, key_port = h.address or ssh_hostname(h) or h.target, h.port or ssh_port(h)
+        else:
+            user, target, port = dialled
+            jump = SimpleNamespace(target=target, ssh_config=h.ssh_config)  # the jump may be an alias too
+            key_name, key_port = ssh_hostname(jump) or target, port or ssh_port(jump)
+        where = f"{user + '@' if user else ''}{target}{':' + str(port) if port else ''}"
+        if isinstance(e, asyncssh.HostKeyNotVerifiable):
+            if self._has_known_key(key_name, None, key_port):
                 return (f"host key CHANGED for {where}: it does not match {self.known_hosts_path}; refusing to "
                         "connect (if the host was reinstalled, remove its old line from known_hosts)")
             return (f"host key of {where} is unknown: not in {self.known_hosts_path}; add it (ssh-keyscan) or set "
                     "accept_new_host_key = true in the profile")
         if isinstance(e, asyncssh.PermissionDenied):
-            return f"authentication failed for {where}: wrong user or key ({e.reason})"
+            hint = (f"; {self._encrypted_key} has a passphrase: add it to ssh-agent (ssh-add)"
+                    if self._encrypted_key else "")
+            return f"authentication failed for {where}: wrong user or key ({e.reason}){hint}"
+        if isinstance(e, asyncssh.KeyImportError):
+            return f"a key for {where} cannot be read: {e}"
         if isinstance(e, asyncio.TimeoutError):
             return f"connect to {where} timed out after {h.connect_timeout:g}s"
         if isinstance(e, ConnectionRefusedError):
             return f"connection refused by {where} (no sshd on that port?)"
         if isinstance(e, socket.gaierror):
-            return f"unknown host {h.target}: {e.strerror}"
+            return f"unknown host {target}: {e.strerror}"
         if isinstance(e, asyncssh.Error):
             return f"ssh to {where} failed: {e.reason}"
-        return f"cannot reach {where}: {getattr(e, 'strerror', None) or e}"
+        named = f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""
+        return f"cannot reach {where}: {getattr(e, 'strerror', None) or e}{named}"
 
     async def close(self) -> None:
         async with self._lock:
@@ -281,21 +323,30 @@ class SshTail(Tail):
         self.offset = offset
         self._proc: asyncssh.SSHClientProcess | None = None
         self._held = False
+        self._pending: deque[bytes] = deque()  # complete lines read past self.offset
+        self._partial = b""
 
     async def __anext__(self) -> bytes:
         if self._proc is None:
             await self._open()
         assert self._proc is not None
-        try:
-            line = await self._proc.stdout.readline()
-        except (OSError, asyncssh.Error) as e:
-            await self.aclose()
-            raise TransportError(self.transport.lost_reason or f"tail of {self.path} failed: {e}", link=True) from None
-        if not line.endswith(b"\n"):  # EOF: the channel or the link went away; a partial line is not ours yet
-            await self.aclose()
-            raise TransportError(self.transport.lost_reason or f"tail of {self.path} ended", link=True)
-        self.offset += len(line)
-        return line[:-1]
+        while not self._pending:
+            try:
+                # chunks, not readline: asyncssh's readline hands back a part of a line longer than the channel's
+                # window (~2 MiB) as if the file ended there, and the tail reopened at the same offset for ever
+                chunk = await self._proc.stdout.read(TAIL_CHUNK)
+            except (OSError, asyncssh.Error) as e:
+                await self.aclose()
+                raise TransportError(self.transport.lost_reason or f"tail of {self.path} failed: {e}",
+                                     link=True) from None
+            if not chunk:  # EOF: the channel or the link went away; a partial line is not ours yet
+                await self.aclose()
+                raise TransportError(self.transport.lost_reason or f"tail of {self.path} ended", link=True)
+            lines, self._partial = lines_of(chunk, self._partial)
+            self._pending.extend(lines)
+        line = self._pending.popleft()
+        self.offset += len(line) + 1
+        return line
 
     async def _open(self) -> None:
         conn = await self.transport._connection()
@@ -309,6 +360,8 @@ class SshTail(Tail):
 
     async def aclose(self) -> None:
         proc, self._proc = self._proc, None
+        self._pending.clear()  # a reopen reads again from self.offset: the first line not yet handed out
+        self._partial = b""
         try:
             if proc is not None:
                 await _close_channel(proc)
