@@ -159,6 +159,19 @@ def test_unreachable_hosts_carry_the_transport_reason_and_a_fix():
     assert lines([plan("n")], [HostResult("n", reach="authentication failed for u@h: wrong user or key (x)")]) == [
         "n: authentication failed for u@h: wrong user or key (x); fix: check hosts.n.user and identity_file (its "
         "public key must be in the host's authorized_keys)"]
+    # a jump host's failure sends the user to jump_host (it sent them to the host's own address); the transport's
+    # backoff note is no part of a verdict; a .pub named as the key, a missing ssh_config: what to do about each
+    reasons = {"jump host j:22: unknown host j: Name or service not known (retrying in 0.4s)":
+               "n: jump host j:22: unknown host j: Name or service not known; fix: check hosts.n.jump_host (try ssh "
+               "to it)",
+               "hosts.n.identity_file: /k.pub is not a private key (Invalid private key)":
+               "n: hosts.n.identity_file: /k.pub is not a private key (Invalid private key); fix: point "
+               "hosts.n.identity_file at the private key (the file without .pub)",
+               "hosts.n.ssh_config: ~/.ssh/config does not exist on this machine (where the alias g would be)":
+               "n: hosts.n.ssh_config: ~/.ssh/config does not exist on this machine (where the alias g would be); "
+               "fix: create it or fix hosts.n.ssh_config"}
+    for reason, line in reasons.items():
+        assert lines([plan("n")], [HostResult("n", reach=reason)]) == [line]
 
 
 def test_the_probe_parses_on_old_pythons_and_never_imports_torch():

@@ -8,6 +8,7 @@ the console expects, to one Problem per thing to fix. No I/O here; tests/test_pr
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -120,11 +121,18 @@ def judge_host(plan: HostPlan, result: HostResult, expect: Expect, torch: str | 
 
 
 def _unreachable(plan: HostPlan, reason: str) -> Problem:
+    reason = re.sub(r" \(retrying in [\d.]+s\)$", "", reason)  # the transport's backoff: not part of a verdict
     what, _, hint = reason.partition("; ")  # the transport's host-key lines carry their own fix after "; "
     if hint:
         return Problem(plan.name, "reach", what, hint)
-    if "authentication failed" in reason:
+    if reason.startswith("jump host "):
+        fix = f"check hosts.{plan.name}.jump_host (try ssh to it)"
+    elif "ssh_config" in reason:
+        fix = f"create it or fix hosts.{plan.name}.ssh_config"
+    elif "authentication failed" in reason:
         fix = f"check hosts.{plan.name}.user and identity_file (its public key must be in the host's authorized_keys)"
+    elif "is not a private key" in reason:
+        fix = f"point hosts.{plan.name}.identity_file at the private key (the file without .pub)"
     elif "identity_file" in reason:
         fix = f"create the key (ssh-keygen) or point hosts.{plan.name}.identity_file at an existing one"
     else:
