@@ -49,7 +49,8 @@ def status_line(fleet: Fleet, now: float | None = None) -> str:
     stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
     nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
     store = cells.store_text(fleet.store).plain
-    return f"{stamp} {summary_text(fleet.summary())} | {store} | {state_counts(nodes) or 'no nodes'}"
+    parts = [f"{stamp} {summary_text(fleet.summary())}", store, state_counts(nodes) or "no nodes"]
+    return " | ".join(p for p in parts if p)
 
 
 def outer_lines(fleet: Fleet, after: int) -> tuple[list[str], int]:

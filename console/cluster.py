@@ -81,7 +81,8 @@ class Cluster:
         self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
-        fleet.store.address = f"{profile.store_address}:{profile.store.port}"
+        if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
+            fleet.store.address = f"{profile.store_address}:{profile.store.port}"
         for host in profile.hosts.values():
             fleet.add_node(host.name, host_label(host), resting_state(host))
 
@@ -398,6 +399,8 @@ class Cluster:
     async def status(self) -> Any:
         """Refresh what is known (liveness of each started node) and return the fleet's summary."""
         await self._hosts.gather(*(self._watchers.poke(name, proc) for name, proc in self._procs.items()))
+        if self.profile.store.backend == "etcd" and self.fleet.store_status is None:  # not polled yet: ask once
+            self.fleet.store_status = await E.health_label(self.profile)
         return self.fleet.summary()
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from console.etcd_pki import Pki, fits, make_pki
+from console.profile import dial_address
 from console.transport import TransportError
 from console.transport import commands as C
 from engine.errors import first_line
@@ -188,6 +189,9 @@ class EtcdCluster:
         return out
 
     async def hand_client_certs(self, host: str, folder: str) -> None:
+        missing = no_ca(self.pki)
+        if missing:
+            raise TransportError(missing)
         await self.upload(host, folder, self.pki.client_files())
 
 
@@ -214,8 +218,7 @@ def plan_members(profile: Any) -> list[Member]:
     out = []
     for i, name in enumerate(s.etcd_hosts):
         host = profile.hosts[name]
-        address = "127.0.0.1" if host.transport == "local" else (host.address or host.target.rsplit("@", 1)[-1])
-        out.append(Member(name, name, address, s.etcd_client_port + 2 * i, s.etcd_peer_port + 2 * i))
+        out.append(Member(name, name, dial_address(host), s.etcd_client_port + 2 * i, s.etcd_peer_port + 2 * i))
     return out
 
 
@@ -287,6 +290,10 @@ async def health_label(profile: Any) -> str:
     """The header's store cell: "etcd 3/3 up, leader node-a" (a probe of every member, 2 s at most each)."""
     from engine.store.etcd_gateway import cluster_health
 
+    if profile.store.etcd_hosts and not profile.store.etcd_endpoints:
+        missing = no_ca(Pki(pki_root(profile) / profile.run.name))
+        if missing:
+            return f"etcd: {missing}"
     health = await asyncio.to_thread(cluster_health, endpoints(profile), client_tls(profile, pki_root(profile)), 2.0)
     return health.label()
 
@@ -298,12 +305,19 @@ def cluster_of(profile: Any, transport: Callable[[str], Any], pki_root: Path) ->
     if s.backend != "etcd" or not s.etcd_hosts:
         return None
     members = plan_members(profile)
-    folder, addresses = pki_root / profile.run.name, [m.address for m in members]
-    # kept while it serves these members; made anew when a member's address changed or a certificate is about
-    # to expire (members started under the old one must be started again: a start does that, an attach cannot)
-    pki = Pki(folder) if fits(Pki(folder), addresses) else make_pki(folder, addresses, run=profile.run.name)
+    # made or renewed by a start only (EtcdCluster.renew): an attach, a status or a second console with a copy of
+    # the profile must not make a CA of its own, which the running members would refuse
+    pki = Pki(pki_root / profile.run.name)
     return EtcdCluster(binary=s.etcd_binary, members=members, run_dir=profile.run.dir, pki=pki,
                        token=f"zeroband-{profile.run.name}", transport=transport)
+
+
+def no_ca(pki: Pki) -> str | None:
+    """Why this console has no certificates for a run it did not start here (None when it has them)."""
+    if (pki.folder / "client.key").is_file():
+        return None
+    return (f"no CA for run {pki.folder.name} beside this profile ({pki.folder}): copy that folder from the console "
+            "that started the run")
 
 
 def client_tls(profile: Any, pki_root: Path) -> Any:

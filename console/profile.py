@@ -215,14 +215,7 @@ class Profile(_Spec):
         on this machine, so its HostName (as ssh resolves it) is dialled instead of the alias."""
         if self.store.address:
             return self.store.address
-        host = self.store_host
-        if host.transport == "local":
-            return "127.0.0.1"
-        if host.address:
-            return host.address
-        from console.sshconfig import ssh_hostname  # reads the ssh_config file: only when an alias needs it
-
-        return ssh_hostname(host) or host.target
+        return dial_address(self.store_host)
 
     @property
     def store_bind(self) -> str:
@@ -520,6 +513,18 @@ def check_identity_files(profile: Profile) -> None:
                 lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
             line = _line_of(("hosts", host.name, "identity_file"), lines, {})
             raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.identity_file: {missing_key(host)}")
+
+
+def dial_address(host: HostSpec) -> str:
+    """The address other machines dial for a host: an ~/.ssh/config alias exists only on this machine, so its
+    HostName (as ssh resolves it) is dialled instead of the alias."""
+    if host.transport == "local":
+        return "127.0.0.1"
+    if host.address:
+        return host.address
+    from console.sshconfig import ssh_hostname  # reads the ssh_config file: only when an alias needs it
+
+    return ssh_hostname(host) or host.target.rsplit("@", 1)[-1]
 
 
 def missing_key(host: HostSpec) -> str:

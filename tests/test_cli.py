@@ -145,6 +145,12 @@ def test_status_line_carries_the_header_and_state_counts():
     assert "2,000 tok/s" in line  # the dead node no longer counts
     assert line.endswith("training 2 dead 1")
     assert "\n" not in line
+    fleet.store.address = "10.0.0.1:29600"
+    assert " | store 10.0.0.1:29600 off | training 2" in cli.status_line(fleet, now=0)
+    # the etcd backend: no TCP store to call "off" (the console sets no address); the members' health instead
+    fleet.store.address, fleet.store_status = None, "etcd 2/3 up, leader c"
+    line = cli.status_line(fleet, now=0)
+    assert "| etcd 2/3 up, leader c | training 2 dead 1" in line and "store" not in line
 
 
 def test_run_outcome_waits_then_reports():

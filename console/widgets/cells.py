@@ -102,6 +102,8 @@ def gpu_cells(devices: Any) -> tuple[Text, Text] | None:
 def store_text(store: Any) -> Text:
     """The store's health for the header: up, where, a round trip and its keys; a dead store is an alert that says
     what is happening and what to do."""
+    if store.address is None and store.state == "off":
+        return Text("")  # no TCP store in this run (the etcd backend: the summary shows its members)
     where = store.address or "?"
     if store.bind:
         where += f" (listening on {store.bind})"
