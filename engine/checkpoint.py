@@ -113,8 +113,9 @@ class Checkpointer:
 
     def __init__(self, cfg: CkptConfig, run_dir: str, world: World, config_digest: str, strategy: str,
                  device: torch.device | None = None, group: dist.ProcessGroup | None = None,
-                 max_steps: int | None = None):
+                 max_steps: int | None = None, settings: dict[str, Any] | None = None):
         self.cfg, self.world, self.digest, self.strategy = cfg, world, config_digest, strategy
+        self.settings = settings  # what the digest covers, flat: a refused resume names the settings that differ
         self.device, self.group = device, group
         self.max_steps = max_steps  # train.max_steps, kept in meta.json: a resume can tell the schedule changed
         self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
@@ -228,8 +229,10 @@ class Checkpointer:
             raise ValueError(f"ckpt.resume: {path} was written with inner.strategy {meta.get('strategy')}, "
                              f"this run uses {self.strategy}")
         if meta.get("config_digest") != self.digest:
-            raise ValueError(f"ckpt.resume: {path} was written with a different model/data/diloco config "
-                             f"(digest {meta.get('config_digest')} != {self.digest})")
+            raise ValueError(f"ckpt.resume: {path} was written with another config: "
+                             + (_differences(meta.get("config_settings"), self.settings)
+                                or f"digest {meta.get('config_digest')} there, {self.digest} here (the model, "
+                                   "data.seq_len and the diloco settings must be those of the run)"))
         return meta
 
     # ------------------------------------------------------------------------------------------ save / load
@@ -260,7 +263,8 @@ class Checkpointer:
                     # data: the layout-free position (sequences of the global order read), the dataset and its
                     # fingerprint; each rank-N.pt holds the same, and resume checks the fingerprint against the data
                     meta = {"step": step, "world_size": self.world.world_size, "strategy": self.strategy,
-                            "config_digest": self.digest, "time": time.time(), "progress": progress.state_dict(),
+                            "config_digest": self.digest, "config_settings": self.settings,
+                            "time": time.time(), "progress": progress.state_dict(),
                             "data": data.train.state_dict(), "max_steps": self.max_steps}
                     _write_atomic(tmp / META, json.dumps(meta, indent=1))
                     os.rename(tmp, final)
@@ -426,3 +430,16 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
     if dist.is_initialized() and world.world_size > 1:
         dist.barrier(group=group)
     return target
+
+
+def _differences(there: Any, here: dict[str, Any] | None, most: int = 4) -> str:
+    """"model.n_layers = 4 there, 2 here; ..." for the settings a checkpoint and this run disagree on; "" when
+    either side does not say (a checkpoint from before the settings were kept)."""
+    if not isinstance(there, dict) or not here:
+        return ""
+    here = json.loads(json.dumps(here))  # as meta.json holds it: a tuple is a list there
+    out = [f"{key} = {there.get(key, 'unset')} there, {here.get(key, 'unset')} here"
+           for key in sorted(set(there) | set(here)) if there.get(key, "unset") != here.get(key, "unset")]
+    if len(out) > most:
+        out[most:] = [f"and {len(out) - most} more"]
+    return "; ".join(out)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import Checkpointer, export
-from engine.config import Config, digest, grad_accum_steps
+from engine.config import Config, digest, flat_settings, grad_accum_steps, shared_settings
 from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.errors import same_on_every_rank
 from engine.mesh.protocol import Stopped
@@ -155,7 +155,7 @@ def read_inputs(cfg: Config, world: World, telemetry: Telemetry) -> Inputs:
         data = build_data(cfg.data, world, cfg.train.seed)
         hf_config = model_config(cfg.model, data.vocab_size, cfg.data.seq_len)
         ckpt = Checkpointer(cfg.ckpt, cfg.run.dir, world, digest(cfg), cfg.inner.strategy,
-                            max_steps=cfg.train.max_steps)
+                            max_steps=cfg.train.max_steps, settings=flat_settings(shared_settings(cfg)))
         resume_from = ckpt.plan_start()  # before the expensive part: refuse bad folders early
     for note in [*data.notes, *ckpt.notes, tokenizer_note(cfg.model.path, cfg.data.tokenizer, cfg.data.fake),
                  unsynced_tail_note(cfg), eval_off_note(cfg, data)]:

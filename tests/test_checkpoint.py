@@ -205,8 +205,15 @@ def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="cannot load model/optimizer"):
         ck.load(folder, inner, data, Progress(), NoOuter())
     other = Checkpointer(ck.cfg, "unused", WORLD, "digest2", "ddp", torch.device("cpu"))
-    with pytest.raises(ValueError, match="different model/data/diloco config"):
-        other.read_meta(folder)
+    with pytest.raises(ValueError, match=r"written with another config: digest digest1 there, digest2 here"):
+        other.read_meta(folder)  # a checkpoint that does not keep its settings: the digests, at least
+    # one that keeps them: the settings that differ, by name (the refusal gave two hashes and nothing to act on)
+    ck.settings = {"data.seq_len": 128, "model.n_layers": 2, "diloco.inner_steps": 5}
+    kept, _ = ck.save(3, inner, data, progress, NoOuter())
+    other.settings = {"data.seq_len": 64, "model.n_layers": 2, "diloco.inner_steps": 5, "diloco.overlap": True}
+    with pytest.raises(ValueError, match=r"another config: data\.seq_len = 128 there, 64 here; diloco\.overlap "
+                                         r"= unset there, True here$"):
+        other.read_meta(kept)
     fsdp = Checkpointer(ck.cfg, "unused", WORLD, "digest1", "fsdp", torch.device("cpu"))
     with pytest.raises(ValueError, match="inner.strategy ddp"):
         fsdp.read_meta(folder)
