@@ -90,7 +90,9 @@ def test_an_ipv6_store_serves_and_its_engines_find_their_route_to_it(procs, port
 def test_unreachable_store_fails_within_its_timeout(port):
     import torch.distributed  # noqa: F401 -- connect_store imports it; a cold import is not the timeout's
     t0 = time.monotonic()
-    with pytest.raises(MeshError, match=rf"membership store 127.0.0.1:{port} unreachable within 1.5s"):
+    # the hint starts a store the engines can reach: on their address (a bare --port bound 127.0.0.1 only)
+    with pytest.raises(MeshError, match=rf"membership store 127.0.0.1:{port} unreachable within 1.5s .*start it "
+                                        rf"with `python -m engine.store --host 127.0.0.1 --port {port}`"):
         connect_store("127.0.0.1", port, 1.5)
     assert time.monotonic() - t0 < 2.5
 

@@ -73,7 +73,8 @@ def connect_store(addr: str, port: int, timeout: float, probe_timeout: float | N
         if time.monotonic() + 0.2 > deadline:
             raise MeshError(f"membership store {addr}:{port} unreachable within "
                             f"{timeout if probe_timeout is None else probe_timeout:g}s ({last}); start it "
-                            f"with `python -m engine.store --port {port}` or fix mesh.store_addr/GLOBAL_ADDR")
+                            f"with `python -m engine.store --host {addr} --port {port}` (on the machine of that "
+                            "address) or fix mesh.store_addr/GLOBAL_ADDR")
         time.sleep(0.2)
     try:
         return dist.TCPStore(addr, port, None, False, timedelta(seconds=timeout), wait_for_workers=False)
