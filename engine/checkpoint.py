@@ -390,8 +390,9 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
     (engine/model.py): generate() on the export keeps a KV cache.
     Nodes of one DiLoCo run (agreed: every node ends on the run's agreed model) that share the folder (one host, a
     shared filesystem) each write their own temporary folder; the first to finish moves it into place, and the
-    others drop theirs, the same model. Without DiLoCo a folder written meanwhile by another process is an error
-    that names where this run's export was left."""
+    others drop theirs, once they find the same weights there (a node that was never in the others' last outer
+    step keeps its own folder, and that is the path returned). Without DiLoCo a folder written meanwhile by another
+    process is an error that names where this run's export was left."""
     from transformers import AutoModelForCausalLM
     full = inner.full_model_state_dict()  # every rank takes part (FSDP gathers the shards)
     target = Path(export_dir)
@@ -426,10 +427,23 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
             if not agreed:
                 raise ValueError(f"ckpt.export_dir: {target} was written by another process during this run; "
                                  f"this run's export is in {tmp}") from None
-            shutil.rmtree(tmp)  # another node of the run exported into this folder first: the same agreed model
+            if _same_weights(target, full):
+                shutil.rmtree(tmp)  # another node of the run exported into this folder first: the same agreed model
+            else:  # a node that was never in this node's last outer step (its run ended before this one joined)
+                target = tmp
     if dist.is_initialized() and world.world_size > 1:
         dist.barrier(group=group)
     return target
+
+
+def _same_weights(folder: Path, full: dict[str, torch.Tensor]) -> bool:
+    """Whether an export folder holds exactly these weights (the tensors it saved; a tied one it left out)."""
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    saved: dict[str, torch.Tensor] = {}
+    for f in files:
+        saved.update(load_file(f))
+    return bool(saved) and all(k in full and torch.equal(v, full[k].to(v.dtype)) for k, v in saved.items())
 
 
 def _differences(there: Any, here: dict[str, Any] | None, most: int = 4) -> str:

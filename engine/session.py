@@ -382,6 +382,9 @@ def run(s: Session) -> str:
     if status == "completed" and cfg.ckpt.export_dir:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group,
                       agreed=ends_agreed(cfg))
+        if path != Path(cfg.ckpt.export_dir):
+            s.telemetry.emit("warning", message=f"ckpt.export_dir: {cfg.ckpt.export_dir} holds another model (a node "
+                             f"that did not end in this node's last outer step); this node's export is in {path}")
         s.telemetry.emit("export", step=progress.step, path=str(path))
     return status
 

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         telemetry.emit("error", message=str(e))
     except MeshError as e:  # the mesh said no: bad input before training (store, id, digest), a failure after
         code = 1 if session is not None and session.training else 2
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if world.rank == 0 or not getattr(e, "node_wide", False):  # every local rank has a node-wide one: once
+            print(f"error: {e}", file=sys.stderr, flush=True)
         telemetry.emit("error", message=str(e))
         if session is not None:
             training.save_before_failing(session)

@@ -65,6 +65,9 @@ def test_torchrun_batch_arithmetic_is_one_line_naming_file_and_keys_and_moves_no
 @pytest.mark.parametrize("extra, fragment", [
     (["--data.path=/nonexistent/corpus"], "error: data.path: /nonexistent/corpus does not exist"),
     (["--inner.device=cpu", "--inner.strategy=fsdp", "--inner.cpu_offload=true"], "error: inner.cpu_offload: needs"),
+    # the mesh's connection fails on every local rank alike: it was printed by each, the lines run together
+    (["--diloco.enabled=true", "--mesh.store_addr=127.0.0.1", "--mesh.store_port=1", "--mesh.store_timeout=3"],
+     "error: mesh: MeshError: membership store 127.0.0.1:1 unreachable"),
 ])
 def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, extra, fragment):
     """The data (read before the process group) and the strategies' rules (after it) are the same on every rank:
@@ -76,6 +79,7 @@ def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, ext
     assert done.returncode != 0
     lines = error_lines(done.stderr)
     assert len(lines) == 1 and lines[0].startswith(fragment), done.stderr
+    assert done.stderr.count("error: ") == 1, done.stderr  # not a second one run into the first line
     assert done.stderr.count("exitcode  : 2") == 2, done.stderr  # torchrun's report: both ranks exited 2
 
 

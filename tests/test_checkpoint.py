@@ -185,6 +185,14 @@ def test_load_restores_weights_optimizer_data_and_progress(tmp_path):
     assert torch.equal(data2.train.next_batch(2)[0], expected_next[0])
     state = inner2.optimizer.state[next(inner2.model.parameters())]
     assert float(state["step"]) == 3
+    # a resume that turns fp16's loss scaling on: the fp32 run saved a disabled scaler's empty state, and loading
+    # it was a traceback ("The source state dict is empty"); it starts with a fresh scale
+    fp16 = build_inner(build_model(ModelConfig(), data.vocab_size, 16, seed=0), InnerConfig(),
+                       TrainConfig(micro_batch_size=2, batch_size=2, max_steps=10, precision="fp16-mixed"),
+                       OptimConfig(), WORLD, torch.device("cpu"))
+    assert ck2.load(path, fp16, data2, Progress(), NoOuter()) == 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, fp16.model.parameters()))
+    assert fp16.scaler.is_enabled() and fp16.scaler.get_scale() == 2.0 ** 16
 
 
 def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
@@ -294,6 +302,13 @@ def test_export_into_a_folder_another_node_filled_and_after_a_crashed_export(tmp
     with pytest.raises(ValueError, match=r"ckpt\.export_dir: .*out was written by another process during this "
                                          r"run; this run's export is in .*\.out\.tmp-h-"):
         export(inner, hf, tok, str(tmp_path / "out"), world)
+    # a node of the same config whose run ended before this one joined it: another model in the folder. It was
+    # dropped as "the same agreed model", and the node reported an export it did not have; it keeps its own now
+    other = build_model(ModelConfig(preset="debug"), 258, 64, seed=1)
+    stranger = type("Inner", (), {"full_model_state_dict": lambda self: other.state_dict()})()
+    kept = export(stranger, hf, tok, str(tmp_path / "out"), world, agreed=True)
+    assert kept.name.startswith(".out.tmp-h-") and (kept / "model.safetensors").is_file()
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mtime_ns == before
 
 
 def test_the_export_generates_with_a_kv_cache_and_holds_the_trained_fp32_weights(tmp_path):

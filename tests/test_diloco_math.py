@@ -873,7 +873,7 @@ def test_the_mesh_digest_carries_the_workers_and_the_wire_protocol(monkeypatch):
     deadlock in a mismatched collective: the soak once ran a node restarted on a newer engine among older ones,
     and its all-reduce met their all_to_all until every attempt timed out."""
     outer = make_outer(TinyInner(0), FakeMesh([], []))
-    assert outer.digest == f"d/w1/p{compression.WIRE_PROTOCOL}"
+    assert outer.digest == f"d/w1/sddp/p{compression.WIRE_PROTOCOL}"
     monkeypatch.setattr(compression, "WIRE_PROTOCOL", compression.WIRE_PROTOCOL + 1)
     assert make_outer(TinyInner(0), FakeMesh([], [])).digest != outer.digest
 
@@ -893,7 +893,7 @@ def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
         cfg = Config.model_validate({"data": {"fake": True}, "diloco": {"enabled": True, "inner_steps": 4, **diloco}})
         outer = build_outer(cfg, world, TinyInner(0), tele)
         digests.append(outer.digest)
-        assert digests[-1] == f"{run_digest(cfg)}/w1/p{compression.WIRE_PROTOCOL}"
+        assert digests[-1] == f"{run_digest(cfg)}/w1/sddp/p{compression.WIRE_PROTOCOL}"
         # the mesh compares the digest and the settings it hashes, so that a refused node can name the difference
         mesh_digest, _, settings = outer.links.digest.partition(" ")
         assert mesh_digest == digests[-1] and json.loads(settings)["diloco.inner_steps"] == 4

@@ -176,7 +176,8 @@ class Inner:
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty: the run that saved it had no loss scaler (fp32, bf16); this one starts fresh
+            self.scaler.load_state_dict(state["scaler"])
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights on CPU, for export (a collective under FSDP: every rank must call it)."""

@@ -27,7 +27,7 @@ from engine.mesh.protocol import Keys, MeshError, NodeState
 
 
 def differences(mine: str, run: str, most: int = 4) -> str:
-    """What differs between two values of the digest key ("HASH/wN/pP SETTINGS-JSON", engine/outer/diloco.py),
+    """What differs between two values of the digest key ("HASH/wN/sS/pP SETTINGS-JSON", engine/outer/diloco.py),
     this node's and the run's, as "diloco.fragments = 4 here, 1 in the run; ..."; "" when they cannot tell (a
     value without its settings, from an engine before they travelled with it)."""
     (mine_id, _, mine_json), (run_id, _, run_json) = mine.partition(" "), run.partition(" ")
@@ -38,6 +38,9 @@ def differences(mine: str, run: str, most: int = 4) -> str:
                    f"version on every node)")
     if tags[0].get("w") != tags[1].get("w") and all("w" in t for t in tags):
         out.append(f"workers per node {tags[0].get('w')} here, {tags[1].get('w')} in the run")
+    if tags[0].get("s") != tags[1].get("s") and all("s" in t for t in tags):
+        out.append(f"inner.strategy {tags[0].get('s')} here, {tags[1].get('s')} in the run (the outer step's "
+                   "buffers are laid out by it)")
     try:
         ours, theirs = json.loads(mine_json), json.loads(run_json)
     except ValueError:

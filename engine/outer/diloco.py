@@ -78,9 +78,13 @@ class DilocoOuter:
         self.opt = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
         # snapshot, pseudo-gradient and mean, flat fp32 on the parameters' device (engine/outer/buffers.py)
         self.bufs = OuterBuffers(inner.outer_params())
-        # what the mesh compares: shard layouts only line up between nodes of equal worker counts; the settings
-        # the digest hashes travel with it, so that a refused node can say which of them differ
-        self.digest = f"{config_digest}/w{world.world_size}/p{allreduce.WIRE_PROTOCOL}"
+        # what the mesh compares: the outer buffers only line up between nodes of equal worker counts and inner
+        # strategy (ZeRO's padded fp32 partitions, FSDP's shards, DDP's whole parameters: the same byte count can be
+        # another layout, averaged element by element into noise under an agreed checksum); the settings the
+        # digest hashes travel with it, so that a refused node can say which of them differ
+        layout = getattr(inner, "strategy", "single")
+        layout = "ddp" if layout == "single" else layout  # one process of whole parameters: a DDP node's layout
+        self.digest = f"{config_digest}/w{world.world_size}/s{layout}/p{allreduce.WIRE_PROTOCOL}"
         compared = self.digest if settings is None else \
             f"{self.digest} {json.dumps(settings, sort_keys=True, separators=(',', ':'))}"
         self.links = MeshLinks(

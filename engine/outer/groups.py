@@ -23,6 +23,12 @@ from engine.outer.local import LocalRanks
 GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
 
 
+
+class LinkFailed(MeshError):
+    """A local rank could not connect to the mesh: every local rank raises it with the same text."""
+
+    node_wide = True  # engine/train.py prints it once, from local rank 0
+
 class PeerLost(RuntimeError):
     """A collective or group rendezvous was given up: a member stopped beating, or the attempt was decided."""
 
@@ -101,7 +107,7 @@ class MeshLinks:
                 raise
         bad = self.local.every(err)
         if bad:
-            raise MeshError(f"mesh: {bad[0]}")
+            raise LinkFailed(f"mesh: {bad[0]}")
 
     def _connect(self) -> None:
         if self._mesh_factory is not None:

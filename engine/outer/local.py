@@ -18,6 +18,8 @@ from engine.mesh.protocol import Excluded, MeshError, Reformed, Stopped
 class LeaderFailed(MeshError):
     """Local rank 0's mesh call raised; every local rank raises this with its text."""
 
+    node_wide = True  # every local rank has it: engine/train.py prints it once, from local rank 0
+
 
 class LocalRanks:
     def __init__(self, rank: int, size: int, group: dist.ProcessGroup | None):
