@@ -70,9 +70,20 @@ class ConsoleApp(App[int]):
     def on_mount(self) -> None:
         self.push_screen(self.dashboard)
         self.set_interval(self.refresh_interval, self.tick)
-        if self.autostart:
-            verb = "attach" if self.attach else "start"
-            self.call_cluster(verb, getattr(self.cluster, verb), group="cluster")
+        if self.autostart and (self.attach or self.readonly):  # read-only never starts: it watches what runs
+            self.call_cluster("attach", self._attach, group="cluster")
+        elif self.autostart:
+            self.call_cluster("start", self.cluster.start, group="cluster")
+
+    async def _attach(self) -> None:
+        """Attach to what runs; where no engine of the profile does, say so (the watchers still notice a start by
+        another console)."""
+        await self.cluster.attach()
+        nothing_runs = getattr(self.cluster, "nothing_runs", None)
+        said = nothing_runs() if callable(nothing_runs) else None
+        if said:
+            what = "watching for a start by another console" if self.readonly else "start it without --attach"
+            self.notify(f"{said}: {what}", severity="warning", timeout=10, markup=False)
 
     def tick(self) -> None:
         """Redraw from the fleet when it changed; otherwise only the heartbeat ages, once a second."""
@@ -202,7 +213,9 @@ class ConsoleApp(App[int]):
         The exit status follows --headless's rules (console/outcome.py): the run's outcome once every node has
         ended (0 completed or drained, 1 a node failed or died, 3 stopped), 130 while training is left running.
         """
-        if stop:
+        if stop or (not self.readonly and self._run_over()):
+            # asked to, or every engine has ended (as --headless does): the store and its probe would otherwise
+            # outlive the run for ever
             await self._guarded("stop", self.cluster.stop, (), None)
         close = getattr(self.cluster, "close", None)
         if close is not None:
@@ -210,6 +223,11 @@ class ConsoleApp(App[int]):
         outcome = run_outcome(self.fleet)
         code = EXIT_INTERRUPTED if outcome is None else outcome
         self.exit(code, return_code=code)
+
+    def _run_over(self) -> bool:
+        """Every node this run started has ended, and the cluster follows no live engine process."""
+        running = getattr(self.cluster, "running", None)
+        return run_outcome(self.fleet) is not None and not (callable(running) and running())
 
     # ---- command palette ----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

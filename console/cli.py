@@ -2,14 +2,16 @@
 
     zeroband-console profiles/local.toml                    # start the cluster and watch it
     zeroband-console profiles/local.toml --attach           # re-attach to engines that are already running
-    zeroband-console profiles/local.toml --readonly         # watch only: no add, drain, kill, restart or stop
+    zeroband-console profiles/local.toml --readonly         # watch only (it attaches): no start, add, drain, kill,
+                                                            # restart or stop
     zeroband-console profiles/local.toml --headless         # no screen: a status line per interval, exit = outcome
     zeroband-console profiles/local.toml status | drain NODE | kill NODE | add HOST | stop
     zeroband-console profiles/lab.toml check                # every host, before anything starts (exit 1: a problem)
     zeroband-console profiles/lab.toml sync                 # this checkout (HEAD) and its set-up onto every host
 
 A start (the dashboard, --headless, add) runs the same check first and starts nothing when it finds a problem;
---no-check skips it.
+--no-check skips it. An engine config the engines would refuse (a misspelt override) is exit 2 before that.
+`--headless --attach` with no engine of the profile running says so in one line and exits 1.
 
 Exit codes: 0 the run completed (every node completed or drained) or the command succeeded; 1 a node failed or
 died, or the command failed; 2 bad usage or a bad profile (one line naming file:line: key; nothing started);
@@ -160,6 +162,10 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
+        said = _nothing_runs(cluster) if attach else None
+        if said:  # nothing to follow: it would print "off" for ever
+            print(f"zeroband-console: {said}: nothing to attach to (start it without --attach)", file=sys.stderr)
+            return EXIT_FAILED
         printed_outer = -1
         while True:
             try:
@@ -183,6 +189,13 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await _close(cluster)
+
+
+def _nothing_runs(cluster: Any) -> str | None:
+    """After an attach: the cluster's line when it found no engine of the profile running (a cluster that cannot
+    say is taken to follow something)."""
+    nothing_runs = getattr(cluster, "nothing_runs", None)
+    return nothing_runs() if callable(nothing_runs) else None
 
 
 def _still_running(cluster: Any) -> bool:
@@ -281,6 +294,19 @@ def _refused(profile: Any, args: argparse.Namespace) -> str | None:
     return None
 
 
+def engine_config_error(profile: Any) -> str | None:
+    """What makes the engines refuse this profile (a misspelt override, a wrong type), as one `file:line: key`
+    line; checked before anything starts (a start, `add`), so nothing is started that would die at once."""
+    from console.engine_config import check_engine_config
+    from console.profile import ProfileError
+
+    try:
+        check_engine_config(profile)
+    except ProfileError as e:
+        return str(e)
+    return None
+
+
 def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
          out: TextIO | None = None) -> int:
     args = parse_args(argv)
@@ -294,6 +320,11 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         if refused is not None:
             print(f"zeroband-console: {refused}", file=sys.stderr)
             return EXIT_USAGE
+    starts = args.command == "add" or (not args.command and not args.attach and not args.readonly)
+    refused = engine_config_error(profile) if starts else None
+    if refused is not None:  # the engines would refuse it: nothing starts (README: exit 2, one line)
+        print(f"zeroband-console: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     if args.command in ("check", "sync"):  # before anything starts: no cluster, no fleet
         try:
             return asyncio.run((run_check if args.command == "check" else run_sync)(profile, out))
@@ -319,7 +350,7 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         return EXIT_OK if args.command else EXIT_INTERRUPTED
     from console.app import make_app
 
-    app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach,
+    app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach or args.readonly,
                    heartbeat_timeout=heartbeat_timeout_of(profile))
     app.run()
     return app.return_code or 0  # the run's outcome (console/outcome.py); Textual sets 1 when the app crashed

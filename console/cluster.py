@@ -43,7 +43,8 @@ from typing import Any, Callable
 from console import etcd as E
 from console.attach import Attacher
 from console.fleet import Fleet, NodeState
-from console.hosts import ARCHIVE, KILLED, STORE, Hosts, UnknownHost, host_label, new_host_target, resting_state
+from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
+                           resting_state)
 from console.launch import engine_argv, store_argv
 from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
@@ -76,7 +77,7 @@ class Cluster:
         self.preflight = preflight  # start() and add() check their hosts first (console/preflight/)
         self.fleet = fleet
         self._hosts = Hosts(profile, fleet, transports)
-        self._watchers = Watchers(self._hosts)
+        self._watchers = Watchers(self._hosts, run_stopped=lambda: self._store.run_stopped())
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
         self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
@@ -145,7 +146,8 @@ class Cluster:
         that must not start: a host that refused the move (starting on top of an old run would mix the two), or
         every node when the store's host refused. An unreachable host is left to _launch, which says so."""
         archive = C.join(self.profile.run.dir, ARCHIVE, time.strftime("%Y%m%d-%H%M%S"))
-        names = [(h.name, h.name) for h in self.profile.hosts.values()] + [(STORE, self.profile.store_host.name)]
+        store = self.profile.store_host.name  # the store's folder and its probe's (the last health sample)
+        names = [(h.name, h.name) for h in self.profile.hosts.values()] + [(STORE, store), (PROBE, store)]
         async def move(name: str, host: str) -> TransportError | None:
             try:
                 await self.transport(host).archive(self.node_dir(name), archive)
@@ -158,7 +160,7 @@ class Cluster:
         for (name, _), result in zip(names, results):
             if not isinstance(result, TransportError) or result.link:
                 continue
-            hit = [h.name for h in self.profile.active_hosts()] if name == STORE else [name]
+            hit = [h.name for h in self.profile.active_hosts()] if name in (STORE, PROBE) else [name]
             for node in hit:
                 self.fleet.set_state(node, NodeState.FAILED, f"previous run not archived: {result}")
             blocked.update(hit)
@@ -170,6 +172,13 @@ class Cluster:
         steer_store: watch the store and restart it if it dies (the dashboard, --headless); a one-shot command
         (`status`, `kill`...) only looks at whether it runs."""
         await self._attacher.attach(steer_store=steer_store)
+
+    def nothing_runs(self) -> str | None:
+        """After attach: a line saying so when no engine of the profile runs (none followed, and no host that did
+        not answer is still being asked again), else None."""
+        if self.running() or any(not t.done() for t in self._attacher.retries.values()):
+            return None
+        return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
 
     # ---- one node ----------------------------------------------------------------------------------------------
     async def _launch(self, host: HostSpec, append: bool = False) -> bool:
@@ -260,6 +269,9 @@ class Cluster:
         host = self.profile.hosts.get(name)
         if host is None:
             return Outcome(False, f"no node named {name!r}")
+        refused = self._config_refused(name)
+        if refused is not None:
+            return refused
         if name in self._starting:  # an add or restart of it is under way (its checks take seconds): one engine
             return Outcome(False, f"{name}: already being started")
         self._starting.add(name)
@@ -279,6 +291,9 @@ class Cluster:
             return Outcome(False, f"{name}: still running (kill or drain it first)")
         if await self._hosts.live_pid(name) is not None:
             return Outcome(False, f"{name}: still running (kill or drain it first)")
+        _, refused = await self._store_refused(name)
+        if refused is not None:
+            return refused
         ok = await self._launch(host, append=True)
         if not ok:
             return Outcome(False, f"{name}: could not restart: {self.fleet.nodes[name].reason}")
@@ -287,6 +302,9 @@ class Cluster:
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
         note, written = None, False
+        refused = self._config_refused(target)
+        if refused is not None:  # before the profile or any host is touched
+            return refused
         if target not in self.profile.hosts:
             try:
                 target, written = self._add_to_profile(target)
@@ -306,8 +324,13 @@ class Cluster:
 
             self._starting.add(target)  # a second add while this one's checks run is refused above
             try:
+                started, refused = await self._store_refused(target)  # the check dials it: it must run first
+                if refused is not None:
+                    return self._not_added(target, written, refused.message)
                 await self._check_before("add", target)  # it must reach the running store, among the rest
             except PreflightFailed as e:
+                if started and not self.running() and self._starting == {target}:
+                    await self._store.stop()  # started for this node alone, which does not start: nothing is left
                 message = "\n".join([f"{target}: not added: the preflight found {len(e.lines)} problem(s)",
                                      *e.lines])
                 if written:
@@ -320,6 +343,25 @@ class Cluster:
         if not started.ok:  # the node's row keeps why (unreachable, failed)
             return self._not_added(target, written, message)
         return Outcome(True, f"{message}; {note}" if note else message)
+
+    async def _store_refused(self, name: str) -> tuple[bool, Outcome | None]:
+        """The store the node dials runs (started again when the run has ended, or its start was refused), or the
+        node is refused: "restarted" and "added" mean the node can reach a store. (whether a store was started
+        now, the refusal or None)"""
+        async def engines_running() -> bool:
+            return bool(self.running()) or await self._attacher.engines_running()
+
+        started, reason = await self._store.ensure(engines_running)
+        return started, None if reason is None else Outcome(False, f"{name}: not started: {reason}")
+
+    def _config_refused(self, name: str) -> Outcome | None:
+        """An engine config the engines would refuse (a misspelt override): one `file:line: key` line, and nothing
+        starts (the engine would die at once, after "added")."""
+        try:
+            check_engine_config(self.profile)
+        except ProfileError as e:
+            return Outcome(False, f"{name}: not started: {e}")
+        return None
 
     def _add_to_profile(self, target: str) -> tuple[str, bool]:
         """The host's name, and whether it was written into the profile file now."""
@@ -363,6 +405,7 @@ class Cluster:
         group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
         wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
+        await self._store.mark_stopped()  # before the engines end: another console watching them reads it
         running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
         for proc in running.values():
             proc.stopping = True

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Callable
+import time
+from typing import Awaitable, Callable
 
 from console import etcd as E
 from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STOPPED, STORE, Hosts
@@ -23,6 +24,8 @@ from console.launch import probe_argv, store_argv
 from console.profile import Profile
 from console.transport import TransportError
 from console.transport import commands as C
+
+STORE_READY_S = 60.0  # how long a store started for a restart may take to say ready (its imports, a loaded host)
 
 
 class StoreHost:
@@ -35,6 +38,7 @@ class StoreHost:
         self.error: str | None = None  # why it died before it was ever ready: a node started after that fails too
         self.bind_used: str | None = None  # what the running store was started to listen on
         self.health_task: asyncio.Task | None = None
+        self._ensuring = asyncio.Lock()  # two restarts at once (marked nodes, r) start one store, not two
         # the etcd members this console runs (store.backend etcd with etcd_hosts), else None
         self.etcd = E.cluster_of(hosts.profile, hosts.transport, E.pki_root(hosts.profile))
 
@@ -104,8 +108,44 @@ class StoreHost:
                                                              f"{C.q(address)}")
         return address if rc == 0 else "::" if ":" in address else "0.0.0.0"  # every interface, of its family
 
+    async def ensure(self, engines_running: Callable[[], Awaitable[bool]]) -> tuple[bool, str | None]:
+        """Before a node starts alone (restart, add): the store it dials runs. One that does not (the run ended, or
+        its start was refused) is started when no engine of the run runs, and waited for until it is ready; while
+        engines run without it, the node is refused (they wait for a store of their run, with its keys). (whether
+        a store was started now, None or why the node must not start). On etcd the members answer for themselves."""
+        if self.profile.store.backend != "tcp":
+            return False, None
+        host = self.profile.store_host.name
+        async with self._ensuring:
+            try:
+                if await self.hosts.running_pid(STORE, host) is not None:
+                    return False, None
+            except TransportError:
+                return False, None  # cannot tell from here: the node's check (or its engine) says if it reaches it
+            if await engines_running():
+                return False, (f"the run's store is not running on {host} while engines of the run are (a "
+                               f"dashboard on the run restarts it; or stop the run and start it again)")
+            if self.task is not None and not self.task.done():
+                self.task.cancel()  # the last store's watcher: this one gets its own
+            self.hosts.stopping = False  # a new store, after the run's stop: its watcher must not end at once
+            reason = await self.start()
+            return True, reason if reason is not None else await self._until_ready()
+
+    async def _until_ready(self) -> str | None:
+        """Wait for the store just started to say it is ready (its watcher reads that line); why not, if it died
+        first or stayed silent for STORE_READY_S."""
+        deadline = time.monotonic() + STORE_READY_S
+        while self.fleet.store.state != "up":
+            if self.error is not None:
+                return f"the run's store could not start: {self.error}"
+            if self.task is None or self.task.done() or time.monotonic() > deadline:
+                return f"the run's store did not say it was ready within {STORE_READY_S:g}s (see its engine.log)"
+            await asyncio.sleep(0.1)
+        return None
+
     async def start(self) -> str | None:
         """Start the store detached and watch it; the reason if it could not start."""
+        self.error = None  # a new store: an earlier one's death before it was ready is over
         if self.profile.store.backend == "etcd":
             reason = await E.prepare(self.profile, self.etcd)
             self.watch_health()
@@ -241,6 +281,26 @@ class StoreHost:
         self.error = reason
         self._on_failed(reason)
 
+    async def mark_stopped(self) -> None:
+        """The run's stop, said in the store's folder until a store starts again: a console watching the store does
+        not restart it, and one watching a node that a stop ends settles it "stopped", whatever its exit status."""
+        if self.profile.store.backend != "tcp":
+            return
+        host = self.profile.store_host.name
+        try:
+            await self.hosts.transport(host).touch(self.hosts.path(STORE, STOPPED))
+        except TransportError:
+            pass  # the signals that follow say whether the host answers
+
+    async def run_stopped(self) -> bool:
+        """Whether a stop (this console's or another's) ended the run: its marker stays in the store's folder until
+        a store starts again."""
+        try:
+            return await self.hosts.transport(self.profile.store_host.name).read_text(
+                self.hosts.path(STORE, STOPPED)) is not None
+        except TransportError:
+            return False
+
     async def stop(self) -> tuple[list[str], list[str]]:
         """End the store and its probe (stop() has ended the engines first): TERM, wait until their process groups
         are empty, KILL after console.stop_timeout; then the etcd members. Returns what may still run (a host that
@@ -248,11 +308,8 @@ class StoreHost:
         host = self.profile.store_host.name
         store = await self.hosts.live_pid(STORE, host)
         probe = await self.hosts.live_pid(PROBE, host)  # it ends with the store, but only at its next look
-        if store is not None:
-            try:  # first: a console watching the store must not take its end for a crash and start it again
-                await self.hosts.transport(host).touch(self.hosts.path(STORE, STOPPED))
-            except TransportError:
-                pass  # the signals below say whether the host answers
+        if store is not None:  # first: a console watching the store must not take its end for a crash and restart it
+            await self.mark_stopped()
         groups = [(host, pid) for pid in (store, probe) if pid is not None]
         await asyncio.gather(*(self.hosts.signal_quietly(host, pid, "TERM") for _, pid in groups))
         left = await self.hosts.end_groups(groups, self.profile.console.stop_timeout)

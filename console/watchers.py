@@ -14,7 +14,7 @@ process too.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Container
+from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass, field
 
 from console.fleet import NodeState
@@ -37,8 +37,9 @@ class Proc:
 
 
 class Watchers:
-    def __init__(self, hosts: Hosts):
+    def __init__(self, hosts: Hosts, run_stopped: Callable[[], Awaitable[bool]] | None = None):
         self.hosts = hosts
+        self._run_stopped = run_stopped  # whether a stop (any console's) ended the run: the store's marker
         self.fleet = hosts.fleet
         self.procs: dict[str, Proc] = {}
 
@@ -217,6 +218,11 @@ class Watchers:
                                                                              or self.fleet.process_ended(name)):
                 return
             self.fleet.set_state(name, NodeState.LEFT, "stopped" if proc.stopping else "exited")
+        elif proc.stopping or (self._run_stopped is not None and await self._run_stopped()):
+            # a stop ended it before its engine took SIGTERM as a stop (still starting: status 143), or its last
+            # checkpoint: the run was stopped, not failed (the status stays in the log)
+            self.fleet.note(name, f"exited with status {status} as the run was stopped: {last}")
+            self.fleet.set_state(name, NodeState.LEFT, "stopped")
         else:
             self.fleet.set_state(name, NodeState.FAILED, f"exited with status {status}: {last}")
 

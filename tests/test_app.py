@@ -256,6 +256,22 @@ async def test_keys_without_engines(local_profile):
         assert table.names() == ["node-a", "node-b", "node-c", "node-d"]
         assert table.selected_name() == "node-c"  # the cursor stays on the node it was on
 
+        # the selected node leaves the filtered rows: the cursor keeps its row (clamped), never jumps to row 0,
+        # where the next k, d or r (no confirmation) would act on the first node
+        for name in ("node-a", "node-b", "node-c"):
+            fleet.set_state(name, NodeState.TRAINING)
+        await pilot.press("slash", *"training", "enter")
+        table.move_cursor(row=table.get_row_index("node-b"))
+        fleet.set_state("node-b", NodeState.LEFT, "drained")
+        app.tick()
+        assert table.names() == ["node-a", "node-c"] and table.selected_name() == "node-c"
+        fleet.set_state("node-c", NodeState.LEFT, "drained")
+        app.tick()
+        assert table.names() == ["node-a"] and table.selected_name() == "node-a"
+        await pilot.press("escape")
+        fleet.set_state("node-a", NodeState.OFF)  # as the rest of this test has it
+        table.move_cursor(row=table.get_row_index("node-c"))
+
         # space marks and moves down; actions apply to the marked nodes
         for name in ("node-b", "node-c"):
             fleet.set_state(name, NodeState.TRAINING)
@@ -316,27 +332,50 @@ async def test_keys_without_engines(local_profile):
     assert app.return_code == (1 if fleet.nodes["127.0.0.1"].state is NodeState.FAILED else 130)
 
 
-@pytest.mark.parametrize("ending, key, code", [
-    ({"node-a": NodeState.FAILED, "node-b": NodeState.FAILED, "node-c": NodeState.FAILED}, "s", 1),
-    ({"node-a": NodeState.TRAINING, "node-b": NodeState.FAILED, "node-c": NodeState.TRAINING}, "l", 130),
+@pytest.mark.parametrize("ending, key, code, stopped", [
+    ({"node-a": NodeState.FAILED, "node-b": NodeState.FAILED, "node-c": NodeState.FAILED}, "s", 1, True),
+    ({"node-a": NodeState.TRAINING, "node-b": NodeState.FAILED, "node-c": NodeState.TRAINING}, "l", 130, False),
+    ({"node-a": NodeState.LEFT, "node-b": NodeState.LEFT, "node-c": NodeState.LEFT}, "l", 0, True),
 ])
-async def test_exit_status_follows_the_headless_rules(local_profile, ending, key, code):
+async def test_exit_status_follows_the_headless_rules(local_profile, ending, key, code, stopped):
     """Defect: the dashboard exited 0 after every node had failed (store killed, then quit with stop). The real
-    Cluster answers the stop (nothing of it runs here); the outcome is the fleet's, as --headless computes it."""
+    Cluster answers the stop (nothing of it runs here); the outcome is the fleet's, as --headless computes it.
+    "Leave running" once every node has ended stops the store and its probe, as --headless does (they ran on for
+    ever); while a node runs, it stops nothing."""
     app, fleet = build(local_profile, start=False)
+    stops, stop = [], app.cluster.stop
+
+    async def recorded_stop():
+        stops.append(1)
+        return await stop()
+    app.cluster.stop = recorded_stop
+    reasons = {NodeState.FAILED: "store exited: killed", NodeState.LEFT: "completed"}
     async with app.run_test(size=SIZE) as pilot:
         for name, state in ending.items():
-            fleet.set_state(name, state, "store exited: killed" if state is NodeState.FAILED else None)
+            fleet.set_state(name, state, reasons.get(state))
         await pilot.press("q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press(key)
         await until(pilot, lambda: not app.is_running, 20, "the console to exit")
-    assert app.return_code == code
+    assert app.return_code == code and bool(stops) == stopped
 
 
 async def test_readonly_hides_actions(local_profile):
-    app, fleet = build(local_profile, start=False, readonly=True)
+    """Watch only: it attaches and never starts (it started a fresh run and archived the previous one when
+    nothing ran); with nothing running it says so in one line."""
+    app, fleet = build(local_profile, readonly=True)
+    run_dir = Path(local_profile.run.dir)
+    run_dir.mkdir()
+    (run_dir / "node-a").mkdir()  # a previous run's folder: it stays where it is
     async with app.run_test(size=SIZE) as pilot:
+        await until(pilot, lambda: any("nothing runs for" in n.message for n in app._notifications), 30,
+                    "the notice that nothing runs")
+        notice = next(n.message for n in app._notifications if "nothing runs for" in n.message)
+        assert notice == (f"nothing runs for {local_profile.path} (run {local_profile.run.name}): watching for a "
+                          "start by another console")
+        await pilot.pause(1.0)
+        assert sorted(p.name for p in run_dir.iterdir()) == ["node-a"]  # nothing started, nothing archived
+        assert {n.state for n in fleet.nodes.values()} == {NodeState.OFF, NodeState.STANDBY}
         fleet.set_state("node-a", NodeState.TRAINING)
         await pilot.press("k", "d", "a", "r")
         assert app.screen is app.dashboard  # no modal opened

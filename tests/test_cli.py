@@ -355,6 +355,19 @@ def run_cli(argv, ok: bool = True):
     return code, out.getvalue(), made[0].calls if made else None
 
 
+@pytest.mark.parametrize("argv", [["--headless"], ["add", "node-c"]])
+def test_an_engine_config_the_engines_refuse_is_one_line_exit_2_and_nothing_starts(tmp_path, capsys, argv):
+    """README: a misspelt override is one `file:line: key` line and exit 2, nothing started (--headless exited 1
+    with no line, `add` printed "added" and the engine died)."""
+    path = tmp_path / "bad.toml"
+    config = 'config = "configs/debug-diloco.toml"\n'
+    path.write_text(PROFILE_TEXT.replace(config, config + '[engine.overrides]\n"train.max_stepz" = 40\n'))
+    code, out, calls = run_cli([str(path), *argv])
+    assert (code, out, calls) == (2, "", None)  # no cluster was even made
+    assert capsys.readouterr().err == (f"zeroband-console: {path}:6: engine.overrides.train.max_stepz: unknown key "
+                                       "(did you mean train.max_steps?)\n")
+
+
 def test_status_prints_the_summary_and_every_node(unit_profile):
     code, out, calls = run_cli([unit_profile, "status"])
     assert code == 0 and calls == ["attach", "status", "close"]

@@ -35,6 +35,8 @@ drain = json.loads(args["mesh.drain_file"])  # strings come TOML-quoted, as the 
 if mode == "exit-at-start":
     print("error: data.path: no such corpus", file=sys.stderr)
     sys.exit(2)
+if mode == "slow-start":  # a SIGTERM now ends it as a signal does (status 143): its handler is not there yet
+    time.sleep(60)
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 def emit(type_, **f):
@@ -233,10 +235,25 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     assert await cluster.stop()
     assert states(fleet) == {"node-a": "left", "node-b": "left", "node-c": "left", new: "unreachable"}
     assert {fleet.nodes[n].reason for n in ("node-b", "node-c")} == {"stopped"}
-    await cluster.close()
     store_pid = int((workdir / "runs/t/_store/pid").read_text())
     await until(lambda: not Path(f"/proc/{store_pid}").exists() or "Z" in
                 Path(f"/proc/{store_pid}/status").read_text().split("State:")[1][:4], what="store stopped")
+
+    # nothing of the run runs now, not even its store: a restart starts the store first, and says "restarted" only
+    # once it is ready (it said so with no store, and the engine died 30 s later: "membership store unreachable")
+    assert await cluster.restart("node-b")
+    assert fleet.store.state == "up" and int((workdir / "runs/t/_store/pid").read_text()) != store_pid
+    await until(lambda: fleet.nodes["node-b"].state is NodeState.TRAINING, what="b restarted after the stop")
+    await cluster.close()  # the console goes; node-b and the store run on
+    os.killpg(int((workdir / "runs/t/_store/pid").read_text()), signal.SIGKILL)  # the store dies, unwatched
+    shell = Cluster(profile, Fleet())  # `add node-c` from a shell: node-b runs without a store, so it is refused
+    await shell.attach(steer_store=False)
+    refused = await shell.add("node-c")
+    assert not refused and refused.message.startswith(
+        "node-c: not started: the run's store is not running on node-a while engines of the run are"), refused
+    assert not (workdir / "runs/t/_store/stopped").exists()  # and no store was started
+    assert await shell.stop()
+    await shell.close()
 
 
 async def test_bad_nodes_do_not_stop_the_others(workdir, cleanup):
@@ -295,6 +312,10 @@ async def test_bad_engine_config_starts_nothing(workdir, cleanup):
     await cluster.start()
     assert fleet.nodes["node-a"].state is NodeState.FAILED
     assert "train.max_steps: Input should be greater than 0" in fleet.nodes["node-a"].reason
+    # add and restart refuse it too, in one line (add said "added", then the engine died)
+    for name, outcome in (("node-c", await cluster.add("node-c")), ("node-a", await cluster.restart("node-a"))):
+        assert not outcome and outcome.message.startswith(f"{name}: not started: {profile.path}:10: engine.config: ")
+        assert "train.max_steps: Input should be greater than 0" in outcome.message
     assert not (workdir / "runs").exists()  # nothing was started
     await cluster.close()
 
@@ -429,10 +450,17 @@ def await_free(cluster: Cluster, name: str) -> bool:
     return not proc.done.is_set()
 
 
-async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workdir, cleanup):
+async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workdir, cleanup, capsys):
     """Starting the same profile again begins a new run (the old folders move to _archive/, nothing is lost);
     --resume starts on top of the previous run's folders, and every engine is told ckpt.resume=auto."""
+    from console import cli
+
     profile = make_profile(workdir)
+    fleet = Fleet(run="t")  # `--headless --attach` with nothing running: one line, exit 1 (it printed "off" for ever)
+    code = await asyncio.wait_for(cli.run_headless(Cluster(profile, fleet), fleet, attach=True, interval=0.1,
+                                                   out=io.StringIO()), 20)
+    assert code == 1 and capsys.readouterr().err == (f"zeroband-console: nothing runs for {profile.path} (run t): "
+                                                     "nothing to attach to (start it without --attach)\n")
     first = Cluster(profile, Fleet(run="t"))
     await first.start()
     await until(lambda: first.fleet.nodes["node-a"].state is NodeState.TRAINING, what="first run")
@@ -447,6 +475,8 @@ async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workd
     archived = list((workdir / "runs/t/_archive").glob("*/node-a/events.jsonl"))
     assert len(archived) == 1 and archived[0].read_text() == old_events
     assert (workdir / "runs/t/_archive" / archived[0].parts[-3] / "_store").is_dir()
+    # the probe's folder too: its last health sample showed the previous store's figures in the new header
+    assert (workdir / "runs/t/_archive" / archived[0].parts[-3] / "_store_probe").is_dir()
     assert '"run_end"' not in (workdir / "runs/t/node-a/events.jsonl").read_text()  # a new file, a new run
     assert await second.stop()
     await second.close()
@@ -470,6 +500,30 @@ print(json.dumps({"v": 1, "type": "state", "ts": time.time(), "node": "store", "
                   "pid": os.getpid()}), flush=True)
 time.sleep(600)
 '''
+
+
+async def test_a_stop_while_nodes_start_is_a_stop_not_a_failure(workdir, cleanup):
+    """A stop that lands before an engine installed its SIGTERM handler ends it with status 143: that node was
+    stopped, not failed (exit 1 instead of 3), for the console that stops and for one that watches (the store's
+    stopped marker, written before the engines are signalled, says so)."""
+    from console.outcome import EXIT_STOPPED, run_outcome
+
+    profile = make_profile(workdir, b_extra='env = { FAKE_MODE = "slow-start" }')
+    fleet = Fleet()
+    watching = Cluster(profile, fleet)
+    await watching.start()
+    await until(lambda: states(fleet)["node-a"] == "training" and "node-b" in watching.running(), what="a trains")
+    assert fleet.nodes["node-b"].state is NodeState.STARTING
+    shell = Cluster(profile, Fleet())  # `zeroband-console PROFILE stop` from a shell
+    await shell.attach(steer_store=False)
+    assert await shell.stop()
+    await until(lambda: states(fleet)["node-b"] == "left", what="the watching console settles b")
+    for view in (shell.fleet, fleet):
+        assert (view.nodes["node-b"].state, view.nodes["node-b"].reason) == (NodeState.LEFT, "stopped")
+        assert any("exited with status 143" in line for line in view.nodes["node-b"].log)
+        await until(lambda: run_outcome(view) is not None, what="the outcome")
+        assert run_outcome(view) == EXIT_STOPPED
+    await asyncio.gather(shell.close(), watching.close())
 
 
 async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(workdir, cleanup):

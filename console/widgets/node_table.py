@@ -172,7 +172,7 @@ class NodeTable(DataTable):
 
     def _rebuild(self, nodes: list[Any]) -> None:
         self.rebuilds += 1
-        selected = self.selected_name()
+        selected, place = self.selected_name(), self.cursor_row
         self.clear()
         self._shown.clear()
         seen: set[str] = set()
@@ -186,6 +186,10 @@ class NodeTable(DataTable):
             self._shown[name] = {k: _key(v) for k, v in row.items()}
         if selected in self._shown:
             self.move_cursor(row=self.get_row_index(selected))
+        elif self.row_count:
+            # the selected node left the rows shown (a filter): the same place, never row 0, where the next k, d or
+            # r (no confirmation) would act on a node nobody chose
+            self.move_cursor(row=min(max(place, 0), self.row_count - 1))
 
     def selected_name(self) -> str | None:
         """The node under the cursor, or None when the table is empty."""
