@@ -62,10 +62,12 @@ def _event_pool(names: list[str], per_node: int) -> dict[str, list[str]]:
 
 
 class SimCluster:
-    """Feeds pre-encoded lines into the fleet at `rate` events/s per node; the same seam as the real Cluster."""
+    """Feeds pre-encoded lines into the fleet at `rate` events/s per node; the same seam as the real Cluster. The
+    count of lines sent so far is kept at the start of the file `count_fd` (when given), for the parent to read."""
 
-    def __init__(self, fleet, names: list[str], rate: float, pool: dict[str, list[str]]):
-        self.fleet, self.names, self.rate, self.pool = fleet, names, rate, pool
+    def __init__(self, fleet, names: list[str], rate: float, pool: dict[str, list[str]], count_fd: int | None = None):
+        self.fleet, self.names, self.rate, self.pool, self.count_fd = fleet, names, rate, pool, count_fd
+        self.sent = 0
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -76,16 +78,21 @@ class SimCluster:
 
     async def _produce(self) -> None:
         tick = 0.1  # one batch per node per tick, like a tail reading a file every 100 ms
-        per_tick = max(1, round(self.rate * tick))
-        k = 1
+        k, due = 1, 0.0
         while True:
             started = time.monotonic()
+            due += self.rate * tick  # the fraction left over carries into the next tick: rate 1 is one line a second
+            per_tick = int(due + 1e-9)  # ten ticks of 0.1 add up to 0.999...
+            due -= per_tick
             now = f"{time.time():.6f}"  # fresh timestamps, as a live engine writes them (ages stay honest)
             for name in self.names:
                 lines = self.pool[name]
                 for j in range(per_tick):
                     self.fleet.ingest(name, lines[(k + j) % len(lines)].replace(TS_TEXT, now, 1))
             k += per_tick
+            self.sent += per_tick * len(self.names)
+            if self.count_fd is not None:
+                os.pwrite(self.count_fd, f"{self.sent:<20d}".encode(), 0)
             await asyncio.sleep(max(0.0, tick - (time.monotonic() - started)))
 
     async def attach(self) -> None:
@@ -96,7 +103,7 @@ class SimCluster:
             self._task.cancel()
 
 
-def child(nodes: int, rate: float, hz: float) -> None:
+def child(nodes: int, rate: float, hz: float, count_file: str) -> None:
     from console.app import make_app
     from console.fleet import Fleet, NodeState
     from engine.telemetry import encode, make_event
@@ -107,32 +114,37 @@ def child(nodes: int, rate: float, hz: float) -> None:
         fleet.add_node(name, f"10.0.{nodes // 256}.{len(fleet.nodes)}")
         fleet.ingest(name, encode(make_event("state", name, 0, state="training")))
     fleet.set_state(names[0], NodeState.TRAINING)
-    cluster = SimCluster(fleet, names, rate, _event_pool(names, 200))
+    cluster = SimCluster(fleet, names, rate, _event_pool(names, 200), os.open(count_file, os.O_WRONLY))
     app = make_app(None, cluster, fleet=fleet, refresh_interval=1.0 / hz)
     app.run()
 
 
 # ---- parent: measure ----------------------------------------------------------------------------------------
-def measure(nodes: int, rate: float, hz: float, warmup: float, seconds: float) -> float:
+def measure(nodes: int, rate: float, hz: float, warmup: float, seconds: float) -> tuple[float, float]:
+    """(the app's share of one core, the events/s the simulated nodes really sent) over the measured window."""
     import psutil
+    import tempfile
 
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
     env = {**os.environ, "TERM": "xterm-256color", "PYTHONPATH": str(ROOT), "COLUMNS": "160", "LINES": "50"}
     env.pop("CI", None)
-    proc = subprocess.Popen([sys.executable, __file__, "--child", str(nodes), str(rate), str(hz)],
+    counts = tempfile.NamedTemporaryFile(prefix="zb-app-cpu-")
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(nodes), str(rate), str(hz), counts.name],
                             stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
     os.close(slave)
+    sent = lambda: int(Path(counts.name).read_text() or 0)  # noqa: E731
     try:
         ps = psutil.Process(proc.pid)
         _drain(master, warmup)
-        before, t0 = ps.cpu_times(), time.monotonic()
+        before, t0, sent0 = ps.cpu_times(), time.monotonic(), sent()
         _drain(master, seconds)
-        after, t1 = ps.cpu_times(), time.monotonic()
+        after, t1, sent1 = ps.cpu_times(), time.monotonic(), sent()
         if proc.poll() is not None:
             raise RuntimeError(f"the app exited early with {proc.returncode}")
-        return ((after.user - before.user) + (after.system - before.system)) / (t1 - t0)
+        return ((after.user - before.user) + (after.system - before.system)) / (t1 - t0), (sent1 - sent0) / (t1 - t0)
     finally:
+        counts.close()
         try:
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
@@ -155,7 +167,7 @@ def _drain(fd: int, seconds: float) -> None:
 
 def main() -> None:
     if len(sys.argv) >= 2 and sys.argv[1] == "--child":
-        child(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]))
+        child(int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=64)
@@ -169,9 +181,8 @@ def main() -> None:
     print(f"console app CPU share: {args.nodes} nodes, 160x50 pty, {args.seconds:.0f}s per case "
           f"(cpu count {os.cpu_count()}, load average {load:.1f} at start: contention inflates every figure)")
     for label, rate, hz in cases:
-        share = measure(args.nodes, rate, hz, args.warmup, args.seconds)
+        share, events = measure(args.nodes, rate, hz, args.warmup, args.seconds)
         results[label] = share
-        events = args.nodes * rate
         print(f"  {label:<10} {events:6.0f} events/s  redraw {hz:4.1f} Hz  {share * 100:6.2f}% of a core")
     idle, load = results["idle"], results["load"]
     verdict = "PASS" if load < 0.10 else "FAIL"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ranks import at_least  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from console.fleet import Fleet  # noqa: E402
 from console.transport.local import LocalTail  # noqa: E402
 from engine.telemetry import encode, make_event  # noqa: E402
@@ -105,9 +106,9 @@ def bench_tail(lines: list[tuple[str, str]], folder: Path) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=200_000)
-    parser.add_argument("--nodes", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--events", type=at_least(1), default=200_000)
+    parser.add_argument("--nodes", type=at_least(1), default=64)
+    parser.add_argument("--repeat", type=at_least(1), default=3)
     args = parser.parse_args(argv)
     lines = make_lines(args.events, args.nodes)
     n = len(lines)

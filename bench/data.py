@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -143,7 +144,8 @@ def peak_rss(pid: int) -> int | None:
 
 def train_run(data_path: Path, run_dir: Path, steps: int) -> tuple[int, float, float]:
     """(peak RSS bytes, seconds from launch to the first step event, total seconds) of one engine process.
-    VmHWM is sampled at every event line the engine prints, the last one being run_end (before tear-down)."""
+    VmHWM is sampled at every event line the engine prints, the last one being run_end (before tear-down).
+    The run's folder (its final checkpoint, ~22 MB with configs/debug.toml) is removed afterwards."""
     args = [sys.executable, "-m", "engine.train", "configs/debug.toml", f"--data.path={data_path}",
             f"--train.max_steps={steps}", f"--run.dir={run_dir}", "--train.log_interval=1",
             "--train.eval_interval=0", "--ckpt.interval=0", "--telemetry.human=false"]
@@ -152,11 +154,17 @@ def train_run(data_path: Path, run_dir: Path, steps: int) -> tuple[int, float, f
                             text=True)
     first, peak = None, 0
     assert proc.stdout is not None
-    for line in proc.stdout:
-        peak = max(peak, peak_rss(proc.pid) or 0)
-        if first is None and '"type":"step"' in line:
-            first = time.monotonic() - t0
-    proc.wait(timeout=120)
+    try:
+        for line in proc.stdout:
+            peak = max(peak, peak_rss(proc.pid) or 0)
+            if first is None and '"type":"step"' in line:
+                first = time.monotonic() - t0
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
     if proc.returncode != 0 or first is None:
         raise SystemExit(f"engine run on {data_path} failed (rc {proc.returncode})")
     return peak, first, time.monotonic() - t0
@@ -223,8 +231,8 @@ def main() -> None:
     r1 = read / consume
     r2 = results["large"][0] / results["small"][0]
     print(f"start-up large / small {results['large'][1] / results['small'][1]:.2f}; goals: R1 >= 10, R2 <= 1.1")
-    print(f"data read / train consume {r1:.1f}; rss {args.large_mb // 1000 or args.large_mb}"
-          f"{'GB' if args.large_mb >= 1000 else 'MB'} / {args.small_mb}MB {r2:.3f}")
+    large = f"{args.large_mb / 1000:g}GB" if args.large_mb >= 1000 else f"{args.large_mb}MB"
+    print(f"data read / train consume {r1:.1f}; rss {large} / {args.small_mb}MB {r2:.3f}")
 
 
 if __name__ == "__main__":

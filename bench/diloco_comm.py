@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from ranks import report_to, run_ranks  # bench/ is the script's folder, first on sys.path
+from ranks import at_least, comma_list, report_to, run_ranks  # bench/ is the script's folder, first on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -176,10 +176,12 @@ def report(rows: list[dict], args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.outer.allreduce import COMPRESSIONS
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=2)
-    p.add_argument("--hs", default="10,50", help="comma-separated inner steps H")
-    p.add_argument("--compressions", default="none,bf16,int8")
+    p.add_argument("--hs", type=comma_list(at_least(1)), default="10,50", help="comma-separated inner steps H")
+    p.add_argument("--compressions", type=comma_list(COMPRESSIONS), default="none,bf16,int8")
     p.add_argument("--outer-steps", type=int, default=2)
     p.add_argument("--ddp-steps", type=int, default=10)
     p.add_argument("--preset", default="debug")
@@ -187,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
-    args.hs = [int(h) for h in args.hs.split(",")]
-    args.compressions = args.compressions.split(",")
     if args.nodes < 2:
         p.error("--nodes: at least 2 (one node sends nothing)")
     results = run_ranks(worker, args.nodes, args, what="worker")

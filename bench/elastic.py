@@ -65,7 +65,7 @@ class Proc:
                                      text=True, start_new_session=True)
         started.append(self)
         self.events: list[dict] = []
-        self.err = ""
+        self.err, self.stopped = "", False
         threading.Thread(target=self._out, daemon=True).start()
         threading.Thread(target=self._errs, daemon=True).start()
 
@@ -89,17 +89,21 @@ class Proc:
         return steps[-1]["step"] if steps else 0
 
     def stop(self) -> None:
+        self.stopped = True  # on purpose: not a failure for wait_for
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
 
 def wait_for(pred, timeout: float, what: str, procs: list[Proc]) -> None:
+    """Until pred(); fails at once when a process exited that nobody stopped (a config error at start)."""
     deadline = time.monotonic() + timeout
     while not pred():
-        if time.monotonic() > deadline:
+        dead = [p for p in procs if not p.stopped and p.proc.poll() not in (None, 0)]
+        if dead or time.monotonic() > deadline:
             tails = "\n".join(f"--- {p.name} rc={p.proc.poll()}\n{p.err[-1500:]}" for p in procs)
-            raise SystemExit(f"timed out after {timeout}s waiting for {what}\n{tails}")
+            why = f"{dead[0].name} exited {dead[0].proc.returncode}" if dead else f"timed out after {timeout}s"
+            raise SystemExit(f"{why} waiting for {what}\n{tails}")
         time.sleep(0.01)
 
 
@@ -205,6 +209,11 @@ engine.train.cli()
 """
 
 
+def steady_rows(nodes: list[Proc], call: str) -> list[dict]:
+    """Every node's timings of `call` but its first (the formation: it waits for every node to start)."""
+    return [e for p in nodes for e in p.of("bench_mesh", call=call)[1:]]
+
+
 def measure_store_share(args, backend: str, procs: list[Proc], outer_steps: int = 12) -> dict:
     """3 nodes on one backend for `outer_steps` outer steps; medians per outer step of boundary and commit."""
     run_dir = tempfile.mkdtemp(prefix="elastic-store-")
@@ -235,7 +244,7 @@ def measure_store_share(args, backend: str, procs: list[Proc], outer_steps: int 
         period = statistics.median(b[1] - a[1] for a, b in zip(times[1:], times[2:]))  # the first includes start-up
         out: dict = {"backend": backend, "outer_period_s": period}
         for call in ("boundary", "commit"):
-            rows = [e for p in nodes for e in p.of("bench_mesh", call=call)][3:]  # skip formation
+            rows = steady_rows(nodes, call)
             out[f"{call}_wall_s"] = statistics.median(e["wall_s"] for e in rows)
             out[f"{call}_store_s"] = statistics.median(e["store_s"] for e in rows)
         out["store_share"] = (out["boundary_store_s"] + out["commit_store_s"]) / period
@@ -274,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the result to this file")
     p.add_argument("--store-share", action="store_true", help="the store's share of an outer step, tcp vs etcd")
     args = p.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through the finally blocks: no node is left behind
+        signal.signal(sig, _raise_exit)
     if args.store_share:
         return store_share_main(args)
     procs: list[Proc] = []
@@ -301,6 +312,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
     return 0
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from ranks import run_torchrun, worker_errors  # bench/ is the script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -243,10 +245,14 @@ def multi_process(args, single_tps: float) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                __file__, "--worker", strategy, *args._passthrough]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT)
+        try:
+            done = run_torchrun(cmd, args.timeout, env=env, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            print(f"  {strategy}: timed out after {args.timeout:.0f}s")
+            continue
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not lines:
-            print(f"  {strategy}: failed (rc {done.returncode})\n{done.stderr[-2000:]}")
+            print(f"  {strategy}: failed (rc {done.returncode})\n{worker_errors(done.stderr)}")
             continue
         res = json.loads(lines[-1])
         per_worker = res["tokens_per_s"] / args.nproc

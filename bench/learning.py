@@ -72,6 +72,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ranks import at_least  # bench/ is the script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -750,21 +752,22 @@ def parse_args(argv=None):
     ap.add_argument("--preset", default="debug")
     # 2,048 tokens per worker step (sequences of the shipped debug-diloco length): below ~1k, DDP's k-times batch
     # still pays off in full and no outer setting keeps up with it (docs/learning.md, "Batch per worker")
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=16)
-    ap.add_argument("--steps", type=int, help="inner steps per worker (default 120; 400 with --sweep-h)")
+    ap.add_argument("--seq-len", type=at_least(1), default=128)
+    ap.add_argument("--micro-batch", type=at_least(1), default=16)
+    ap.add_argument("--steps", type=at_least(1), help="inner steps per worker (default 120; 400 with --sweep-h)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--seeds", help="comma-separated seeds: every arm once per seed, and the spread (overrides --seed)")
     ap.add_argument("--arms", help="comma-separated arm names to run (default: every arm of the chosen set)")
-    ap.add_argument("--k", type=int, default=4, help="DiLoCo nodes (and the DDP-equivalent batch multiple)")
-    ap.add_argument("--inner-steps", type=int, help="H of the default DiLoCo arm (default: the shipped config's)")
+    ap.add_argument("--k", type=at_least(1), default=4, help="DiLoCo nodes (and the DDP-equivalent batch multiple)")
+    ap.add_argument("--inner-steps", type=at_least(1),
+                    help="H of the default DiLoCo arm (default: the shipped config's)")
     ap.add_argument("--outer-optimizer"), ap.add_argument("--outer-lr", type=float)
     ap.add_argument("--outer-momentum", type=float), ap.add_argument("--outer-warmup", type=int)
     ap.add_argument("--compressions", default="int8", help="extra DiLoCo arms with these compressions")
     ap.add_argument("--eval-interval", type=int, default=40)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-batches", type=at_least(1), default=8)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
     ap.add_argument("--arm-timeout", type=float, default=1800.0)
@@ -778,7 +781,7 @@ def parse_args(argv=None):
     sweeps.add_argument("--poison", action="store_true",
                         help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
     ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
-    ap.add_argument("--overlap-delay", type=int, default=OVERLAP_DELAY,
+    ap.add_argument("--overlap-delay", type=at_least(0), default=OVERLAP_DELAY,
                     help="--overlap: diloco.overlap_delay of the overlapped arms (inner steps into the next round)")
     ap.add_argument("--eager-lrs", default="", help="--overlap: also eager overlap at these outer lrs (against the "
                                                     "synchronous run at the default one)")
@@ -809,6 +812,8 @@ def parse_args(argv=None):
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     if args.poison and args.engine != "mesh":
         ap.error("--poison needs --engine mesh: the sentinel and the poisoned node are the engine's")
+    if args.overlap and args.engine == "sim" and args.overlap_delay == 0:
+        ap.error("--overlap-delay 0 (land when done) needs --engine mesh: the sim lands at a fixed step, 1 to H")
     try:
         args.overlap_h = [int(x) for x in args.overlap_h.split(",") if x.strip()]
         args.eager_lrs = [float(x) for x in args.eager_lrs.split(",") if x.strip()]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from ranks import at_least  # noqa: E402  (bench/ is the script's folder, first on sys.path)
 from engine.config import MeshConfig  # noqa: E402
 from engine.mesh import MemoryStore, Mesh  # noqa: E402
 
@@ -181,8 +182,9 @@ def measure(n: int, rtt: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rtt", type=float, default=0.06, help="seconds per store round trip (default 0.06)")
-    p.add_argument("--nodes", type=int, nargs="+", default=[4, 16, 64, 256, 1024])
+    p.add_argument("--rtt", type=at_least(0.0, float), default=0.06,
+                   help="seconds per store round trip (default 0.06)")
+    p.add_argument("--nodes", type=at_least(1), nargs="+", default=[4, 16, 64, 256, 1024])
     args = p.parse_args(argv)
     print(f"# store round trip {args.rtt * 1000:g} ms; MeshConfig defaults (heartbeat 1 s, timeout 6 s, poll 0.1 s)")
     print(f"{'nodes':>6} {'ops/tick/node':>13} {'ops/step/node':>13} {'tick s':>7} {'boundary s':>10} "

@@ -14,8 +14,9 @@ Every round, in this order on both nodes:
                per element of the codec), on the same group: the wire alone
 
 A tiny all-reduce lines the nodes up before `outer` and before `bare`, so neither waits for the other's compute.
-Round 0 is a warm-up (it also holds the one-time state hand-off every multi-node run starts with); the figures
-are medians over the rounds after it. The phases come from the outer's own timers (DilocoOuter.last_phases).
+Round 0 is a warm-up (it also holds the one-time state hand-off every multi-node run starts with: the nodes start on
+the same weights, so it compares their fingerprints and sends nothing); the figures are medians of the rounds after.
+The phases come from the outer's own timers (DilocoOuter.last_phases).
 
     R1 = outer overhead / round  = (outer step - wire) / (H inner steps)      goal on a GPU at 150m, H 50: <= 0.05
     R2 = outer step / bare       = outer step / bare all-reduce of the same bytes   goal on CPU: <= 1.2
@@ -50,10 +51,11 @@ NAMES = ("n0", "n1")
 
 
 class AlwaysMesh:
-    """The Mesh surface DilocoOuter uses, for two members that always commit."""
+    """The Mesh surface DilocoOuter uses, for two members that always commit. As a real run's, its plans are forming
+    until one commits: the first outer step then aligns every member on the source's state (the hand-off)."""
 
     def __init__(self, names: tuple[str, ...]):
-        self.names = names
+        self.names, self.formed = names, False
 
     def start(self) -> bool:
         return False
@@ -61,9 +63,10 @@ class AlwaysMesh:
     def boundary(self, outer_step, attempt, *, contributing, draining, budget=None):
         from engine.mesh.protocol import Plan
         return Plan(generation=1, outer_step=outer_step, attempt=attempt, members=self.names, source=self.names[0],
-                    contributors=self.names)
+                    contributors=self.names, forming=not self.formed)
 
     def commit(self, plan, succeeded: bool) -> bool:
+        self.formed = self.formed or succeeded
         return succeeded
 
     def leave(self, reason: str) -> None:
@@ -170,6 +173,8 @@ def run(rank: int, port: int, args) -> dict:
             progress.step += 1
         _sync(inner.device)
         compute = time.perf_counter() - t0
+        if args.overlap and rows:  # the round before ran its outer step (hand-off, wire, ...) behind this one's
+            rows[-1]["phases"] = dict(outer.last_phases)
         line_up()
         t0 = time.perf_counter()
         outer.after_inner_step(progress)
@@ -187,6 +192,7 @@ def run(rank: int, port: int, args) -> dict:
                      "background": event.get("outer_s", 0.0) if args.overlap else 0.0})
     if args.overlap:
         outer.flush()
+        rows[-1]["phases"] = dict(outer.last_phases)
     outer.close("completed")
     return {"numel": numel, "rows": rows, "threads": torch.get_num_threads(), "device": str(inner.device)}
 

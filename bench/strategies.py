@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from ranks import run_torchrun, worker_errors  # bench/ is the script's folder, first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -66,23 +68,19 @@ def warm_up_code_paths(args, inner_cfg, world, device) -> None:
     (DeepSpeed: ~100 MB of them) are then loaded before the baseline, and not counted as training memory."""
     import gc
 
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.config import OptimConfig, TrainConfig
+    from engine.data import FakeSource, TokenStream
     from engine.inner.ddp_fsdp import build_inner
     from engine.session import train_step
-
-    class Stream:
-        def next_batch(self, n: int):
-            x = torch.randint(0, VOCAB, (n, 8))
-            return x, x.clone()
 
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=2)).to(device)
     train = TrainConfig(micro_batch_size=1, batch_size=world.world_size, precision=args.precision)
     inner = build_inner(tiny, inner_cfg, train, OptimConfig(warmup_steps=0), world, device)
-    train_step(inner, Stream(), 1, 1)
+    # the engine's own stream: train_step reads and restores its position (a stand-in drifts from that)
+    train_step(inner, TokenStream(FakeSource(VOCAB, 8, 0), world.rank, world.world_size, seed=0), 1, 1)
     del inner, tiny
     gc.collect()
 
@@ -149,14 +147,13 @@ def run_strategy(args, strategy: str) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads),
            "MALLOC_MMAP_THRESHOLD_": "65536"}
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout, cwd=ROOT,
-                              start_new_session=True)
+        done = run_torchrun(cmd, args.timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
         print(f"  {strategy}: timed out after {args.timeout:.0f}s")
         return None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        print(f"  {strategy}: failed (rc {done.returncode})\n{done.stderr[-2000:]}")
+        print(f"  {strategy}: failed (rc {done.returncode})\n{worker_errors(done.stderr)}")
         return None
     return json.loads(lines[-1])
 
@@ -213,6 +210,8 @@ def main() -> None:
         if res is not None:
             results[strategy] = res
     report(args, results)
+    if not results:
+        sys.exit("strategies: no strategy produced a result")
 
 
 if __name__ == "__main__":
