@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -78,7 +79,9 @@ def test_a_program_under_home_is_the_host_users(tmp_path):
 
 
 def test_builders_are_pure_and_reject_bad_values():
-    assert C.kill_command(1234, "KILL") == "kill -s KILL -- -1234"
+    assert C.kill_command(1234, "TERM") == "kill -s TERM -- -1234"
+    assert C.kill_command(1234, "KILL", group=False) == "kill -s KILL -- 1234"
+    assert "kill -s KILL -- -1234; rc=$?" in C.kill_command(1234, "KILL")  # and its descendants: see below
     assert C.kill_command(1234, "sigterm", group=False) == "kill -s TERM -- 1234"
     assert C.tail_command("r/a b.jsonl", 10) == "exec tail -c +11 -F 'r/a b.jsonl' 2>/dev/null"
     assert C.qpath("~/x y") == "\"$HOME\"/'x y'" and C.qpath("~") == '"$HOME"' and C.qpath("a~b") == "'a~b'"
@@ -138,6 +141,31 @@ async def test_local_start_tail_resume_kill(tmp_path):
     assert await t.signal(pid, "KILL")  # the whole process group
     await gone(t, pid)
     assert await t.read_text("run/it's a node/rc") is None  # killed with its group: no exit status written
+
+
+LAUNCHER = ("import os, subprocess, sys, time\n"
+            "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+            "open(sys.argv[1], 'w').write(str(kid.pid)); time.sleep(60)\n")
+
+
+async def test_a_kill_reaches_workers_in_sessions_of_their_own(tmp_path):
+    """Defect: `kill NODE` of a host with workers = 2 SIGKILLed torchrun's process group, but torchrun starts its
+    workers in sessions of their own and cannot forward a KILL: the workers trained on in the run, the node shown
+    dead. A KILL of a group reaches every process descended from it."""
+    t = make_transport(local_host(tmp_path))
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    pid = await t.start_detached([sys.executable, str(tmp_path / "launcher.py"), str(tmp_path / "kid")], "run")
+    wait_until(lambda: (tmp_path / "kid").is_file() and (tmp_path / "kid").read_text())
+    kid = int((tmp_path / "kid").read_text())
+    assert os.getpgid(kid) == kid != pid  # a group of its own, out of reach of a kill of the node's group
+    try:
+        assert await t.signal(pid, "KILL")
+        await gone(t, pid)
+        await gone(t, kid)
+    finally:
+        for p in (kid, pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, 9)
 
 
 async def test_local_tail_waits_for_the_file_and_skips_partial_lines(tmp_path):

@@ -94,12 +94,24 @@ def detached_command(argv: Sequence[str], *, workdir: str, run_dir: str, with_en
 
 
 def kill_command(pid: int, sig: str = "TERM", group: bool = True) -> str:
-    """`kill` by pid or by process group: OpenSSH delivers channel signals only to non-root sessions."""
+    """`kill` by pid or by process group: OpenSSH delivers channel signals only to non-root sessions. A KILL of a
+    group also reaches every process descended from it in sessions of their own: torchrun starts its workers so, and
+    forwards a TERM to them but cannot forward a KILL (an operator's kill left a node's workers training)."""
     sig = sig.upper().removeprefix("SIG")
     if sig not in _SIGNALS:
         raise ValueError(f"kill_command: unknown signal {sig!r}")
     pid = _pid(pid)
-    return f"kill -s {sig} -- {'-' if group else ''}{pid}"
+    if not (group and sig == "KILL"):
+        return f"kill -s {sig} -- {'-' if group else ''}{pid}"
+    # /proc/PID/stat: "pid (comm) state ppid pgrp ...", comm may hold spaces and parentheses: cut at the last ") ".
+    # First the group's processes, then their descendants, until none is added; the group's kill says if any lived
+    each = ('for f in /proc/[0-9]*/stat; do read -r s 2>/dev/null < "$f" || continue; p=${s%% *}; '
+            'set -- ${s##*) }; ')
+    return (f"if [ -d /proc/self ]; then all=' '; {each}[ \"$3\" = {pid} ] && all=\"$all$p \"; done; "
+            f"while :; do more=$all; {each}case $all in *\" $p \"*) continue;; esac; "
+            f"case $all in *\" $2 \"*) more=\"$more$p \";; esac; done; [ \"$more\" = \"$all\" ] && break; "
+            f"all=$more; done; fi; kill -s KILL -- -{pid}; rc=$?; "
+            f"for p in $all; do kill -s KILL -- -$p 2>/dev/null; kill -s KILL $p 2>/dev/null; done; exit $rc")
 
 
 def alive_command(pid: int, tag: str | None = None) -> str:
