@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -116,10 +117,11 @@ class Cluster:
             await self.attach()
             return
         await self._store.end_stale()
-        if self.preflight:
-            await self._check_before("start")  # a problem on any host: nothing starts anywhere
+        starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
+        if self.preflight:  # a problem on any host: nothing starts anywhere
+            await self._check_before("start", hosts=[h.name for h in starting])
         blocked = set() if self.resume else await self._archive_previous()
-        active = [h for h in self.profile.active_hosts() if h.name not in blocked]
+        active = [h for h in starting if h.name not in blocked]
         if not active:
             return
         reason = await self._store.start()
@@ -130,12 +132,40 @@ class Cluster:
         await self._hosts.gather(*(self._launch(h) for h in active))
         self._watchers.watch_others(self._attacher.retries)
 
-    async def _check_before(self, mode: str, host: str | None = None) -> None:
+    async def _resumed_nodes(self) -> list[HostSpec]:
+        """--resume: the nodes the run had when it ended, as their events files tell. A host that drained stays
+        out (it left on purpose: `add` brings it back); a standby host that ran (an add) comes back with its
+        checkpoint, one that never ran stays a standby; every other host starts, a fresh one as a joiner."""
+        async def last_end(name: str) -> str | None:
+            """Its last run_end's status; "" when it ran and wrote none (killed); None when it never ran."""
+            try:
+                text = await self.transport(name).last_lines(self._hosts.path(name, C.EVENTS), 20)
+            except TransportError:
+                return None  # it does not answer: as before, a profile host starts and _launch says why not
+            for line in reversed(text.splitlines()):
+                with contextlib.suppress(ValueError, AttributeError):
+                    event = json.loads(line)
+                    if event.get("type") == "run_end":
+                        return str(event.get("status"))
+            return "" if text.strip() else None
+
+        hosts = list(self.profile.hosts.values())
+        ends = await asyncio.gather(*(last_end(h.name) for h in hosts))
+        chosen = []
+        for host, end in zip(hosts, ends):
+            if end == "drained":
+                self.fleet.set_state(host.name, NodeState.LEFT, "drained before the run ended: not resumed (add "
+                                                                "brings it back)")
+            elif end is not None or not host.standby:
+                chosen.append(host)
+        return chosen
+
+    async def _check_before(self, mode: str, host: str | None = None, hosts: list[str] | None = None) -> None:
         """The preflight of the hosts a start (or an add) uses; PreflightFailed, with each host's node failed and
         its lines in the node's log, when anything is wrong (docs/operations.md, "Before the first run")."""
         from console.preflight.runner import PreflightFailed, mark_refused, preflight
 
-        report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else None)
+        report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else hosts)
         if report.problems:
             mark_refused(self.fleet, report)
             raise PreflightFailed(report.problems)

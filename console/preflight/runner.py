@@ -89,8 +89,8 @@ def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checko
         names = list(profile.hosts)
     elif mode == "add":
         names = list(hosts or [])
-    else:
-        names = [h.name for h in profile.active_hosts()]
+    else:  # a start: its nodes (the active hosts; --resume: the nodes the run had), the store's and etcd's hosts
+        names = [h.name for h in profile.active_hosts()] if hosts is None else list(hosts)
         names += [n for n in [store_host, *(m.host for m in members)] if n and n not in names]
     links = tuple(link_targets(profile))
     plans = []

@@ -1,0 +1,37 @@
+"""--resume starts the nodes the run had when it ended (console/cluster.py, Cluster._resumed_nodes), with the fake
+engine and store of tests/test_cluster.py."""
+
+from __future__ import annotations
+
+from console.cluster import Cluster
+from console.fleet import Fleet, NodeState
+from test_cluster import cleanup, make_profile, states, until, workdir  # noqa: F401 -- fixtures used below
+
+
+async def test_resume_starts_the_nodes_the_run_had_not_the_profiles_active_hosts(workdir, cleanup):
+    """Defect: --resume after a stop started the profile's active hosts: node-b, drained on purpose, came back from
+    its old checkpoint, and node-c, a standby host added during the run, stayed a standby with its checkpoint."""
+    profile = make_profile(workdir)
+    first = Cluster(profile, Fleet(run="t"))
+    nodes = first.fleet.nodes
+    await first.start()
+    await until(lambda: all(nodes[n].state is NodeState.TRAINING for n in ("node-a", "node-b")), what="a, b")
+    assert await first.add("node-c")
+    await until(lambda: nodes["node-c"].state is NodeState.TRAINING, what=f"node-c added: {states(first.fleet)}")
+    assert await first.drain("node-b")
+    await until(lambda: nodes["node-b"].state is NodeState.LEFT, what=f"node-b drained: {states(first.fleet)}")
+    assert await first.stop()
+    await first.close()
+
+    resumed = Cluster(profile, Fleet(run="t"), resume=True)
+    nodes = resumed.fleet.nodes
+    try:
+        await resumed.start()
+        await until(lambda: all(nodes[n].state is NodeState.TRAINING for n in ("node-a", "node-c")),
+                    what=f"a and c resumed: {states(resumed.fleet)}")
+        assert nodes["node-b"].state is NodeState.LEFT and "drained before the run ended" in nodes["node-b"].reason
+        assert "node-b" not in resumed.running()
+        assert (workdir / "runs/t/node-b/events.jsonl").read_text().count('"run_start"') == 1  # not started again
+    finally:
+        assert await resumed.stop()
+        await resumed.close()
