@@ -414,6 +414,7 @@ async def test_real_engine_two_nodes_kill_one_the_other_goes_on(tmp_path):
         assert fleet.nodes["node-a"].state is NodeState.TRAINING
         assert fleet.nodes["node-b"].state is NodeState.DEAD
         assert fleet.nodes["node-a"].malformed == 0 and fleet.nodes["node-a"].loss is not None
+        assert "GLOBAL_RANK and GLOBAL_WORLD_SIZE" not in (tmp_path / "run/node-a/events.jsonl").read_text()  # set
     finally:
         await cluster.stop()
         await cluster.close()

@@ -253,6 +253,9 @@ def test_three_nodes_identical_checksums_after_every_outer_step(three_nodes):
     assert first["members"] == ["a", "b", "c"] and first["bytes_sent"] > 0 and first["pgrad_norm"] > 0
     assert first["contributors"] == ["a", "b", "c"] and first["weights"] == [ROUND_TOKENS] * 3
     assert a.of("run_end")[-1]["status"] == "completed"
+    # started by hand without GLOBAL_RANK / GLOBAL_WORLD_SIZE, every node reads the same sequences: said once
+    unset = "GLOBAL_RANK and GLOBAL_WORLD_SIZE are not set"
+    assert [sum(unset in e["message"] for e in n.of("warning")) for n in (a, b, c)] == [1, 1, 1]
 
 
 def test_joiner_mid_run_receives_state_and_matches(three_nodes):

@@ -95,6 +95,7 @@ class DilocoOuter:
         self.sentinel = Sentinel(cfg.sentinel_ratio, cfg.sentinel_min_cosine, self.local, self._emit)
         self.rounds = RoundClock(cfg)  # when a round ends (steps or time) and its tokens (the node's weight)
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
+        self._said_shards = False  # the warning of a node started without GLOBAL_RANK / GLOBAL_WORLD_SIZE
         self.watch = Stopwatch(self.bufs.device)  # the outer step's seconds, by phase
         self._drain = threading.Event()
         # polled by every mesh wait and collective (session.Signals.requested): "stopped" / "drained" end the wait
@@ -363,6 +364,11 @@ class DilocoOuter:
             self._emit("warning", message=f"outer step {plan.outer_step} attempt {plan.attempt} "
                                           f"(generation {plan.generation}) aborted: {why}")
             return False
+        if plan.size > 1 and getattr(self.world, "global_world_size", 0) is None and not self._said_shards:
+            self._said_shards = True  # a node started by hand without its place: every such node reads one shard
+            self._emit("warning", message=f"GLOBAL_RANK and GLOBAL_WORLD_SIZE are not set on node {self.node_id}: "
+                       "it reads the whole data set, as does every node started so (the same sequences); set them "
+                       "to each node's place and the run's node count (the console does)")
         if joiner:
             own = (progress.step, progress.tokens)
             self.handoff.receive(plan, progress, self._adopt, into_mean=self._mean_is_free())
