@@ -357,6 +357,8 @@ def run(s: Session) -> str:
             break
         if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
             follow_handoff(s)
+            # tokens/s counts the steps this node trained, not the ones handed over (50,000 tok/s for 5,000)
+            last_log, last_log_step = time.monotonic(), progress.step
         # after the outer step: at a DiLoCo boundary this evaluates the run's model, not this node's local drift
         # (with diloco.overlap or fragment_delay the mean is still in flight: the node's working weights)
         if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
