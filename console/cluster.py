@@ -474,6 +474,7 @@ class Cluster:
         await self._hosts.gather(*(self._watchers.poke(name, proc) for name, proc in self._procs.items()))
         if self.profile.store.backend == "etcd" and self.fleet.store_status is None:  # not polled yet: ask once
             self.fleet.store_status = await E.health_label(self.profile)
+        await self._store.sample_once()
         return self.fleet.summary()
 
     async def close(self) -> None:

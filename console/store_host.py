@@ -265,6 +265,18 @@ class StoreHost:
         except TransportError as e:
             self.fleet.store.reason = f"no health probe: {e}"
 
+    async def sample_once(self) -> None:
+        """The probe's latest sample, read once, for a running store nobody here follows (a one-shot `status`
+        showed "rtt - | - keys" beside "up")."""
+        if self.profile.store.backend != "tcp" or self.fleet.store.state != "up" or self.fleet.store.rtt_ms:
+            return
+        try:
+            sample = await self.hosts.transport(self.profile.store_host.name).read_text(self.hosts.path(PROBE, HEALTH))
+        except TransportError:
+            return
+        if sample:
+            self.fleet.ingest_store(sample)
+
     def watch_health(self) -> None:
         """etcd: poll the members (up, leader) for the header, every console poll interval."""
         if self.profile.store.backend != "etcd" or self.health_task is not None:

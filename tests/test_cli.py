@@ -7,6 +7,7 @@ import asyncio
 import io
 import math
 import os
+import re
 import signal
 import sys
 import time
@@ -477,7 +478,9 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
             status = _console(procs, str(profile), "status")
             assert status.returncode == 0, status.stderr
             lines = status.stdout.splitlines()
-            if "training 3" in lines[0] and sum(" CPU " in line for line in lines) == 3:  # a resource sample each
+            # a resource sample each, and the store's figures from its probe (status said "rtt - | - keys")
+            if "training 3" in lines[0] and sum(" CPU " in line for line in lines) == 3 and \
+                    re.search(r" up \| rtt [\d.]+ms \| \d+ keys", lines[0]):
                 break
             assert time.monotonic() < deadline and headless.poll() is None, status.stdout
             time.sleep(2)
