@@ -78,7 +78,7 @@ class ConsoleApp(App[int]):
     async def _attach(self) -> None:
         """Attach to what runs; where no engine of the profile does, say so (the watchers still notice a start by
         another console)."""
-        await self.cluster.attach()
+        await (self.cluster.attach(steer_store=False) if self.readonly else self.cluster.attach())  # watch only
         nothing_runs = getattr(self.cluster, "nothing_runs", None)
         said = nothing_runs() if callable(nothing_runs) else None
         if said:

@@ -147,15 +147,17 @@ class Cluster:
                     event = json.loads(line)
                     if event.get("type") == "run_end":
                         return str(event.get("status"))
+                    if event.get("type") == "run_start":  # its last start ended without one (killed)
+                        return ""
             return "" if text.strip() else None
 
         hosts = list(self.profile.hosts.values())
         ends = await asyncio.gather(*(last_end(h.name) for h in hosts))
         chosen = []
         for host, end in zip(hosts, ends):
-            if end == "drained":
-                self.fleet.set_state(host.name, NodeState.LEFT, "drained before the run ended: not resumed (add "
-                                                                "brings it back)")
+            if end == "drained":  # left on purpose, and so a success of the run (the outcome reads "drained")
+                self.fleet.set_state(host.name, NodeState.LEFT, "drained")
+                self.fleet.note(host.name, "drained before the run ended: not resumed (add brings it back)")
             elif end is not None or not host.standby:
                 chosen.append(host)
         return chosen
@@ -208,6 +210,8 @@ class Cluster:
         not answer is still being asked again), else None."""
         if self.running() or any(not t.done() for t in self._attacher.retries.values()):
             return None
+        if any(n.state not in (NodeState.OFF, NodeState.STANDBY) for n in self.fleet.nodes.values()):
+            return None  # a run that ended: the attach found its nodes' ends, the outcome says how it went
         return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
 
     # ---- one node ----------------------------------------------------------------------------------------------
