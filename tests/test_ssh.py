@@ -245,6 +245,28 @@ async def test_a_jump_hosts_failure_names_the_jump_host(sshd):
     assert "CHANGED" not in str(info.value) and "localhost" not in str(info.value)
 
 
+async def test_a_jump_host_logs_in_with_its_own_ssh_config_key(sshd):
+    """Defect: the jump host was given the target's IdentityFile (from the target's ssh_config block) and so never
+    read its own: a bastion that takes another key refused the login. Two servers, each with its own key."""
+    bastion = Sshd.start_new()
+    try:
+        known = sshd.root / "both_known"
+        known.write_text(sshd.known_hosts_line() + bastion.known_hosts_line())
+        config = sshd.root / "ssh_config_two_keys"
+        config.write_text(f"Host zb-target\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User {sshd.user}\n"
+                          f"  IdentityFile {sshd.user_key}\n  ProxyJump zb-bastion\n"
+                          f"Host zb-bastion\n  HostName 127.0.0.1\n  Port {bastion.port}\n  User {bastion.user}\n"
+                          f"  IdentityFile {bastion.user_key}\n")
+        t = make_transport(sshd.host_spec("n", address=None, port=None, user=None, identity_file=None,
+                                          ssh_alias="zb-target", ssh_config=str(config), known_hosts=str(known)))
+        try:
+            assert await t.run("echo ok") == (0, "ok\n", "")
+        finally:
+            await t.close()
+    finally:
+        bastion.close()
+
+
 async def test_a_line_longer_than_the_channel_window_is_followed(sshd):
     """Defect: asyncssh's readline hands back part of a line longer than the channel's window (~2 MiB); the tail
     took it for the end of the file and reopened at the same offset for ever: the console saw no event again."""

@@ -143,6 +143,9 @@ class SshTransport(Transport):
             # ProxyJump from ssh_config, would check the jump's key against ~/.ssh/known_hosts instead)
             user, jump, port = parse_jump(jump_spec)
             jump_options = self._options()
+            if not h.identity_file:  # the jump's own IdentityFile lines, as ssh takes them, not the target's
+                own = identity_files(SimpleNamespace(target=jump, ssh_config=h.ssh_config))
+                jump_options["client_keys"] = [p for p in own if os.path.isfile(p)]
             if user:
                 jump_options["username"] = user
             elif h.jump_host is None:
