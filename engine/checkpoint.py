@@ -429,8 +429,11 @@ def export(inner, hf_config, tokenizer, export_dir: str, world: World, group=Non
                                  f"this run's export is in {tmp}") from None
             if _same_weights(target, full):
                 shutil.rmtree(tmp)  # another node of the run exported into this folder first: the same agreed model
-            else:  # a node that was never in this node's last outer step (its run ended before this one joined)
-                target = tmp
+            else:  # a node that was never in this node's last outer step (its run ended before this one joined):
+                # kept under a name the next export's sweep of crashed exports' folders does not match
+                kept = target.with_name(f"{target.name}-{world.hostname}-{world.pid}")
+                os.rename(tmp, kept)
+                target = kept
     if dist.is_initialized() and world.world_size > 1:
         dist.barrier(group=group)
     return target

@@ -307,8 +307,11 @@ def test_export_into_a_folder_another_node_filled_and_after_a_crashed_export(tmp
     other = build_model(ModelConfig(preset="debug"), 258, 64, seed=1)
     stranger = type("Inner", (), {"full_model_state_dict": lambda self: other.state_dict()})()
     kept = export(stranger, hf, tok, str(tmp_path / "out"), world, agreed=True)
-    assert kept.name.startswith(".out.tmp-h-") and (kept / "model.safetensors").is_file()
+    assert kept.name == f"out-h-{os.getpid()}" and (kept / "model.safetensors").is_file()
     assert (tmp_path / "out" / "model.safetensors").stat().st_mtime_ns == before
+    # kept out of the names the next export sweeps as a crashed export's folder (it deleted the one it named)
+    export(inner, hf, tok, str(tmp_path / "out"), dataclasses.replace(world, pid=999999999), agreed=True)
+    assert (kept / "model.safetensors").is_file()
 
 
 def test_the_export_generates_with_a_kv_cache_and_holds_the_trained_fp32_weights(tmp_path):

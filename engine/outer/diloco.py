@@ -364,11 +364,12 @@ class DilocoOuter:
             self._emit("warning", message=f"outer step {plan.outer_step} attempt {plan.attempt} "
                                           f"(generation {plan.generation}) aborted: {why}")
             return False
-        if plan.size > 1 and getattr(self.world, "global_world_size", 0) is None and not self._said_shards:
+        unplaced = None in (getattr(self.world, "global_rank", 0), getattr(self.world, "global_world_size", 0))
+        if plan.size > 1 and unplaced and not self._said_shards:
             self._said_shards = True  # a node started by hand without its place: every such node reads one shard
             self._emit("warning", message=f"GLOBAL_RANK and GLOBAL_WORLD_SIZE are not set on node {self.node_id}: "
-                       "it reads the whole data set, as does every node started so (the same sequences); set them "
-                       "to each node's place and the run's node count (the console does)")
+                       "it reads the data set's first share, as does every node started so (the same sequences); "
+                       "set both to each node's place and the run's node count (the console does)")
         if joiner:
             own = (progress.step, progress.tokens)
             self.handoff.receive(plan, progress, self._adopt, into_mean=self._mean_is_free())
