@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shlex
 import time
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class Cluster:
         self._watchers = Watchers(self._hosts, run_stopped=lambda: self._store.run_stopped())
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
         self._starting: set[str] = set()  # nodes an add or restart is starting now
+        self._store_started_for: str | None = None  # the node an add started the run's store for
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
@@ -358,24 +360,23 @@ class Cluster:
 
             self._starting.add(target)  # a second add while this one's checks run is refused above
             try:
-                started, refused = await self._store_refused(target)  # the check dials it: it must run first
+                _, refused = await self._store_refused(target)  # the check dials it: it must run first
                 if refused is not None:
-                    return self._not_added(target, written, refused.message)
+                    return await self._not_added(target, written, refused.message)
                 await self._check_before("add", target)  # it must reach the running store, among the rest
             except PreflightFailed as e:
-                if started and not self.running() and self._starting == {target}:
-                    await self._store.stop()  # started for this node alone, which does not start: nothing is left
                 message = "\n".join([f"{target}: not added: the preflight found {len(e.lines)} problem(s)",
                                      *e.lines])
                 if written:
                     self.fleet.set_state(target, NodeState.FAILED, message.splitlines()[0])
-                return self._not_added(target, written, message)
+                return await self._not_added(target, written, message)
             finally:
                 self._starting.discard(target)
         started = await self.restart(target)
         message = started.message.replace("restarted", "added", 1).replace("could not restart", "could not add", 1)
         if not started.ok:  # the node's row keeps why (unreachable, failed)
-            return self._not_added(target, written, message)
+            return await self._not_added(target, written, message)
+        self._store_started_for = None  # it runs: the store is the run's again
         return Outcome(True, f"{message}; {note}" if note else message)
 
     async def _store_refused(self, name: str) -> tuple[bool, Outcome | None]:
@@ -386,6 +387,8 @@ class Cluster:
             return bool(self.running()) or await self._attacher.engines_running()
 
         started, reason = await self._store.ensure(engines_running)
+        if started:
+            self._store_started_for = name  # a new address that then does not start stops it again (_not_added)
         return started, None if reason is None else Outcome(False, f"{name}: not started: {reason}")
 
     def _config_refused(self, name: str) -> Outcome | None:
@@ -409,15 +412,24 @@ class Cluster:
         self.fleet.note(name, f"added to {self.profile.path}")
         return name, True
 
-    def _not_added(self, name: str, written: bool, message: str) -> Outcome:
+    async def _not_added(self, name: str, written: bool, message: str) -> Outcome:
         """A new address that did not start leaves the profile as it was: written there, a typo would be a host
-        every later start checks (and fails on), and a place in every node's data shard."""
+        every later start checks (and fails on), and a place in every node's data shard. Its row is left "off" with
+        why (it stayed "unreachable", which counts as running: a stop then exited 130), and a store started for it
+        alone is stopped."""
+        if self._store_started_for == name and not self.running() and self._starting <= {name}:
+            await self._store.stop()
+        self._store_started_for = None
+        message = re.sub(r" \(retrying in [\d.]+s\)", "", message)  # the transport's backoff: nothing retries
+        node = self.fleet.nodes.get(name)
+        why = re.sub(r" \(retrying in [\d.]+s\)", "", node.reason) if node and node.reason else message
         if written:
             try:
                 self._hosts.profile = remove_host(self.profile.path, name)
             except (ProfileError, OSError) as e:
                 return Outcome(False, f"{message}\n{name}: could not take it out of {self.profile.path} again: {e}")
             self.fleet.note(name, f"taken out of {self.profile.path} again")
+            self.fleet.set_state(name, NodeState.OFF, f"not added: {why.splitlines()[0]}")
             message += f"\n{name}: taken out of {self.profile.path} again"
         return Outcome(False, message)
 

@@ -314,11 +314,10 @@ async def test_keys_without_engines(local_profile):
         await pilot.press("a")
         assert isinstance(app.screen, AddNodeScreen)
         await pilot.press("tab", *"nobody@127.0.0.1:1", "enter")  # port 1: refused at once
-        await until(pilot, lambda: "127.0.0.1" in fleet.nodes and fleet.nodes["127.0.0.1"].state
-                    in (NodeState.UNREACHABLE, NodeState.FAILED), 30, "the new host to fail to connect")
+        await until(pilot, lambda: "127.0.0.1" in fleet.nodes and fleet.nodes["127.0.0.1"].state is NodeState.OFF
+                    and (fleet.nodes["127.0.0.1"].reason or "").startswith("not added: "), 30, "the add to fail")
         app.tick()
-        assert table.cell_text("127.0.0.1", "state").split()[0] in ("unreachable", "failed")
-        assert fleet.nodes["127.0.0.1"].reason
+        assert table.cell_text("127.0.0.1", "state").split()[0] == "off"
         text = Path(local_profile.path).read_text()
         assert '[hosts."127.0.0.1"]' not in text and "# ready to be added" in text  # the comments survive both writes
         assert any("taken out of" in str(line) for line in fleet.nodes["127.0.0.1"].log)
@@ -506,3 +505,33 @@ async def test_live_two_workers_detail_outer_chart_and_store(two_by_two):
         await pilot.press("s")
         await until(pilot, lambda: not app.is_running, 90, "the console to stop the cluster and exit")
     assert fleet.store.state == "stopped"
+
+
+async def test_at_80_columns_the_header_keeps_the_store_line_and_the_table_its_names(local_profile):
+    """Defects: at 80 columns the run line wrapped onto the header's second line and pushed the store's line out,
+    the red STORE DOWN alert included; the membership pane wrapped its entries and hid the newest; scrolling the
+    node table sideways (its columns are wider than 80) scrolled the node names away."""
+    import json
+    app, fleet = build(local_profile, start=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        for name in ("node-a", "node-b", "node-c"):
+            for event in ({"type": "run_start", "pid": 1, "host": "h", "world_size": 1, "config_digest": "d",
+                           "strategy": "ddp", "max_steps": 100000},
+                          {"type": "state", "state": "training"},
+                          {"type": "step", "step": 12345, "loss": 3.2109, "lr": 1e-3, "tokens_per_s": 123456.0,
+                           "tokens": 10 ** 9, "outer_step": 2469}):
+                fleet.ingest(name, json.dumps({"v": 1, "ts": time.time(), "node": name, "rank": 0, **event}))
+        fleet.store.address = "127.0.0.1:29610"
+        fleet.set_store("down", "store exited: killed")
+        app.tick()
+        await pilot.pause()
+        header = app.screen.query_one(RunHeader)
+        lines = [strip.text for strip in header.render_lines(header.region.reset_offset)]
+        assert len(lines) == 2 and lines[1].lstrip().startswith("STORE DOWN 127.0.0.1:29610"), lines
+        table = app.dashboard.table
+        assert table.fixed_columns == 2
+        table.scroll_to(x=table.max_scroll_x, animate=False)
+        await pilot.pause()
+        assert "node-a" in "".join(s.text for s in table.render_lines(table.region.reset_offset))
+        await pilot.press("q")
+        await pilot.press("l")

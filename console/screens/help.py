@@ -43,7 +43,7 @@ class HelpScreen(ModalScreen[None]):
     BINDINGS = [Binding("escape,question_mark,q", "close", "Close")]
     DEFAULT_CSS = """
     HelpScreen { align: center middle; background: $background 60%; }
-    HelpScreen > VerticalScroll { width: 84; height: auto; max-height: 90%; border: thick $accent;
+    HelpScreen > VerticalScroll { width: 84; max-width: 100%; height: auto; max-height: 90%; border: thick $accent;
                                   background: $surface; padding: 0 1; }
     """
 

@@ -86,6 +86,7 @@ class NodeTable(DataTable):
         self._synced_scroll = 0.0
 
     def on_mount(self) -> None:
+        self.fixed_columns = 2  # the mark and the node's name stay while the table scrolls sideways (80 columns)
         for key, label, width in COLUMNS:
             self.add_column(label, key=key, width=width)
 

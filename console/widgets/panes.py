@@ -21,7 +21,8 @@ class RunHeader(Static):
     """Two fixed lines: the run (members, outer step, step, tokens/s, loss, ETA, dataset) and the store's health."""
 
     DEFAULT_CSS = """
-    RunHeader { height: 2; background: $primary-background; color: $text; padding: 0 1; }
+    RunHeader { height: 2; background: $primary-background; color: $text; padding: 0 1;
+                text-wrap: nowrap; text-overflow: ellipsis; }
     """
 
     def show(self, summary: Any, readonly: bool = False, store: Any = None, dataset: str | None = None) -> None:
@@ -106,7 +107,7 @@ class Timeline(Static):
     """Membership changes, newest last: who joined, drained, died, and the member count after it."""
 
     DEFAULT_CSS = """
-    Timeline { height: 1fr; border: round $secondary; overflow: hidden; }
+    Timeline { height: 1fr; border: round $secondary; overflow: hidden; text-wrap: nowrap; text-overflow: ellipsis; }
     """
     SHOWN = 40
 
