@@ -225,8 +225,7 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     assert await cluster.drain("node-a")
     await until(lambda: fleet.nodes["node-a"].state is NodeState.LEFT, what="drained")
     assert fleet.nodes["node-a"].reason == "drained"
-    # a kill of the node that ended: nothing to kill (it answered "kill failed" after a SIGKILL to its old group id,
-    # and left a marker that told later consoles the operator had killed it)
+    # a kill of an ended node: nothing to kill (it said "kill failed", and left a marker saying the operator killed it)
     await until(lambda: "node-a" not in cluster.running(), what="node-a's process ended")
     assert (await cluster.kill("node-a")).message == "node-a: not running"
     assert fleet.nodes["node-a"].reason == "drained" and not (workdir / "runs/t/node-a/killed").exists()
@@ -343,6 +342,7 @@ async def test_add_a_new_address_writes_it_into_the_profile_and_out_again_when_i
                                                                           "again"), out.message
     node = fleet.nodes["127.0.0.1"]  # off, not unreachable: that counts as running (a stop then exited 130)
     assert node.state is NodeState.OFF and node.reason.startswith("not added: connection refused by tester@")
+    assert fleet.store.state == "stopped", fleet.store  # started for it alone, and stopped again
     # a typo'd address left in the file would be a host every later start checks, and a place in every data shard
     assert (workdir / "p.toml").read_text() == before
     assert "127.0.0.1" not in load_profile(workdir / "p.toml").hosts and "127.0.0.1" not in cluster.profile.hosts
