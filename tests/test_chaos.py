@@ -71,6 +71,12 @@ def test_bad_arguments_are_one_line_each(capsys):
     assert main(["--hosts", "1"]) == 2 and capsys.readouterr().err == "chaos: --hosts must be in 2..20, got 1\n"
     assert main(["--gap", "3,1"]) == 2
     assert capsys.readouterr().err == "chaos: --gap '3,1': expected LOW,HIGH seconds with 0 <= LOW <= HIGH\n"
+    # values every engine refuses: the lab waited out its start (300 s) before it said anything
+    assert main(["--inner-steps", "0"]) == 2 and capsys.readouterr().err == "chaos: --inner-steps must be >= 1, got 0\n"
+    assert main(["--heartbeat-timeout", "-1"]) == 2
+    assert capsys.readouterr().err == "chaos: --heartbeat-timeout must be > 0, got -1\n"
+    # an --out that cannot be made: said first (a soak lost its report and logs to a traceback at its end)
+    assert main(["--out", __file__]) == 2 and capsys.readouterr().err.startswith(f"chaos: --out {__file__}: ")
 
 
 # ---- the verdict ----------------------------------------------------------------------------------------------
@@ -272,6 +278,10 @@ def test_cleanup_removes_what_a_killed_lab_left(capsys):
             assert main(["--cleanup"]) != 0  # a lab (this test) holds the lock: nothing removed
             assert "a chaos lab is running" in capsys.readouterr().err
             assert net.leftovers() == (["zbc-left"], ["zbc-lbr"]) and lab_dir.exists() and console.poll() is None
+            # a second lab refused by the lock touches nothing (it took the running lab's namespaces away)
+            assert main(["--faults", "0", "--out", str(lab_dir / "out")]) == 2
+            assert "another lab is running" in capsys.readouterr().err
+            assert net.leftovers() == (["zbc-left"], ["zbc-lbr"]) and console.poll() is None
             gone = remove_leftovers()
             assert {"zbc-left", "zbc-lbr", f"console {console.pid}", str(lab_dir)} <= set(gone), gone
             assert net.leftovers() == ([], [])

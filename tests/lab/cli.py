@@ -59,6 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.hosts < 2 or args.hosts > 20:
         print(f"chaos: --hosts must be in 2..20, got {args.hosts}", file=sys.stderr)
         return EXIT_LAB
+    bad = [f"--{name} must be {rule}, got {value:g}" for name, value, ok, rule in (
+        ("heartbeat-timeout", args.heartbeat_timeout, args.heartbeat_timeout > 0, "> 0"),
+        ("inner-steps", args.inner_steps, args.inner_steps >= 1, ">= 1"),
+        ("round-seconds", args.round_seconds, args.round_seconds >= 0, ">= 0"),
+        ("recovery", args.recovery, args.recovery > 0, "> 0"),
+        ("deadline", args.deadline, args.deadline > 0, "> 0"),
+        ("stall-limit", args.stall_limit or 1.0, args.stall_limit is None or args.stall_limit > 0, "> 0"),
+        ("lock-wait", args.lock_wait, args.lock_wait >= 0, ">= 0")) if not ok or value != value]
+    if bad:  # every engine would refuse it, and the lab waited out its start
+        print(f"chaos: {bad[0]}", file=sys.stderr)
+        return EXIT_LAB
+    try:  # before anything is set up: a soak's report must have somewhere to go
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"chaos: --out {args.out}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_LAB
     try:
         low, high = (float(x) for x in args.gap.split(","))
         if not 0 <= low <= high:
@@ -80,5 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = Lab(options, Path(args.out), say=lambda line: print(line, flush=True)).run()
     except (LabError, net.NetError, ValueError) as e:
         print(f"chaos: {e}", file=sys.stderr)
+        return EXIT_LAB
+    except KeyboardInterrupt:
+        print("chaos: interrupted (the lab is taken down)", file=sys.stderr)
+        return EXIT_LAB
+    except Exception as e:  # noqa: BLE001 -- the lab itself failed (an sshd that did not start, a file): not a goal
+        print(f"chaos: lab error: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_LAB
     return EXIT_PASS if verdict.ok else EXIT_FAIL

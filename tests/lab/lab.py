@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,6 +132,7 @@ class Lab:
         self.drained: set[str] = set()
         self.faults: list[Fault] = []
         self._lock_file = None
+        self._locked = False  # the lab holds the machine: only then is anything of a lab's its own to remove
         self._torn_down = False
 
     # ---- the whole run -------------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ class Lab:
             self.faults = make_schedule(self.o.seed, self.o.faults, self.engines, timing, self.o.kinds)
             self.say(f"[lab] seed {self.o.seed}: " + ", ".join(f.describe() for f in self.faults))
             self.start_console(attach=False)
-            self.wait_all_commit(-1, self.o.startup_s, "the first outer step on every node")
+            self.wait_all_commit(-1, self.o.startup_s, "the first outer step on every node", fail_fast=True)
             self.say(f"[lab] training on {', '.join(self.engines)} at +{self.now():.1f}s")
             self.play()
             survivors = self.finish()
@@ -255,14 +257,31 @@ class Lab:
         self._lock_file = open(LOCK, "a+")  # noqa: SIM115 (held for the whole run)
         wait_for_lock(self._lock_file, self.o.lock_wait_s, on_wait=lambda: self.say(
             f"[lab] waiting up to {self.o.lock_wait_s:.0f}s for another lab to end ({LOCK})"))
+        self._locked = True
         self.t0 = time.time()  # the run's clock and deadline start once the lab has the machine
         self.deadline = time.monotonic() + self.o.deadline_s
 
     def teardown(self) -> None:
-        """Idempotent: every process, namespace, link and (unless --keep) the temp dir."""
+        """Idempotent: every process, namespace, link and (unless --keep) the temp dir. Nothing when the lab never
+        had the lock: the namespaces and links of that name are the running lab's (a refused second lab removed
+        them). A second Ctrl-C does not cut it short (links and the temp dir, the user's key in it, were left)."""
         if self._torn_down:
             return
-        self._torn_down = True
+        if not self._locked:
+            self._torn_down = True
+            if self._lock_file is not None:
+                self._lock_file.close()
+            return
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self._teardown()
+            self._torn_down = True
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+
+    def _teardown(self) -> None:
         for proc in self.consoles:
             _kill_group(proc)
         for host in self.netns:
@@ -339,8 +358,11 @@ class Lab:
         if time.monotonic() > self.deadline:
             raise LabError(f"the lab's deadline ({self.o.deadline_s:.0f}s) passed")
 
-    def wait_all_commit(self, above: int, timeout: float, what: str, nodes: list[str] | None = None) -> float:
-        """Until every node (default: every engine host not drained) committed an index above `above`."""
+    def wait_all_commit(self, above: int, timeout: float, what: str, nodes: list[str] | None = None,
+                        fail_fast: bool = False) -> float:
+        """Until every node (default: every engine host not drained) committed an index above `above`. fail_fast
+        (the start): as soon as every node still behind has exited, its status written (a config every engine
+        refused waited 300 s)."""
         nodes = nodes if nodes is not None else [n for n in self.engines if n not in self.drained]
         end = time.monotonic() + timeout
         while True:
@@ -349,8 +371,11 @@ class Lab:
             if not behind:
                 return time.time()
             self.check_deadline()
-            if time.monotonic() > end:
+            ended = fail_fast and all((self.dir / "runs" / n / "rc").exists() for n in behind)  # type: ignore[operator]
+            if ended or time.monotonic() > end:
                 gone = [self.why_gone(n) for n in behind if not self.alive(n)]
+                if ended:
+                    raise LabError(f"every node behind ended before {what}: {'; '.join(gone)}")
                 raise LabError(f"timed out after {timeout:.0f}s waiting for {what}: behind {behind}"
                                + (f"; {'; '.join(gone)}" if gone else ""))
             time.sleep(POLL_S)
@@ -436,14 +461,21 @@ class Lab:
         if pgid is None:
             raise LabError("the store has no pid file")
         os.killpg(pgid, signal.SIGKILL)
-        down = time.time()
-        time.sleep(fault.hold_s)
-        if self.store_answers():
+        down, gone, back = time.time(), False, None
+        end = time.monotonic() + fault.hold_s
+        while time.monotonic() < end:  # only the time it was down is excused: not the rest of the hold once the
+            answers = self.store_answers()  # console restarted it (that hid up to the hold's length of a stall)
+            gone = gone or not answers
+            if gone and answers:
+                back = time.time()
+                break
+            time.sleep(0.1)
+        if back is not None:
             fault.info.append("the console had restarted the store")
         else:
             self.start_store()
             fault.info.append("the lab restarted the store")
-        self.store_down.append((down, time.time()))
+        self.store_down.append((down, back or time.time()))
         self.recover(fault, self.frontier())
 
     def fault_console(self, fault: Fault) -> None:
