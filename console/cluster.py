@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import shlex
 import time
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
 from console.transport import Transport, TransportError, make_transport
+from console.transport.base import without_backoff
 from console.transport import commands as C
 from console.watchers import Proc, Watchers
 
@@ -420,9 +420,9 @@ class Cluster:
         if self._store_started_for == name and not self.running() and self._starting <= {name}:
             await self._store.stop()
         self._store_started_for = None
-        message = re.sub(r" \(retrying in [\d.]+s\)", "", message)  # the transport's backoff: nothing retries
+        message = without_backoff(message)  # nothing retries a node that was not added
         node = self.fleet.nodes.get(name)
-        why = re.sub(r" \(retrying in [\d.]+s\)", "", node.reason) if node and node.reason else message
+        why = without_backoff(node.reason) if node and node.reason else message
         if written:
             try:
                 self._hosts.profile = remove_host(self.profile.path, name)

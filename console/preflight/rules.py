@@ -8,10 +8,11 @@ the console expects, to one Problem per thing to fix. No I/O here; tests/test_pr
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
+
+from console.transport.base import without_backoff
 
 MIN_PYTHON = (3, 11)  # pyproject.toml requires-python
 PACKAGES = ("torch", "transformers", "pydantic", "numpy")  # what the engine imports first; torch's version is compared
@@ -121,7 +122,7 @@ def judge_host(plan: HostPlan, result: HostResult, expect: Expect, torch: str | 
 
 
 def _unreachable(plan: HostPlan, reason: str) -> Problem:
-    reason = re.sub(r" \(retrying in [\d.]+s\)$", "", reason)  # the transport's backoff: not part of a verdict
+    reason = without_backoff(reason)  # the transport's backoff: not part of a verdict
     what, _, hint = reason.partition("; ")  # the transport's host-key lines carry their own fix after "; "
     if hint:
         return Problem(plan.name, "reach", what, hint)

@@ -7,6 +7,7 @@ TransportError with a one-line reason, which the cluster turns into a node state
 from __future__ import annotations
 
 import abc
+import re
 from typing import Mapping, Sequence
 
 from console.profile import HostSpec
@@ -23,6 +24,19 @@ class TransportError(Exception):
     def __init__(self, reason: str, link: bool = False):
         super().__init__(reason)
         self.link = link
+
+
+_BACKOFF = re.compile(r" \(retrying in [\d.]+s\)")
+
+
+def backoff_note(seconds: float) -> str:
+    """What a call failed fast during a reconnect's backoff adds to the last reason (live, on the node's row)."""
+    return f" (retrying in {seconds:.1f}s)"
+
+
+def without_backoff(reason: str) -> str:
+    """The reason without the backoff note: a verdict (check, a failed add) that nothing will retry."""
+    return _BACKOFF.sub("", reason)
 
 
 class Tail(abc.ABC):

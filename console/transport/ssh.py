@@ -27,7 +27,7 @@ import asyncssh
 from console.profile import HostSpec, missing_key
 from console.sshconfig import identity_files, known_hosts_files, proxy_jump, split_target, ssh_hostname, ssh_port
 from console.transport import commands as C
-from console.transport.base import Tail, Transport, TransportError, lines_of
+from console.transport.base import Tail, Transport, TransportError, backoff_note, lines_of
 
 MAX_CHANNELS = 8  # OpenSSH MaxSessions is 10 per connection; keep headroom
 KEEPALIVE_S = 1.0
@@ -90,7 +90,7 @@ class SshTransport(Transport):
                 return self._conn
             now = time.monotonic()
             if self._last_error and now < self._retry_at:  # back off: do not hammer a host that just failed
-                raise TransportError(f"{self._last_error} (retrying in {self._retry_at - now:.1f}s)", link=True)
+                raise TransportError(self._last_error + backoff_note(self._retry_at - now), link=True)
             try:
                 self._conn = await self._open()
             except (OSError, asyncssh.Error, asyncssh.KeyImportError, asyncio.TimeoutError, TransportError) as e:
