@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shlex
 import time
 from dataclasses import dataclass
@@ -54,6 +53,7 @@ from console.transport import Transport, TransportError, make_transport
 from console.transport.base import without_backoff
 from console.transport import commands as C
 from console.watchers import Proc, Watchers
+from engine.telemetry import BadEvent, parse_line
 
 # the command builders and the store's folder are still offered here, where they were before the parts moved out
 # (tests/lab/lab.py and the tests import them from console.cluster)
@@ -145,11 +145,11 @@ class Cluster:
             except TransportError:
                 return None  # it does not answer: as before, a profile host starts and _launch says why not
             for line in reversed(text.splitlines()):
-                with contextlib.suppress(ValueError, AttributeError):
-                    event = json.loads(line)
-                    if event.get("type") == "run_end":
+                with contextlib.suppress(BadEvent):  # a stray line: the fleet skips it the same way
+                    event = parse_line(line)
+                    if event["type"] == "run_end":
                         return str(event.get("status"))
-                    if event.get("type") == "run_start":  # its last start ended without one (killed)
+                    if event["type"] == "run_start":  # its last start ended without one (killed)
                         return ""
             return "" if text.strip() else None
 
