@@ -116,6 +116,26 @@ def test_alive_command_sees_through_zombies(tmp_path):
     assert sh(C.alive_command(os.getpid()), tmp_path).returncode == 0
 
 
+def test_alive_command_looks_again_at_a_process_in_the_middle_of_an_exec(tmp_path):
+    # a detached start execs setsid, nohup, then the tagged wrapper: the store's watcher looked once while the
+    # command line did not have the tag yet, and said of a store just started "store exited: no output"
+    go = tmp_path / "go"
+    code = ("import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.005)\n"
+            "os.execv('/bin/sh', ['sh', '-c', 'sleep 30', os.environ['T']])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(go)], env={**os.environ, "T": C.TAG},
+                            start_new_session=True)
+    try:
+        wait_until(lambda: b"-c" in Path(f"/proc/{proc.pid}/cmdline").read_bytes())  # python, no tag yet
+        check = subprocess.Popen(["sh", "-c", C.alive_command(proc.pid, C.TAG)])
+        time.sleep(0.1)  # its first look is at python's command line
+        go.touch()
+        assert check.wait(10) == 0
+        assert sh(C.alive_command(os.getpid(), C.TAG), tmp_path).returncode == 1  # alive, not ours: still no
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ---- LocalTransport ------------------------------------------------------------------------------------------
 WRITER = ("import sys, time\n"
           "for i in range(int(sys.argv[1])):\n"

@@ -115,9 +115,12 @@ def kill_command(pid: int, sig: str = "TERM", group: bool = True) -> str:
 
 
 def alive_command(pid: int, tag: str | None = None) -> str:
-    """Exit 0 while pid is a live process (a zombie is not alive); with tag, only if its command line has it."""
+    """Exit 0 while pid is a live process (a zombie is not alive); with tag, only if its command line has it. A
+    process in the middle of an exec shows an empty command line (the new image's arguments are not set yet): a
+    command line without the tag is looked at again after a moment (one look called a store just started dead)."""
     pid = _pid(pid)
-    check_tag = f" && grep -qaF {q(tag)} /proc/{pid}/cmdline" if tag else ""
+    grep = f"grep -qaF {q(tag)} /proc/{pid}/cmdline"
+    check_tag = f" && {{ {grep} || {{ sleep 0.5; {grep}; }}; }}" if tag else ""
     return (f"if [ -d /proc/self ]; then [ -d /proc/{pid} ] && ! grep -qs '^State:[[:space:]]*Z' /proc/{pid}/status"
             f"{check_tag}; else kill -0 {pid} 2>/dev/null; fi")
 
