@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from console.nodes import (Device, MembershipEvent, Node, NodeState, OuterRound, RankFigures, StoreHealth, Summary,
                            LazyLine)
+from console.outcome import ENDED, run_outcome
 from engine.telemetry import BadEvent, parse_line
 
 TIMELINE = 500  # membership events kept for the whole cluster
@@ -417,7 +418,10 @@ class Fleet:
     # ---- the header ----------------------------------------------------------------------------------------
     def summary(self) -> Summary:
         active = [n for n in self.nodes.values() if n.state in _ACTIVE]
-        losses = [n.loss for n in active if n.loss is not None]
+        ended = ENDED.get(run_outcome(self))  # type: ignore[arg-type]
+        # once the run has ended, its final loss: the last of each node that finished its part (completed, drained)
+        last = [n for n in self.nodes.values() if n.state is NodeState.LEFT] if ended and not active else active
+        losses = [n.loss for n in last if n.loss is not None]
         outer = [n.outer_step for n in self.nodes.values() if n.outer_step is not None]
         steps = [n for n in self.nodes.values() if n.step is not None]
         lead = max(steps, key=lambda n: n.step) if steps else None  # type: ignore[arg-type, return-value]
@@ -437,8 +441,8 @@ class Fleet:
             run=self.run, members=members, outer_step=max(outer) if outer else None,
             tokens_per_s=float(sum(n.tokens_per_s_now or 0.0 for n in active)),
             loss=sum(losses) / len(losses) if losses else None,
-            eta_s=eta, step=lead.step if lead else None, max_steps=None if rounds else max_steps,
-            store=self.store_status, rounds=rounds)
+            eta_s=None if ended else eta, step=lead.step if lead else None, max_steps=None if rounds else max_steps,
+            store=self.store_status, rounds=rounds, ended=ended)
 
     def marked(self) -> list[str]:
         return [n.name for n in self.nodes.values() if n.marked]

@@ -213,9 +213,10 @@ class Summary:
     members: int
     outer_step: int | None
     tokens_per_s: float  # sum over active nodes
-    loss: float | None  # mean of the active nodes' latest loss
+    loss: float | None  # mean of the active nodes' latest loss; once the run ended, of the nodes that left
     eta_s: float | None
     step: int | None  # the furthest node's step
     max_steps: int | None
     store: str | None = None  # the store's health where it is known (etcd: "etcd 3/3 up, leader node-a")
     rounds: int | None = None  # time rounds: the run's length in outer steps (max_steps is then no node's end)
+    ended: str | None = None  # once no node of the run runs: "completed", "stopped" or "failed" (console/outcome.py)

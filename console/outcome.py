@@ -9,23 +9,27 @@ module level (cli builds the app lazily, only when a screen is wanted).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from console.fleet import Fleet, NodeState
+from console.nodes import NodeState
+
+if TYPE_CHECKING:
+    from console.fleet import Fleet
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+ENDED = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
 DEFAULT_HEARTBEAT_TIMEOUT = 6.0
 RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
                      NodeState.UNREACHABLE})  # unreachable: the engine may well still be training
 _SUCCESS_REASONS = frozenset({"completed", "drained"})
 
 
-def started(fleet: Fleet) -> list[Any]:
+def started(fleet: "Fleet") -> list[Any]:
     """The nodes this run started (a standby or off host is not part of it)."""
     return [n for n in fleet.nodes.values() if n.state not in (NodeState.STANDBY, NodeState.OFF)]
 
 
-def run_outcome(fleet: Fleet) -> int | None:
+def run_outcome(fleet: "Fleet") -> int | None:
     """None while any started node still runs; then 0 if all completed/drained, 3 if stopped, else 1.
 
     A node DEAD only on the mesh's word (`mesh_dead_ts`) still runs here: a cut-off or frozen engine comes back as

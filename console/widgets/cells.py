@@ -213,7 +213,8 @@ def _finite(x: object) -> bool:
 
 
 def summary_text(summary: Any) -> str:
-    """run, members, outer step, step/max, cluster tokens/s, loss and ETA: the header and the headless line."""
+    """run, members, outer step, step/max, cluster tokens/s, loss and ETA (once the run ended, how): the header and
+    the headless line."""
     members = summary.members if isinstance(summary.members, int) else len(summary.members)
     step = "-" if summary.step is None else str(summary.step)
     if summary.max_steps:
@@ -223,6 +224,7 @@ def summary_text(summary: Any) -> str:
     if rounds:  # time rounds: the run is its outer steps; each node counts its own steps
         outer += f"/{rounds}"
     store = getattr(summary, "store", None)
+    ended = getattr(summary, "ended", None)  # a completed run looked like a stopped one: "loss -", a stale ETA
     return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
             f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
-            f"ETA {eta_text(summary.eta_s)}" + (f" | {store}" if store else ""))
+            + (f"run {ended}" if ended else f"ETA {eta_text(summary.eta_s)}") + (f" | {store}" if store else ""))
