@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from textual.command import CommandList
+from textual.widgets._footer import FooterKey
 
 from console.app import ConsoleApp, make_app
 from console.cluster import Cluster
@@ -478,8 +479,8 @@ async def test_live_two_workers_detail_outer_chart_and_store(two_by_two):
         assert isinstance(app.screen, NodeDetailScreen) and app.screen.node_name == "node-b"
         node = fleet.nodes["node-b"]
         text = app.screen.text()
-        for expected in ("torch.distributed.run", "--nproc_per_node=2", str(node.pid), node.run_info["config_digest"], "cpu r0", "cpu r1", "inner.device=cpu",
-                         "tokens"):
+        for expected in ("torch.distributed.run", "--nproc_per_node=2", str(node.pid), node.run_info["config_digest"],
+                         "cpu r0", "cpu r1", "inner.device=cpu", "tokens"):
             assert expected in text, (expected, text)
         rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
         ranks = {r[0]: int(r[1]) for r in rows if len(r) == 5 and r[0].isdigit()}  # rank, step, tok/s, loss, age
@@ -519,7 +520,7 @@ async def test_at_80_columns_the_header_keeps_the_store_line_and_the_table_its_n
                            "strategy": "ddp", "max_steps": 100000},
                           {"type": "state", "state": "training"},
                           {"type": "step", "step": 12345, "loss": 3.2109, "lr": 1e-3, "tokens_per_s": 123456.0,
-                           "tokens": 10 ** 9, "outer_step": 2469}):
+                           "tokens": 10 ** 9, "outer_step": 2469, "grad_norm": None}):
                 fleet.ingest(name, json.dumps({"v": 1, "ts": time.time(), "node": name, "rank": 0, **event}))
         fleet.store.address = "127.0.0.1:29610"
         fleet.set_store("down", "store exited: killed")
@@ -528,10 +529,23 @@ async def test_at_80_columns_the_header_keeps_the_store_line_and_the_table_its_n
         header = app.screen.query_one(RunHeader)
         lines = [strip.text for strip in header.render_lines(header.region.reset_offset)]
         assert len(lines) == 2 and lines[1].lstrip().startswith("STORE DOWN 127.0.0.1:29610"), lines
+        fleet.ingest("node-a", json.dumps({"v": 1, "ts": time.time(), "node": "node-a", "rank": 0, "type": "outer_step",
+                                           "outer_step": 2469, "step": 12345, "generation": 1, "members": ["node-a"],
+                                           "pgrad_norm": 0.1, "bytes_sent": 0, "allreduce_s": 0.5, "checksum": "c"}))
+        app.dashboard.render_chart(fleet)  # one point per node: the x axis ran from -1 to 1 s
+        drawn = app.dashboard.query_one(LossChart).render().plain  # type: ignore[union-attr]
+        assert " 0.00 " in drawn and "-1.00" not in drawn and "-0.50" not in drawn, drawn
+        await pilot.pause()
+        outer = app.dashboard.query_one(OuterChart)  # its caption, wider than the plot, was never drawn
+        top = outer.render_lines(outer.region.reset_offset)[0].text
+        assert top.startswith("╭─ outer 2469: compute ") and top.endswith("… ─╮"), top
         table = app.dashboard.table
         assert table.fixed_columns == 2
         table.scroll_to(x=table.max_scroll_x, animate=False)
         await pilot.pause()
         assert "node-a" in "".join(s.text for s in table.render_lines(table.region.reset_offset))
+        shown = {k.description: (k.region.x, k.region.right) for k in app.screen.query(FooterKey)}
+        edge = shown.get("palette", (80, 80))[0]  # ^p palette sits over the right end
+        assert all(k in shown and 0 < shown[k][1] <= edge for k in ("Help", "Quit")), shown  # the keys looked for first
         await pilot.press("q")
         await pilot.press("l")

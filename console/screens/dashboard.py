@@ -57,7 +57,8 @@ class DashboardScreen(Screen[None]):
                 yield Timeline(id="timeline")
                 yield LogPane(id="log")
         yield Input(placeholder="filter: name, host or state (enter keeps it, escape clears)", id="filter")
-        yield Footer()
+        # at 80 columns ^p sat over ? Help and q Quit (the help screen names ctrl+p)
+        yield Footer(compact=True, show_command_palette=False)
 
     def on_mount(self) -> None:
         self.query_one(NodeTable).focus()

@@ -93,6 +93,9 @@ class LossChart(PlotextPlot):
         labelled = len(series) <= 8  # a legend longer than that hides the plot; the table names the nodes
         for name, (xs, ys) in series.items():
             plt.plot(xs, ys, label=name if labelled else None, marker="braille")
+        xs = [x for xs, _ in series.values() for x in xs]
+        if xs:  # seconds since the first point, never before it (one point alone was drawn on an axis of -1 to 1)
+            plt.xlim(min(xs), max(max(xs), min(xs) + 1.0))
         self.refresh()
 
     def render(self) -> RenderResult:

@@ -1,5 +1,5 @@
 """The outer step made visible: per DiLoCo outer step, compute against communication (wire, codec) and idle time,
-as stacked bars (textual-plotext), captioned with the newest step's members and bytes.
+as stacked bars (textual-plotext), captioned (on its border) with the newest step's members and bytes.
 
 It tells an operator whether H (diloco.inner_steps) and the compression are right: communication that is a large
 share of each bar wants a larger H or more compression; idle time is nodes waiting for the slowest one.
@@ -57,7 +57,8 @@ class OuterChart(PlotextPlot):
         self.steps, self.series, self.caption = steps, series, caption
         plt = self.plt
         plt.clear_data()
-        plt.title(caption)
+        # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
+        self.border_title = caption
         plt.xlabel("outer step")
         if steps:
             plt.stacked_bar([str(s) for s in steps], list(series.values()), labels=list(series))
