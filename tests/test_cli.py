@@ -51,7 +51,8 @@ def test_heartbeat_age_colour_follows_the_timeout():
     assert cells.age_cell(3.04, 6.0).plain == "3.0s" and str(cells.age_cell(3.0, 6.0).style) == "yellow"
     assert str(cells.age_cell(7.0, 6.0).style) == "bold red"
     assert cells.age_cell(None, 6.0).plain == "-"
-    assert cells.age_cell(30.0, 6.0, live=False).plain == "30s" and str(cells.age_cell(30.0, 6.0, live=False).style) == "dim"
+    quiet = cells.age_cell(30.0, 6.0, live=False)
+    assert quiet.plain == "30s" and str(quiet.style) == "dim"
     assert cells.age_cell(float("nan"), 6.0).plain == "-"
 
 
@@ -374,11 +375,13 @@ def test_status_prints_the_summary_and_every_node(unit_profile):
     assert code == 0 and calls == ["attach", "status", "close"]
     lines = out.splitlines()
     assert "run unit" in lines[0] and "members 2" in lines[0] and "training 2" in lines[0]
-    assert lines[1].split()[:3] == ["node-a", "local", "training"] and "step 12" in lines[1] and "loss 2.5000" in lines[1]
+    assert lines[1].split()[:3] == ["node-a", "local", "training"]
+    assert "step 12" in lines[1] and "loss 2.5000" in lines[1]
     assert lines[3].split()[:3] == ["node-c", "local", "standby"]
 
 
-@pytest.mark.parametrize("argv,call", [(["drain", "node-b"], ("drain", "node-b")), (["kill", "node-a"], ("kill", "node-a")),
+@pytest.mark.parametrize("argv,call", [(["drain", "node-b"], ("drain", "node-b")),
+                                       (["kill", "node-a"], ("kill", "node-a")),
                                        (["add", "10.0.0.7"], ("add", "10.0.0.7")), (["stop"], ("stop", "all"))])
 def test_actions_attach_act_and_detach(unit_profile, argv, call):
     code, out, calls = run_cli([unit_profile, *argv])
@@ -498,7 +501,8 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
         deadline = time.monotonic() + 120
         while True:
             rows = {line.split()[0]: line for line in _console(procs, str(profile), "status").stdout.splitlines()[1:]}
-            if " left " in rows["node-b"] and rows["node-b"].endswith("(drained)") and " dead " in rows["node-c"] and " training " in rows["node-a"]:
+            if (" left " in rows["node-b"] and rows["node-b"].endswith("(drained)") and " dead " in rows["node-c"]
+                    and " training " in rows["node-a"]):
                 break
             assert time.monotonic() < deadline, rows
             time.sleep(2)
@@ -535,8 +539,10 @@ def test_heartbeat_timeout_comes_from_the_engine_config(tmp_path, monkeypatch):
     assert cli.heartbeat_timeout_of(parse_profile(text)) == 9.0
     typed = text.replace(f'config = "{config}"', f'config = "{config}"\n'
                          'overrides = { "train.max_steps" = 40, "data.path" = "corpus/", "telemetry.human" = false }')
-    assert cli.heartbeat_timeout_of(parse_profile(typed)) == 9.0  # typed overrides pass through as the engine reads them
-    fast = text.replace(f'config = "{config}"', f'config = "{config}"\noverrides = {{ "mesh.heartbeat_timeout" = 2.5 }}')
+    # typed overrides pass through as the engine reads them
+    assert cli.heartbeat_timeout_of(parse_profile(typed)) == 9.0
+    fast = text.replace(f'config = "{config}"',
+                        f'config = "{config}"\noverrides = {{ "mesh.heartbeat_timeout" = 2.5 }}')
     assert cli.heartbeat_timeout_of(parse_profile(fast)) == 2.5
     missing = text.replace(str(config), str(tmp_path / "absent.toml"))
     assert cli.heartbeat_timeout_of(parse_profile(missing)) == cli.DEFAULT_HEARTBEAT_TIMEOUT

@@ -66,7 +66,8 @@ def test_a_node_whose_round_diverged_is_left_out_of_that_mean_and_takes_the_runs
     # outer step 2 (inner steps 4-6): b's pseudo-gradient is NaN: only a's is counted, by the weights off the wire
     for n in nodes:
         two = n.outer()[2]
-        assert two["members"] == ["a", "b"] and two["contributors"] == ["a"] and two["weights"] == [e2e.ROUND_TOKENS], two
+        assert two["members"] == ["a", "b"] and two["contributors"] == ["a"], two
+        assert two["weights"] == [e2e.ROUND_TOKENS], two
         assert math.isfinite(two["pgrad_norm"])
         assert all(n.outer()[k]["contributors"] == ["a", "b"] for k in (1, 3, 4, 5)), n.outer()
     said = [w["message"] for w in b.of("warning") if "not counted; it takes the run's weights" in w["message"]]

@@ -21,8 +21,8 @@ PRESETS = ["configs/150m-diloco.toml", "configs/1b-diloco.toml"]
 STEPS = ["--train.max_steps=6", "--diloco.min_nodes=2", "--train.batch_size=4", "--train.eval_interval=2",
          "--train.eval_batches=1", "--ckpt.interval=2", "--ckpt.keep=5"]
 # FSDP as configs/1b-diloco.toml runs it: bf16-mixed and activation checkpointing. ZeRO 2 and 3: stage 1 takes
-# every path of engine/inner/zero.py that stage 2 takes (only stage 3 branches), and tests/test_zero.py runs it against a
-# single process; its own copy here cost 40 s of the suite's 20-minute budget
+# every path of engine/inner/zero.py that stage 2 takes (only stage 3 branches), and tests/test_zero.py runs it
+# against a single process; its own copy here cost 40 s of the suite's 20-minute budget
 STRATEGIES = {"fsdp": ["--inner.strategy=fsdp", "--train.precision=bf16-mixed",
                        "--train.activation_checkpointing=true"],
               **{z: [f"--inner.strategy={z}"] for z in ("zero2", "zero3")}}

@@ -239,10 +239,11 @@ def _devices(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]
                         f"DiLoCo run), fix the GPUs (nvidia-smi), or set inner.device = \"cpu\"")]
     torch = (f.get("packages") or {}).get("torch") or ""
     if on_gpu and gpus["count"] and torch.endswith("+cpu"):  # auto would train on the CPU, cuda would fail
+        plural = "" if gpus["count"] == 1 else "s"
         return [Problem(plan.name, "torch", f"torch {torch} for {plan.python} is the CPU build, but inner.device "
-                        f"{plan.device} and {gpus['source']} sees {gpus['count']} GPU{'' if gpus['count'] == 1 else 's'}",
-                        f"zeroband-console {expect.profile} sync installs the CUDA build where nvidia-smi works (or set "
-                        f"hosts.{plan.name}.venv to a venv with it)")]
+                        f"{plan.device} and {gpus['source']} sees {gpus['count']} GPU{plural}",
+                        f"zeroband-console {expect.profile} sync installs the CUDA build where nvidia-smi works "
+                        f"(or set hosts.{plan.name}.venv to a venv with it)")]
     if not on_gpu and plan.workers > f["cpus"]:
         return [Problem(plan.name, "devices", f"workers = {plan.workers} on the CPU but the host has {f['cpus']} CPUs",
                         f"set hosts.{plan.name}.workers to at most {f['cpus']}")]

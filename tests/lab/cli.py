@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: --gap {args.gap!r}: expected LOW,HIGH seconds with 0 <= LOW <= HIGH", file=sys.stderr)
         return EXIT_LAB
     options = Options(seed=args.seed, faults=args.faults, hosts=args.hosts, heartbeat_timeout=args.heartbeat_timeout,
-                      inner_steps=args.inner_steps, round_seconds=args.round_seconds, recovery_s=args.recovery, deadline_s=args.deadline,
+                      inner_steps=args.inner_steps, round_seconds=args.round_seconds, recovery_s=args.recovery,
+                      deadline_s=args.deadline,
                       stall_limit=args.stall_limit, keep=args.keep, lock_wait_s=args.lock_wait, gap=(low, high),
                       kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     try:  # a bad --kinds or --faults is one line before anything is set up
