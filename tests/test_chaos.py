@@ -153,7 +153,7 @@ def test_stalls_excuse_only_store_outages():
 def test_verdict_fails_on_each_goal_and_says_which():
     from lab.schedule import Fault
 
-    survived = Fault(1, "kill", "a", 0.0, 1.0, start=1.0, survived=True)
+    survived = Fault(1, "store", "store", 0.0, 1.0, start=1.0, survived=True, info=["the lab restarted the store"])
     failed = Fault(2, "store", "store", 3.0, 1.0, start=5.0, survived=False, notes=["a exited (run_end failed)"])
     never = Fault(3, "drain", "b", 0.0, 1.0)
     verdict = judge(healthy_run(), [survived, failed, never], ["a", "b"], 107.0, [], 4.0, ["the console exited"])
@@ -161,6 +161,7 @@ def test_verdict_fails_on_each_goal_and_says_which():
     text = "\n".join(verdict.lines(t0=100.0))
     assert "faults injected 2 of 3, survived 1" in text
     assert "NOT SURVIVED #2 store store for 3.0s: a exited (run_end failed)" in text
+    assert "\n  #1 store store: the lab restarted the store\n" in text  # what a fault found, though survived
     assert "never injected: #3 drain b" in text
     assert "committed outer steps lost: 0" in text and "survivors' checksums agree: yes" in text
     assert text.endswith("verdict: FAIL: 1 fault(s) not survived; 1 fault(s) never injected; the console exited")

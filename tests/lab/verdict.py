@@ -175,6 +175,9 @@ class Verdict:
         out = [f"faults injected {len(ran)} of {len(self.faults)}, survived {sum(bool(f.survived) for f in ran)}"]
         for f in self.failed_faults:
             out.append(f"  NOT SURVIVED {f.describe()}: {'; '.join(f.notes)}")
+        for f in ran:  # what a fault found that is no failure (who restarted the store)
+            if f.info:
+                out.append(f"  {f.describe()}: {'; '.join(f.info)}")
         if self.skipped_faults:
             out.append(f"  never injected: {', '.join(f.describe() for f in self.skipped_faults)}")
         lo = self.losses
