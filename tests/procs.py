@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 from forkserver import ForkServer
 
@@ -159,6 +160,33 @@ def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, wait: float = 
     deadline = time.monotonic() + wait
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def kill_recorded_groups(pid_files: Iterable[Path]) -> None:
+    """Teardown of detached starts (the console's engines, stores, etcd members): SIGKILL the process group each
+    pid file names, unless that pid is now a process started after the file was written. Pid numbers wrap (32768
+    on this machine, a few minutes of a busy suite), and a stale file's kill could end a store another test had
+    just started (a store that dies with no output before it is ready). A group that still has members keeps its
+    number: only a leader that is gone can have been replaced."""
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    for pid_file in pid_files:
+        try:
+            pgid, written = int(pid_file.read_text().strip()), pid_file.stat().st_mtime
+        except (ValueError, OSError):
+            continue
+        try:
+            stat = Path(f"/proc/{pgid}/stat").read_text()
+        except OSError:
+            stat = ""  # the leader is gone; its group may not be
+        if stat:  # field 22, after "pid (comm) ": the start in clock ticks since boot (boot time: whole seconds)
+            started = boot + int(stat.rsplit(") ", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+            if started > written + 2.0:
+                continue
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 # profiles/local.toml's debug DiLoCo config made quick for a loaded 2-core CI machine: short sequences, a step

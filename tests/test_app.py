@@ -37,7 +37,7 @@ from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable
 from console.widgets.outer_chart import OuterChart
 from console.widgets.panes import LogPane, RunHeader, Timeline
-from procs import fast_local_profile
+from procs import fast_local_profile, kill_recorded_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = (160, 50)
@@ -47,11 +47,7 @@ def local_profile(tmp_path, monkeypatch):
     """profiles/local.toml, as shipped, with the run dir, the store port and the speed knobs of this test."""
     monkeypatch.chdir(ROOT)  # the profile's paths (.venv, the corpus, configs/) are relative to the checkout
     yield load_profile(fast_local_profile(tmp_path))
-    for pid_file in (tmp_path / "runs").glob("*/pid"):  # engines are detached: end them by their recorded group
-        try:
-            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, PermissionError):
-            pass
+    kill_recorded_groups((tmp_path / "runs").glob("*/pid"))  # engines are detached: end them by their group
 
 
 def build(profile, **kw) -> tuple[ConsoleApp, Fleet]:
@@ -441,11 +437,7 @@ def two_by_two(tmp_path, monkeypatch):
                       "telemetry.all_ranks": True})
     path.write_text(tomlkit.dumps(doc))
     yield load_profile(path)
-    for pid_file in (tmp_path / "runs").glob("*/pid"):
-        try:
-            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, PermissionError):
-            pass
+    kill_recorded_groups((tmp_path / "runs").glob("*/pid"))
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import io
 import math
 import os
 import re
-import signal
 import sys
 import time
 
@@ -471,7 +470,7 @@ def _console(procs, *args, timeout: float = 60.0):
 def test_cli_against_a_running_cluster(tmp_path, procs):
     """`--headless` runs the cluster (no terminal: pipes); `status`, `kill`, `drain`, `stop` from other processes
     act on it; the headless console sees it all and exits with the run's outcome (a node died: 1)."""
-    from procs import fast_local_profile
+    from procs import fast_local_profile, kill_recorded_groups
 
     profile = fast_local_profile(tmp_path)
     try:
@@ -521,11 +520,7 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
         final = {line.split()[0]: line for line in lines if line.startswith("  ")}
         assert "stopped" in final["node-a"] and "drained" in final["node-b"] and "dead" in final["node-c"]
     finally:
-        for pid_file in (tmp_path / "runs").glob("*/pid"):
-            try:
-                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError, PermissionError):
-                pass
+        kill_recorded_groups((tmp_path / "runs").glob("*/pid"))
 
 
 def test_heartbeat_timeout_comes_from_the_engine_config(tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 from console.cluster import Cluster, engine_argv, engine_env
 from console.fleet import Fleet, NodeState
 from console.profile import load_profile, parse_profile
-from procs import free_port
+from procs import free_port, kill_recorded_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,11 +140,7 @@ async def until(predicate, timeout: float = 20.0, what: str = "") -> None:
 
 def kill_everything(workdir: Path) -> None:
     """Teardown: every pid file under the run dir names a process group we started."""
-    for pid_file in [*workdir.glob("runs/*/*/pid"), *workdir.glob("run/*/pid")]:
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    kill_recorded_groups([*workdir.glob("runs/*/*/pid"), *workdir.glob("run/*/pid")])
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from console.fleet import Fleet, NodeState
 from console.profile import ProfileError, load_profile, parse_profile
 from console.transport import TransportError
 from console.widgets.cells import summary_text
-from procs import free_port
+from procs import free_port, kill_recorded_groups
 from test_cluster import kill_everything, states, until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,11 +88,7 @@ def _port_block(n: int) -> int:
 def end_everything(tmp_path: Path, run: Path) -> None:
     """Whatever a test left: its engines and store, and the etcd members (detached: their own process groups)."""
     kill_everything(tmp_path)
-    for pid_file in run.glob("_etcd/*/pid"):
-        try:
-            os.killpg(int(pid_file.read_text()), 9)
-        except (ProcessLookupError, ValueError):
-            pass
+    kill_recorded_groups(run.glob("_etcd/*/pid"))
 
 
 def _profile(tmp_path: Path):

@@ -37,7 +37,7 @@ from console.fleet import Fleet, NodeState
 from console.preflight import PreflightFailed, probe
 from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, ifname_matches, judge
 from console.profile import ProfileError, load_profile, parse_profile
-from procs import ROOT, free_port
+from procs import ROOT, free_port, kill_recorded_groups
 
 PY = ".venv/bin/python"
 
@@ -754,6 +754,4 @@ def _fix_the_rest_and_train(lab: PreflightLab) -> None:
             assert [e for e in events if e.get("type") == "run_end"][-1]["status"] == "completed"
         assert store in run.stdout
     finally:
-        for pid_file in (lab.root / "runs").glob("*/pid"):
-            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
+        kill_recorded_groups((lab.root / "runs").glob("*/pid"))

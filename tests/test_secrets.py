@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomlkit
 
-from procs import fast_local_profile
+from procs import fast_local_profile, kill_recorded_groups
 
 
 def _cmdline(pid: int) -> str:
@@ -100,11 +100,7 @@ def test_a_secret_in_env_reaches_the_engine_and_no_command_line_log_or_screen(tm
         _, err = headless.communicate(timeout=60)
         out = screen.read_text()
     finally:
-        for pid_file in (tmp_path / "runs").glob("*/pid"):
-            try:
-                os.killpg(int(pid_file.read_text().strip()), 9)
-            except (ProcessLookupError, ValueError, PermissionError):
-                pass
+        kill_recorded_groups((tmp_path / "runs").glob("*/pid"))
     assert seen_cmdlines == []
     shown = out + err + status.stdout + status.stderr + stopped.stdout + stopped.stderr
     assert "training 1" in out and secret not in shown

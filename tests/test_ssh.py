@@ -19,7 +19,7 @@ from console.transport import TransportError, make_transport
 from console.transport import commands as C
 from console.transport.base import collect
 from console.transport.ssh import MAX_CHANNELS, SshTransport
-from procs import free_port
+from procs import free_port, kill_recorded_groups
 from sshd import SSHD, Sshd
 
 WRITER = ("import sys, time\n"
@@ -403,11 +403,7 @@ async def until(predicate, timeout: float, what: str) -> None:
 
 
 def kill_run(run_dir: Path) -> None:
-    for pid_file in run_dir.glob("*/pid"):
-        try:
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    kill_recorded_groups(run_dir.glob("*/pid"))
 
 
 async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):

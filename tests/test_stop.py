@@ -17,14 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from procs import free_port
+from procs import free_port, kill_recorded_groups
 
 FAKE_ENGINE = r'''
 import json, os, signal, sys, time
@@ -149,11 +148,7 @@ def leftovers(work: Path, run_dir: Path, consoles: tuple[int, ...] = ()) -> list
 
 def kill_groups(run_dir: Path) -> None:
     """Teardown: whatever a failing test left, by the process groups the run's pid files name."""
-    for pid_file in run_dir.glob("*/pid"):
-        try:
-            os.killpg(int(pid_file.read_text().strip()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError, PermissionError):
-            pass
+    kill_recorded_groups(run_dir.glob("*/pid"))
 
 
 async def until(predicate, timeout: float, what: str) -> None:

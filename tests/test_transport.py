@@ -136,6 +136,25 @@ def test_alive_command_looks_again_at_a_process_in_the_middle_of_an_exec(tmp_pat
         proc.wait()
 
 
+def test_teardown_kills_a_recorded_group_but_not_a_reused_number(tmp_path):
+    from procs import kill_recorded_groups
+
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        stale, ours = tmp_path / "stale-pid", tmp_path / "pid"
+        for f in (stale, ours):
+            f.write_text(f"{proc.pid}\n")
+        os.utime(stale, (time.time() - 100, time.time() - 100))  # written before this process began: a reused pid
+        kill_recorded_groups([stale, tmp_path / "missing", tmp_path])
+        time.sleep(0.2)
+        assert proc.poll() is None
+        kill_recorded_groups([ours])
+        assert proc.wait(5) == -9
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ---- LocalTransport ------------------------------------------------------------------------------------------
 WRITER = ("import sys, time\n"
           "for i in range(int(sys.argv[1])):\n"
