@@ -463,8 +463,12 @@ class Cluster:
             await asyncio.wait_for(asyncio.gather(*(p.done.wait() for p in running.values())), timeout)
         except asyncio.TimeoutError:
             pass
-        left = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
-                                            max(0.0, timeout - (time.monotonic() - started)))
+        unended = {n for n, p in running.items() if not p.done.is_set()}
+        left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
+                                                    max(0.0, timeout - (time.monotonic() - started)))
+        # a KILL is no stop: the node saved nothing on the way out (or a process of it hung): said, not hidden
+        late = [f"{n}: KILLed after stop_timeout ({timeout:g}s), no checkpoint on the way out" if n in unended else
+                f"{n}: a process of its group outlived stop_timeout ({timeout:g}s) and was KILLed" for n, _ in killed]
         store_left, etcd_said = await self._store.stop()
         # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
         # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
@@ -474,7 +478,8 @@ class Cluster:
         spares = [line for n, line in unseen.items() if self.profile.hosts[n].standby]
         unseen_active = [line for n, line in unseen.items() if not self.profile.hosts[n].standby]
         running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen_active + store_left
-        message = f"stopped {len(running)} node(s)" + (f"; etcd: {'; '.join(etcd_said)}" if etcd_said else "")
+        message = f"stopped {len(running)} node(s)" + (f"; {'; '.join(late)}" if late else "")
+        message += f"; etcd: {'; '.join(etcd_said)}" if etcd_said else ""
         if spares:
             message += f"; standby hosts not reached: {'; '.join(spares)}"
         if running_still:

@@ -126,15 +126,17 @@ class Hosts:
             self.fleet.note(name, f"{sig} failed: {e}")
             return False
 
-    async def end_groups(self, groups: Sequence[tuple[str, int]], timeout: float) -> list[tuple[str, int]]:
+    async def end_groups(self, groups: Sequence[tuple[str, int]],
+                         timeout: float) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """Wait until no process is left in each (host, process group), which were asked to end; KILL the groups
-        still there after `timeout`, and wait KILL_WAIT_S more. What is left (a host that does not answer) is
-        returned: stop() says so rather than return while a process of the run may still run."""
+        still there after `timeout`, and wait KILL_WAIT_S more. (What is left: a host that does not answer, which
+        stop() names rather than return while a process of the run may still run; the groups that were KILLed.)"""
         left = await self._until_gone(groups, timeout)
+        killed = list(left)
         if left:
             await asyncio.gather(*(self.signal_quietly(host, pgid, "KILL") for host, pgid in left))
             left = await self._until_gone(left, KILL_WAIT_S)
-        return left
+        return left, killed
 
     async def _until_gone(self, groups: Sequence[tuple[str, int]], timeout: float) -> list[tuple[str, int]]:
         deadline = time.monotonic() + timeout

@@ -324,7 +324,7 @@ class StoreHost:
             await self.mark_stopped()
         groups = [(host, pid) for pid in (store, probe) if pid is not None]
         await asyncio.gather(*(self.hosts.signal_quietly(host, pid, "TERM") for _, pid in groups))
-        left = await self.hosts.end_groups(groups, self.profile.console.stop_timeout)
+        left, _ = await self.hosts.end_groups(groups, self.profile.console.stop_timeout)
         if store is not None:
             self.pid = None
             self.fleet.set_store("stopped", None)

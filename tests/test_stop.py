@@ -30,6 +30,8 @@ import json, os, signal, sys, time
 node = os.environ["GLOBAL_UNIQUE_ID"]
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+if os.environ.get("FAKE_MODE") == "stubborn-engine":  # a node hung in a collective: only a KILL ends it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if os.environ.get("FAKE_MODE") == "stubborn-worker" and os.fork() == 0:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a worker of the node's group that ignores TERM: a hung rank
     time.sleep(300)
@@ -182,12 +184,14 @@ workdir = "{work}"
 [hosts.node-a]
 [hosts.node-b]
 env = {{ FAKE_MODE = "stubborn-worker" }}
+[hosts.node-c]
+env = {{ FAKE_MODE = "stubborn-engine" }}
 """
 
 
 async def test_stop_waits_for_every_process_of_the_run(tmp_path):
-    """Local hosts: stop() returns once the engines, the hung worker (KILLed after stop_timeout), the store, the
-    probe and their wrappers are all gone."""
+    """Local hosts: stop() returns once the engines, the hung worker and the hung engine (KILLed after
+    stop_timeout, and said so), the store, the probe and their wrappers are all gone."""
     from console.cluster import Cluster
     from console.fleet import Fleet, NodeState
     from console.profile import load_profile
@@ -205,10 +209,14 @@ async def test_stop_waits_for_every_process_of_the_run(tmp_path):
                     _probe_runs(run_dir), 30, "training, and the store's probe")
         await dashboard.attach()
         await until(lambda: watching.store.state == "up", 10, "the other console sees the store")
-        assert len(leftovers(work, run_dir)) >= 9  # 2 engines + a worker, the store, the probe, and 4 wrappers
+        assert len(leftovers(work, run_dir)) >= 11  # 3 engines + a worker, the store, the probe, and 5 wrappers
         started = time.monotonic()
         out = await cluster.stop()
         assert out, out.message
+        # a KILL is said, and what it cost: the hung engine saved nothing on its way out
+        assert out.message.startswith("stopped 3 node(s); ") and "node-a" not in out.message, out.message
+        assert "node-b: a process of its group outlived stop_timeout (3s) and was KILLed" in out.message
+        assert "node-c: KILLed after stop_timeout (3s), no checkpoint on the way out" in out.message
         assert leftovers(work, run_dir) == []  # at once: nothing of the run is left
         assert time.monotonic() - started < 3 + 15  # the hung worker cost stop_timeout, then a KILL
         assert fleet.store.state == "stopped"
