@@ -463,12 +463,9 @@ class Cluster:
             await asyncio.wait_for(asyncio.gather(*(p.done.wait() for p in running.values())), timeout)
         except asyncio.TimeoutError:
             pass
-        unended = {n for n, p in running.items() if not p.done.is_set()}
         left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
                                                     max(0.0, timeout - (time.monotonic() - started)))
-        # a KILL is no stop: the node saved nothing on the way out (or a process of it hung): said, not hidden
-        late = [f"{n}: KILLed after stop_timeout ({timeout:g}s), no checkpoint on the way out" if n in unended else
-                f"{n}: a process of its group outlived stop_timeout ({timeout:g}s) and was KILLed" for n, _ in killed]
+        late = [await self._killed_line(n, timeout) for n, _ in killed]
         store_left, etcd_said = await self._store.stop()
         # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
         # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
@@ -485,6 +482,18 @@ class Cluster:
         if running_still:
             return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
         return Outcome(True, message)
+
+    async def _killed_line(self, name: str, timeout: float) -> str:
+        """What a KILL at the end of stop_timeout cost a node, said rather than hidden in a clean-looking stop. The
+        wrapper writes the engine's exit status when the engine ends: without it, the engine itself was KILLed and
+        saved nothing on its way out; with it, a process the engine left in its group (a hung worker) was."""
+        try:
+            ended = await self.transport(name).read_text(self._hosts.path(name, C.RC)) is not None
+        except TransportError:
+            return f"{name}: KILLed after stop_timeout ({timeout:g}s)"
+        if ended:
+            return f"{name}: a process of its group outlived stop_timeout ({timeout:g}s) and was KILLed"
+        return f"{name}: KILLed after stop_timeout ({timeout:g}s), no checkpoint on the way out"
 
     def running(self) -> list[str]:
         """The nodes whose process the console follows and has not seen end (a mesh "dead" label is not an end)."""

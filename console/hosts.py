@@ -130,11 +130,11 @@ class Hosts:
                          timeout: float) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
         """Wait until no process is left in each (host, process group), which were asked to end; KILL the groups
         still there after `timeout`, and wait KILL_WAIT_S more. (What is left: a host that does not answer, which
-        stop() names rather than return while a process of the run may still run; the groups that were KILLed.)"""
+        stop() names rather than return while a process of the run may still run; the groups a KILL reached.)"""
         left = await self._until_gone(groups, timeout)
-        killed = list(left)
+        sent = await asyncio.gather(*(self.signal_quietly(host, pgid, "KILL") for host, pgid in left))
+        killed = [group for group, reached in zip(left, sent) if reached]  # not a host that did not answer
         if left:
-            await asyncio.gather(*(self.signal_quietly(host, pgid, "KILL") for host, pgid in left))
             left = await self._until_gone(left, KILL_WAIT_S)
         return left, killed
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -227,6 +229,29 @@ async def test_stop_waits_for_every_process_of_the_run(tmp_path):
     finally:
         await asyncio.gather(cluster.close(), dashboard.close())
         kill_groups(run_dir)
+
+
+async def test_a_kill_at_the_end_of_stop_timeout_names_only_the_groups_it_reached(tmp_path):
+    """A host that does not answer was named both "KILLed, no checkpoint" and "may still run": its KILL reached
+    nothing. end_groups says which groups a KILL reached (a group of ours here, nobody on port 1 of the other)."""
+    from console.cluster import Cluster
+    from console.fleet import Fleet
+    from console.profile import load_profile
+
+    path = tmp_path / "p.toml"
+    path.write_text(LOCAL.format(run_dir=tmp_path / "runs", port=free_port(), python=sys.executable, work=tmp_path)
+                    + '[hosts.far]\ntransport = "ssh"\naddress = "127.0.0.1"\nport = 1\n')
+    cluster = Cluster(load_profile(path), Fleet())
+    ours = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        left, killed = await asyncio.wait_for(cluster._hosts.end_groups([("far", 4242), ("node-a", ours.pid)], 0.3),
+                                              60)
+        assert left == [("far", 4242)] and killed == [("node-a", ours.pid)], (left, killed)
+        assert ours.wait(5) == -signal.SIGKILL
+    finally:
+        ours.kill()
+        ours.wait()
+        await cluster.close()
 
 
 # ---- over real SSH: a headless console, and `stop` from a shell --------------------------------------------------
