@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from console.nodes import (Device, MembershipEvent, Node, NodeState, OuterRound, RankFigures, StoreHealth, Summary,
                            LazyLine)
@@ -419,8 +419,7 @@ class Fleet:
     def summary(self) -> Summary:
         active = [n for n in self.nodes.values() if n.state in _ACTIVE]
         ended = ENDED.get(run_outcome(self))  # type: ignore[arg-type]
-        # once the run has ended, its final loss: the last of each node that finished its part (completed, drained)
-        last = [n for n in self.nodes.values() if n.state is NodeState.LEFT] if ended and not active else active
+        last = _at_the_end(self.nodes.values()) if ended and not active else active
         losses = [n.loss for n in last if n.loss is not None]
         outer = [n.outer_step for n in self.nodes.values() if n.outer_step is not None]
         steps = [n for n in self.nodes.values() if n.step is not None]
@@ -446,6 +445,17 @@ class Fleet:
 
     def marked(self) -> list[str]:
         return [n.name for n in self.nodes.values() if n.marked]
+
+
+def _at_the_end(nodes: Iterable[Node]) -> list[Node]:
+    """The nodes whose last loss is the run's final one: those that left at its furthest outer step (its furthest
+    step without DiLoCo). A node drained long before the end is not one (its old loss moved the mean 2.0 -> 4.5)."""
+    left = [n for n in nodes if n.state is NodeState.LEFT and n.loss is not None]
+    if any(n.outer_step is not None for n in left):  # time rounds too: each node counts its own steps
+        top = max(n.outer_step for n in left if n.outer_step is not None)
+        return [n for n in left if n.outer_step == top]
+    top = max((n.step for n in left if n.step is not None), default=None)
+    return [n for n in left if n.step == top]
 
 
 def _num(value: Any) -> float | None:

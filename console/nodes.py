@@ -213,7 +213,7 @@ class Summary:
     members: int
     outer_step: int | None
     tokens_per_s: float  # sum over active nodes
-    loss: float | None  # mean of the active nodes' latest loss; once the run ended, of the nodes that left
+    loss: float | None  # mean of the active nodes' latest loss; once the run ended, of those left at its end
     eta_s: float | None
     step: int | None  # the furthest node's step
     max_steps: int | None

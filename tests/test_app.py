@@ -539,5 +539,12 @@ async def test_at_80_columns_the_header_keeps_the_store_line_and_the_table_its_n
         shown = {k.description: (k.region.x, k.region.right) for k in app.screen.query(FooterKey)}
         edge = shown.get("palette", (80, 80))[0]  # ^p palette sits over the right end
         assert all(k in shown and 0 < shown[k][1] <= edge for k in ("Help", "Quit")), shown  # the keys looked for first
+        for name in ("node-a", "node-b", "node-c"):  # the run ends: how, and its final loss, fit 80 columns
+            fleet.ingest(name, json.dumps({"v": 1, "ts": time.time(), "node": name, "rank": 0, "type": "run_end",
+                                           "status": "completed", "step": 12345}))
+        app.tick()
+        await pilot.pause()
+        lines = [strip.text for strip in header.render_lines(header.region.reset_offset)]
+        assert "ZeroBand run local completed | outer 2469 | step 12345/100000 | loss 3.2109" in lines[0], lines
         await pilot.press("q")
         await pilot.press("l")

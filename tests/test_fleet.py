@@ -75,31 +75,6 @@ def test_time_rounds_progress_and_eta_follow_the_outer_steps():
     assert "| outer 20/50 | step 1580 |" in cells.summary_text(s)
 
 
-def test_an_ended_run_says_how_and_keeps_its_final_loss():
-    """A completed run looked like a stopped one in the header: no node active, so `loss -`, and the ETA of the
-    last steps. Once no node runs the line says how the run ended, with the final loss of the nodes that left."""
-    from console.widgets import cells
-
-    fleet = Fleet(run="r")
-    for name, loss in (("a", 2.0), ("b", 3.0)):
-        fleet.add_node(name, "h")
-        fleet.ingest(name, start(name, max_steps=20))
-        fleet.ingest(name, line("state", name, state="training"))
-        fleet.ingest(name, step(10, loss + 1, 100.0, name, ts=time.time() - 5))
-        fleet.ingest(name, step(19, loss, 100.0, name))
-    fleet.ingest("a", line("run_end", "a", status="completed", step=20))
-    s = fleet.summary()  # b still trains: the run goes on, its loss is b's
-    assert s.ended is None and s.loss == 3.0 and "| ETA " in cells.summary_text(s)
-    fleet.ingest("b", line("run_end", "b", status="completed", step=20))
-    s = fleet.summary()
-    assert (s.ended, s.loss, s.eta_s) == ("completed", pytest.approx(2.5), None)
-    assert cells.summary_text(s).endswith("| loss 2.5000 | run completed"), cells.summary_text(s)
-    fleet.add_node("c", "h")  # a third node that was stopped: the run as a whole was stopped
-    fleet.ingest("c", start("c"))
-    fleet.ingest("c", line("run_end", "c", status="stopped", step=3))
-    assert fleet.summary().ended == "stopped"
-
-
 def test_malformed_lines_counted_and_skipped():
     fleet = Fleet()
     fleet.add_node("a", "h")

@@ -223,8 +223,10 @@ def summary_text(summary: Any) -> str:
     rounds = getattr(summary, "rounds", None)
     if rounds:  # time rounds: the run is its outer steps; each node counts its own steps
         outer += f"/{rounds}"
-    store = getattr(summary, "store", None)
+    store = f" | {summary.store}" if getattr(summary, "store", None) else ""
     ended = getattr(summary, "ended", None)  # a completed run looked like a stopped one: "loss -", a stale ETA
+    if ended:  # first and short: the header is cut at its right edge (80 columns)
+        return f"run {summary.run} {ended} | outer {outer} | step {step} | loss {loss_cell(summary.loss)}{store}"
     return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
             f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
-            + (f"run {ended}" if ended else f"ETA {eta_text(summary.eta_s)}") + (f" | {store}" if store else ""))
+            f"ETA {eta_text(summary.eta_s)}{store}")
