@@ -1,7 +1,8 @@
 """What the run came to, and how long a heartbeat may be silent: shared by the dashboard, `--headless` and shells.
 
 Pure (no Textual, no I/O): console/app.py and console/cli.py both import it, and neither imports the other at
-module level (cli builds the app lazily, only when a screen is wanted).
+module level (cli builds the app lazily, only when a screen is wanted). The fleet imports it too (its summary says
+how the run ended), so it takes a fleet without importing console.fleet: no import circle.
 
     run_outcome(fleet)            None while a started node still runs; then an exit code (EXIT_*)
     heartbeat_timeout_of(profile) the mesh's heartbeat timeout the ages are coloured against
@@ -9,12 +10,9 @@ module level (cli builds the app lazily, only when a screen is wanted).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from console.nodes import NodeState
-
-if TYPE_CHECKING:
-    from console.fleet import Fleet
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 ENDED = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
@@ -24,12 +22,12 @@ RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, 
 _SUCCESS_REASONS = frozenset({"completed", "drained"})
 
 
-def started(fleet: "Fleet") -> list[Any]:
+def started(fleet: Any) -> list[Any]:
     """The nodes this run started (a standby or off host is not part of it)."""
     return [n for n in fleet.nodes.values() if n.state not in (NodeState.STANDBY, NodeState.OFF)]
 
 
-def run_outcome(fleet: "Fleet") -> int | None:
+def run_outcome(fleet: Any) -> int | None:
     """None while any started node still runs; then 0 if all completed/drained, 3 if stopped, else 1.
 
     A node DEAD only on the mesh's word (`mesh_dead_ts`) still runs here: a cut-off or frozen engine comes back as
