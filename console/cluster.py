@@ -131,7 +131,7 @@ class Cluster:
             for host in active:
                 self.fleet.set_state(host.name, NodeState.FAILED, reason)
             return
-        await self._hosts.gather(*(self._launch(h) for h in active))
+        await self._hosts.gather(*(self._launch(h, fresh=not self.resume) for h in active))
         self._watchers.watch_others(self._attacher.retries)
 
     async def _resumed_nodes(self) -> list[HostSpec]:
@@ -217,8 +217,9 @@ class Cluster:
         return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
 
     # ---- one node ----------------------------------------------------------------------------------------------
-    async def _launch(self, host: HostSpec, append: bool = False) -> bool:
-        """Check the host, start the engine detached, watch it. False (and a node state) if it could not start."""
+    async def _launch(self, host: HostSpec, append: bool = False, fresh: bool = False) -> bool:
+        """Check the host, start the engine detached, watch it. False (and a node state) if it could not start.
+        fresh: the first start of a new run (no ckpt.resume: launch.engine_argv)."""
         name, t = host.name, self.transport(host.name)
         rank, world_size = data_shard(self.profile, name)
         old = self._procs.get(name)
@@ -236,7 +237,7 @@ class Cluster:
                 await t.remove(self._hosts.path(name, stale))
             if self._store.etcd is not None:  # the run's client certificate, mode 0600, in the node's folder
                 await self._store.etcd.hand_client_certs(name, E.client_pki_dir(self.profile, name))
-            argv = engine_argv(self.profile, host)
+            argv = engine_argv(self.profile, host, fresh=fresh)
             pid = await t.start_detached(argv, self.node_dir(name),
                                          env=engine_env(self.profile, host, rank, world_size), append=append)
         except TransportError as e:

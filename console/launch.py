@@ -3,7 +3,7 @@ of the profile (console/cluster.py starts them; `python -m console.recipes launc
 script). The engine's environment is console/engine_config.py's (data_shard, engine_env): the profile check loads
 each engine's config with it.
 
-    engine_argv(profile, host)                  python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
+    engine_argv(profile, host, fresh)           python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
     store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT
     probe_argv(profile, bind, store_pid, out)   python -m engine.store.probe ... (engine/store/probe.py)
 """
@@ -15,12 +15,15 @@ from console.profile import HostSpec, Profile, engine_overrides, toml_value
 from console.transport import commands as C
 
 
-def engine_argv(profile: Profile, host: HostSpec) -> list[str]:
+def engine_argv(profile: Profile, host: HostSpec, fresh: bool = False) -> list[str]:
     """`python -m engine.train CONFIG --k=v ...` (torch.distributed.run when the host runs several workers)."""
     node_dir = C.join(profile.run.dir, host.name)
     # ckpt.resume=auto: a node restarted (or added back) continues from its own last checkpoint, and a DiLoCo
-    # joiner then takes the run's state anyway; a fresh start() moves the previous run's folders aside first
-    overrides = {"ckpt.resume": "auto", **engine_overrides(profile, host), "run.name": profile.run.name,
+    # joiner then takes the run's state anyway. A fresh start() moves the previous run's folders aside, and starts
+    # each engine without it: checkpoints kept elsewhere (ckpt.dir) were resumed, the old run silently continued;
+    # the engine moves them aside too
+    resume = {} if fresh else {"ckpt.resume": "auto"}
+    overrides = {**resume, **engine_overrides(profile, host), "run.name": profile.run.name,
                  "run.dir": node_dir, **E.engine_store_overrides(profile, host.name),
                  "mesh.drain_file": C.join(node_dir, C.DRAIN)}
     args = [profile.engine.config, *(f"--{k}={toml_value(v)}" for k, v in overrides.items())]

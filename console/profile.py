@@ -77,6 +77,7 @@ CONSOLE_KEYS = {
     "mesh.store_addr": "[store] address", "mesh.store_port": "[store] port", "mesh.store_backend": "[store] backend",
     "mesh.etcd_endpoints": "[store] etcd_hosts or etcd_endpoints", "mesh.etcd_prefix": "[store] etcd_prefix",
     "mesh.etcd_ca": "[store] etcd_ca", "mesh.etcd_cert": "[store] etcd_cert", "mesh.etcd_key": "[store] etcd_key",
+    "ckpt.resume": "a start (a fresh run) or --resume (the last one's checkpoints); a restarted node resumes its own",
 }
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

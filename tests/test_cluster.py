@@ -42,7 +42,8 @@ signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
 def emit(type_, **f):
     print(json.dumps({"v": 1, "type": type_, "ts": time.time(), "node": node, "rank": 0, **f}), flush=True)
 emit("run_start", pid=os.getpid(), host="h", world_size=1, config_digest="d", strategy="ddp", max_steps=100000)
-emit("warning", message="rank %s/%s" % (os.environ["GLOBAL_RANK"], os.environ["GLOBAL_WORLD_SIZE"]))
+emit("warning", message="rank %s/%s resume %s" % (os.environ["GLOBAL_RANK"], os.environ["GLOBAL_WORLD_SIZE"],
+                                                  args.get("ckpt.resume")))
 emit("state", state="training")
 step = 0
 while True:
@@ -210,7 +211,9 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     await until(lambda: fleet.nodes["node-c"].state is NodeState.TRAINING, what="add")
     # data shards by GLOBAL_RANK / GLOBAL_WORLD_SIZE: each host its own place in the profile, standbys included
     assert [next(line for line in fleet.nodes[n].log if "rank " in line).split("WARNING: ")[1]
-            for n in ("node-a", "node-b", "node-c")] == ["rank 0/3", "rank 1/3", "rank 2/3"]
+            for n in ("node-a", "node-b", "node-c")] == ["rank 0/3 resume None", "rank 1/3 resume None",
+                                                         'rank 2/3 resume "auto"']  # a new run; c added later
+    assert any('rank 1/3 resume "auto"' in line for line in fleet.nodes["node-b"].log)  # restarted: its own ckpt
     # a new address beside running nodes: its shard (1 of 4) overlaps theirs (1 of 3), and the console says so
     out = await cluster.add("tester@127.0.0.1:1")  # nothing listens there: not started (nor kept in the profile)
     assert not out and out.message.endswith("taken out of " + str(profile.path) + " again"), out
@@ -448,8 +451,8 @@ def await_free(cluster: Cluster, name: str) -> bool:
 
 
 async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workdir, cleanup, capsys):
-    """Starting the same profile again begins a new run (the old folders move to _archive/, nothing is lost);
-    --resume starts on top of the previous run's folders, and every engine is told ckpt.resume=auto."""
+    """Starting the same profile again begins a new run (old folders to _archive/; no ckpt.resume: checkpoints
+    elsewhere go aside too); --resume starts on top of the previous run's folders, each engine told resume=auto."""
     from console import cli
 
     profile = make_profile(workdir)
@@ -475,6 +478,7 @@ async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workd
     # the probe's folder too: its last health sample showed the previous store's figures in the new header
     assert (workdir / "runs/t/_archive" / archived[0].parts[-3] / "_store_probe").is_dir()
     assert '"run_end"' not in (workdir / "runs/t/node-a/events.jsonl").read_text()  # a new file, a new run
+    assert any("resume None" in line for line in second.fleet.nodes["node-a"].log)  # not "auto": ckpt.dir's kept
     assert await second.stop()
     await second.close()
 
@@ -482,7 +486,7 @@ async def test_a_fresh_start_archives_the_previous_run_and_resume_keeps_it(workd
     await third.start()
     await until(lambda: third.fleet.nodes["node-a"].state is NodeState.TRAINING, what="resumed run")
     assert len(list((workdir / "runs/t/_archive").iterdir())) == 1  # nothing moved this time
-    assert '--ckpt.resume="auto"' in engine_argv(profile, profile.hosts["node-a"])
+    assert any('resume "auto"' in line for line in third.fleet.nodes["node-a"].log)
     assert await third.stop()
     await third.close()
 

@@ -90,6 +90,9 @@ def test_defaults_merge_and_inherit():
      "p.toml:8: engine.overrides: override 'run.dir': the console sets it from [run] dir"),
     (('env = { B = "2" }', 'overrides = { "mesh.store_port" = 29999 }'),
      "p.toml:15: hosts.node-a.overrides: override 'mesh.store_port': the console sets it from [store] port"),
+    # "latest" failed every fresh start (its folder archived), "auto" beat the fresh start's none
+    (('overrides = { "train.max_steps" = 20 }', 'overrides = { "ckpt.resume" = "latest" }'),
+     "p.toml:8: engine.overrides: override 'ckpt.resume': the console sets it from a start (a fresh run) or --resume"),
 ])
 def test_errors_name_file_line_and_key(edit, expected):
     old, new = edit
