@@ -99,6 +99,9 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+FULL_DISK_BYTES = 16 * 2**20  # less free than this where a save failed: say the disk is full
+
+
 def _reason(e: BaseException) -> str:
     """The underlying error in one short line (DCP wraps each rank's exception with its traceback)."""
     if isinstance(e, CheckpointException) and e.failures:
@@ -299,7 +302,18 @@ class Checkpointer:
         pointer = self.dir / POINTER
         now = f"{POINTER} names {pointer.read_text().strip()}" if pointer.is_file() else f"no {POINTER} checkpoint"
         raise CheckpointFailed(f"checkpoint {_step_name(step)} failed on rank {', '.join(map(str, failed))} while "
-                               f"{doing}: {reasons[failed[0]]}; {now}") from error
+                               f"{doing}: {reasons[failed[0]]}{self._space_note(reasons[failed[0]])}; {now}") \
+            from error
+
+    def _space_note(self, reason: str) -> str:
+        """A full disk said as one: DCP's writer reported it as "unexpected pos 704 vs 598", the OSError lost."""
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            return ""
+        if free >= FULL_DISK_BYTES or "No space left" in reason:
+            return ""
+        return f" ({self.dir} has {free / 2**20:.1f} MiB free: the disk is full)"
 
     def _gathered(self, mine: str | None) -> list[str | None]:
         """Every rank's value, in rank order, on every rank (an object collective: gloo, also beside NCCL)."""
