@@ -99,6 +99,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+DCP_INDEX = ".metadata"  # what dcp.save writes beside the shards; dcp.load reads it first
 FULL_DISK_BYTES = 16 * 2**20  # less free than this where a save failed: say the disk is full
 
 
@@ -220,6 +221,9 @@ class Checkpointer:
         meta_file = path / META
         if not meta_file.is_file():
             raise ValueError(f"ckpt.resume: {path} is not a complete checkpoint (no {META})")
+        if not (path / DCP_INDEX).is_file():  # else found after the model was built, under two torch tracebacks
+            raise ValueError(f"ckpt.resume: {path} is not a complete checkpoint (no {DCP_INDEX}: the index of its "
+                             "model and optimizer shards)")
         try:
             meta = json.loads(meta_file.read_text())
             int(meta["step"])

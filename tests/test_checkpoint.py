@@ -235,6 +235,9 @@ def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
     fsdp = Checkpointer(ck.cfg, "unused", WORLD, "digest1", "fsdp", torch.device("cpu"))
     with pytest.raises(ValueError, match="inner.strategy ddp"):
         fsdp.read_meta(folder)
+    (kept / ".metadata").unlink()  # found before the model is built, not after two torch tracebacks
+    with pytest.raises(ValueError, match=r"step-00000003 is not a complete checkpoint \(no \.metadata: the index"):
+        ck.read_meta(kept)
     (folder / "meta.json").write_text("{")
     with pytest.raises(ValueError, match="meta.json is corrupt"):
         ck.read_meta(folder)
