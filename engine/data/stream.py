@@ -150,7 +150,7 @@ class TokenStream:
     def state_dict(self) -> dict:
         # layout-free: how many sequences of the global order all workers together have consumed
         return {"position": self.consumed * self.num_shards, "fingerprint": self.source.fingerprint,
-                "dataset": self.dataset}
+                "dataset": self.dataset, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         theirs, ours = str(state.get("fingerprint")), self.source.fingerprint
@@ -165,5 +165,10 @@ class TokenStream:
             now = f"; this run reads {self.dataset}" if self.dataset else ""
             raise ValueError(f"checkpoint: the data differs from the run that wrote it{was}{now} (data.path, "
                              f"tokenizer, eval_percent or seq_len changed)")
+        seed = state.get("seed")  # absent in checkpoints written before it was kept
+        if seed is not None and seed != self.seed and self.shuffle and self.source.num_sequences is not None:
+            # the position counts into the order the seed draws: another seed repeats some sequences, skips others
+            raise ValueError(f"checkpoint: train.seed = {self.seed} here, {seed} in the checkpoint: the data order is "
+                             f"drawn from it and the position counts into that order (resume with the run's seed)")
         # round up: after a change of layout a worker skips rather than repeats sequences
         self.consumed = -(-int(state["position"]) // self.num_shards)
