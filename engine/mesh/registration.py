@@ -97,7 +97,10 @@ class Registration:
                 "fragments, round, sentinel_ratio), the same workers per node (/wN) and an engine of the same wire "
                 "protocol (/pN)")
             self._rejected()
-            raise MeshError(f"node {self.node_id}: config digest {mine} differs from the run's {run}: {what}")
+            # the store keeps the first node's digest for good: a resume with new settings on the store of a run
+            # that has ended was refused without a word of what to do
+            raise MeshError(f"node {self.node_id}: config digest {mine} differs from the run's {run}: {what} (the "
+                            f"store keeps its run's settings: a run with other settings needs a fresh store)")
 
     def claim_id(self, check: Callable[[str], None]) -> None:
         """Claim the node id. An id held by a process whose counter still moves is refused; one held by a dead
