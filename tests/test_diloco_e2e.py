@@ -280,7 +280,8 @@ def test_config_mismatch_rejected_without_disturbing_the_run(three_nodes):
     errors = [line for line in x.err.splitlines() if line.startswith("error: ")]
     # it names what differs, as the run and this node have it
     assert len(errors) == 1 and "digest" in errors[0] and \
-        errors[0].endswith(f": diloco.inner_steps = 4 here, {H} in the run"), x.report()
+        errors[0].endswith(f": diloco.inner_steps = 4 here, {H} in the run (the store keeps its run's settings: a "
+                           "run with other settings needs a fresh store)"), x.report()
     assert "Traceback" not in x.err
     assert not x.of("outer_step")
     assert all("x" not in e["members"] for e in a.of("outer_step"))
