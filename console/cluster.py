@@ -466,7 +466,7 @@ class Cluster:
             pass
         left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
                                                     max(0.0, timeout - (time.monotonic() - started)))
-        late = [await self._killed_line(n, timeout) for n, _ in killed]
+        late = await asyncio.gather(*(self._killed_line(n, timeout) for n, _ in killed))  # one look per host at once
         store_left, etcd_said = await self._store.stop()
         # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
         # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
