@@ -2,7 +2,7 @@
 # The checks that need a CUDA GPU, which CI (CPU only) cannot run. By hand, on a host with one GPU and the
 # project's Python packages installed, from anywhere:
 #
-#     bash scripts/gpu_checks.sh [OUT_DIR]        # ~5 min on one H200; a log per step in OUT_DIR
+#     bash scripts/gpu_checks.sh [OUT_DIR]        # ~4 min on one H200; a log per step in OUT_DIR
 #
 #   tests   pytest -m gpu: tests/test_outer_buffers.py, tests/test_zero.py, tests/test_gpu.py (the two-GPU cases
 #           skip on one GPU; their gloo paths are tested in CI)
@@ -18,6 +18,9 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 deadline=${ZB_GPU_DEADLINE:-100000}
 export PYTHONUNBUFFERED=1
+# every engine a test starts is its own interpreter, as users run it: the tests' fork server (tests/forkserver.py)
+# would fork them from one process whose imports may have touched the CUDA driver, which a forked child cannot use
+export ZEROBAND_TEST_FORK=0
 failed=()
 
 step() {  # step NAME SECONDS COMMAND...: COMMAND under a time limit, its output in OUT/NAME.log
@@ -47,7 +50,10 @@ print("DeepSpeedCPUAdam built")' >"$out/cpu_adam.log" 2>&1 &
 build=$!
 
 # test_zero last: its offload case waits on the build's lock if the build is not done
-step tests "${ZB_GPU_TESTS_S:-330}" $py -m pytest -p no:cacheprovider -q -rfEs -m gpu tests/test_outer_buffers.py \
+# the tests share the one GPU (each needs well under 1 GiB) on pytest-xdist workers where it is installed
+workers=()
+$py -c 'import xdist' 2>/dev/null && workers=(-n "${ZB_GPU_WORKERS:-4}")
+step tests "${ZB_GPU_TESTS_S:-330}" $py -m pytest -p no:cacheprovider -q -rfEs "${workers[@]}" -m gpu tests/test_outer_buffers.py \
     tests/test_gpu.py tests/test_zero.py
 wait $build; echo "== cpu_adam build: $(tail -n 1 "$out/cpu_adam.log")"
 

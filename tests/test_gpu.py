@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from procs import free_port
-from test_train import PARITY_TOL, run_engine
+from procs import PYTHON, free_port
+from test_train import PARITY_TOL, Result, parse_events, run_engine
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU (the CPU path is tested in test_train.py)")
@@ -69,3 +69,35 @@ def test_diloco_on_the_gpu_keeps_every_node_identical(procs, tmp_path, second, c
         assert finish(n, 240, nodes) == 0, n.report()
     assert_identical(nodes)
     assert sorted(nodes[0].outer()) == [1, 2, 3, 4]
+
+
+@one_gpu
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp", "zero1", "zero2", "zero3"])
+def test_the_150m_preset_resumes_and_exports_on_the_gpu(procs, tmp_path, strategy):
+    """configs/150m.toml as shipped (bf16-mixed, seq 1024, eval on) with each inner strategy, its batch cut to 16
+    sequences: 8 steps with a checkpoint at 4, then a new process that resumes from step 4 and exports. The resumed
+    steps match the first run's (bf16 kernels with atomics: loosely), and the export generates on the GPU."""
+    def engine(run_dir, *extra):
+        done = procs.run([PYTHON, "-m", "engine.train", "configs/150m.toml", "--inner.device=cuda",
+                          f"--inner.strategy={strategy}", "--train.batch_size=16", "--train.micro_batch_size=8",
+                          "--train.max_steps=8", "--train.log_interval=1", "--train.eval_interval=4",
+                          "--train.eval_batches=2", "--data.eval_percent=20", "--optim.warmup_steps=2",
+                          "--telemetry.human=false", f"--run.dir={run_dir}", *extra], timeout=240)
+        return Result(done.returncode, parse_events(done.stdout), done.stderr)
+
+    full = engine(tmp_path / "full", "--ckpt.interval=4", "--ckpt.keep=3")
+    assert full.rc == 0, full.stderr[-3000:]
+    assert [e["step"] for e in full.of("checkpoint")] == [4, 8] and [e["step"] for e in full.of("eval")] == [4, 8]
+    step4 = tmp_path / "full" / "checkpoints" / "step-00000004"
+    export = tmp_path / "export"
+    resumed = engine(tmp_path / "resumed", f"--ckpt.resume={step4}", f"--ckpt.export_dir={export}")
+    assert resumed.rc == 0, resumed.stderr[-3000:]
+    a, b = full.losses(), resumed.losses()
+    assert sorted(b) == [5, 6, 7, 8] and a[8] < a[1] - 1.0, (a, b)
+    assert all(abs(a[s] - b[s]) < 2e-2 for s in b), (a, b)
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(export).cuda().eval()
+    prompt = torch.tensor([[1, 2, 3, 4]], device="cuda")
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 8) and torch.equal(out[:, :4], prompt)
