@@ -206,3 +206,42 @@ def test_the_pseudo_gradients_norm_is_taken_once_and_forgotten_on_any_write(monk
     assert not buffers.finite(pgrad) and len(calls) == 2
     other = pgrad.clone()
     assert buffers.norm(other) != buffers.norm(other) and len(calls) == 3  # another tensor: its own pass (NaN)
+
+
+@pytest.mark.gpu
+@_no_gpu
+@pytest.mark.parametrize("name", ["none", "int8"])
+def test_gpu_mean_equals_the_cpu_mean_and_takes_its_wire_buffers_from_prepare(name):
+    """Two ranks (threads over gloo) take the weighted mean of the same inputs on the GPU and on the CPU: the
+    bytes agree (the products and the division on the device round as on the host). Prepared beforehand
+    (DilocoOuter.start), the GPU's mean takes every pinned host buffer it uses from the prepared ones."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engine.outer import allreduce
+    from test_diloco_math import _group
+
+    store, numel, results = dist.HashStore(), 100_003, {}
+
+    def rank(r):
+        pg = _group(store, r, 2, f"gpu-{name}")
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(7 + r)) * (r + 1)
+        cpu, _ = allreduce.weighted_mean(x, 1.0 + r, pg, name)
+        ex = allreduce.Exchange("cuda")
+        ex.prepare(numel, 2, name)
+        prepared = {k: (t.data_ptr(), t.is_pinned()) for k, t in ex._bufs.items()}
+        out = torch.empty(numel, device="cuda")
+        gpu, _ = allreduce.weighted_mean(x.cuda(), 1.0 + r, pg, name, out=out, exchange=ex)
+        used = {k: t.data_ptr() for k, t in ex._bufs.items() if k.endswith("@host")}
+        results[r] = (cpu, gpu.cpu(), prepared, used)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [0, 1]
+    for cpu, gpu, prepared, used in results.values():
+        assert torch.equal(cpu, gpu)
+        assert used and all(prepared[k] == (ptr, True) for k, ptr in used.items()), (prepared, used)

@@ -24,13 +24,11 @@ between two hosts leaves the link half idle over gloo's TCP pairs, and pieces ke
 For "none" the same mean is one gloo all-reduce (sum) of the scaled tensor with every rank's weight appended
 (`_allreduce_mean`): no codec, one collective, the wire cost of a ring all-reduce (gloo's ring already runs at the
 link's rate). A GPU node takes this path too, through pinned host memory: every rank of a run must run the same
-collectives, and a run may mix CPU and GPU nodes. What a rank puts on the wire rounds alike on both: for "none"
-the products and the division by the total run on the host; a codec's pieces are the tensor times weight / 2^k,
-one correctly rounded multiplication on either device (the owner's x 2^k back is exact), and int8's scale is a
-multiplication (CUDA divides a tensor by a Python number as a multiplication by its reciprocal, the CPU divides).
-Only a codec's owner divides its reduced chunk on its own device, so a GPU owner's mean may differ from a CPU
-owner's in the last bit; every rank decodes that owner's bytes, so the members agree whatever their devices and
-report the same checksums (tests/test_gpu.py).
+collectives, and a run may mix CPU and GPU nodes. Every number rounds alike on both, so a mean is the same bytes
+whatever the devices: the products by a weight (or by weight / 2^k, a codec's pieces; the owner's x 2^k back is
+exact) are one correctly rounded multiplication on either; int8's scale is a multiplication; and the divisions by
+the total divide by a tensor on the device. CUDA divides a tensor by a Python number as a multiplication by its
+reciprocal, which rounds otherwise; the CPU divides (tests/test_outer_buffers.py, tests/test_gpu.py).
 
 Step 4 makes the result bit-identical on every rank: each piece is reduced once, by one owner, and all ranks
 decode the very same bytes. Per rank the wire carries 2 * (size-1)/size * numel * bytes_per_element, as a ring
@@ -125,22 +123,23 @@ class Exchange:
         """Allocate and touch, now, every buffer a weighted mean of `numel` values over `size` ranks takes from here
         on the host, so that the first one does not fault in fresh pages at a boundary, where every member waits
         for the slowest (a first touch of a 15m model's 80 MB of wire buffers took 0.05 s of the run's first
-        outer step; docs/performance.md). Not on a GPU: its device buffers come from the caching allocator, and
-        its pinned host copies (slow to allocate too) are not prepared yet, untested without a GPU here."""
-        if not self.on_host or size < 2:
+        outer step; docs/performance.md). Beside a GPU that is the pinned host memory the wire reads and writes
+        (pinning is slower still); the device's scratch comes from the caching allocator at first use."""
+        if size < 2:
             return
         if compression == "none":
-            specs = [("sum", (numel + size,), torch.float32)]
-        else:
+            specs = [("sum", (numel + size,), torch.float32, True)]
+        else:  # the last field: the wire's bytes, pinned host memory beside a GPU
             g = _pieces(numel, size, compression, self.device)
             coded = g.width + g.meta
-            specs = [("scaled", (g.batch, g.pc), torch.float32), ("part", (g.batch, g.pc), torch.float32),
-                     ("acc", (g.pieces, g.pc), torch.float32), ("mine", (g.pieces, coded), torch.uint8),
-                     ("send", (g.size, g.pieces, coded + _WEIGHT), torch.uint8),
-                     ("recv", (g.size, g.pieces, coded + _WEIGHT), torch.uint8),
-                     ("rows", (g.size, g.pieces, coded), torch.uint8)]
-        for name, shape, dtype in specs:
-            self.buf(name, shape, dtype).zero_()
+            specs = [("scaled", (g.batch, g.pc), torch.float32, False), ("part", (g.batch, g.pc), torch.float32, False),
+                     ("acc", (g.pieces, g.pc), torch.float32, False), ("mine", (g.pieces, coded), torch.uint8, True),
+                     ("send", (g.size, g.pieces, coded + _WEIGHT), torch.uint8, True),
+                     ("recv", (g.size, g.pieces, coded + _WEIGHT), torch.uint8, True),
+                     ("rows", (g.size, g.pieces, coded), torch.uint8, True)]
+        for name, shape, dtype, wire in specs:
+            if self.on_host or wire:
+                self.buf(name, shape, dtype, host=wire).zero_()
 
     def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if self.on_host:
@@ -360,6 +359,7 @@ def _reduce_scatter(job: _Job) -> None:
         acc = ex.buf("acc", (g.pieces, g.pc), torch.float32)
         part = ex.buf("part", (g.batch, g.pc), torch.float32)
         mine = ex.buf("mine", (g.pieces, g.width + g.meta), torch.uint8)
+        total = torch.tensor(job.total, dtype=torch.float32, device=acc.device)  # a true division on CUDA too
         for c0, c1 in g.batches():
             for j in job.peers:
                 for c in range(c0, c1):
@@ -371,7 +371,7 @@ def _reduce_scatter(job: _Job) -> None:
                             meta_at=g.width)
                 # times 2^k, exact: the sum is the one of the weighted tensors, bit for bit
                 acc[c0:c1].add_(part[:c1 - c0], alpha=_unit(job.weights[j]))
-            acc[c0:c1].div_(job.total)
+            acc[c0:c1].div_(total)
             encode_into(mine[c0:c1], acc[c0:c1], job.compression)
             job.codec_s += time.perf_counter() - t0
     for ws in list(arrivals.values()) + [sends]:  # all of it, also when there is no mean
@@ -485,8 +485,10 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     buf = ex.buf("sum", (numel + size,), torch.float32, host=True)  # pinned host memory beside a GPU
     if ex.on_host:
         torch.mul(flat, weight, out=buf[:numel])  # flat stays intact: a retry sends it again
-    else:  # the same multiplication on the host: every device rounds one product alike
+    elif out.data_ptr() == flat.data_ptr():  # `out` is `flat`, which must stay intact: the product on the host
         buf[:numel].copy_(flat).mul_(weight)
+    else:  # on the device, `out` as scratch: one fp32 product rounds alike on every device
+        buf[:numel].copy_(torch.mul(flat, weight, out=out))
     buf[numel:].zero_()
     buf[numel + rank] = weight
     opts = dist.AllreduceOptions()
@@ -498,12 +500,12 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     total = float(sum(weights))
     if not total > 0:
         raise NothingToAverage("every rank of the group has weight 0")
-    # every rank divides on the host, whatever its device: CUDA divides by a number as a multiplication by its
-    # reciprocal, which rounds otherwise (encode_into)
+    # a true division everywhere: CUDA divides by a Python number as a multiplication by its reciprocal, which
+    # rounds otherwise (encode_into), but by a tensor on the device as the host divides
     if ex.on_host:
         torch.div(buf[:numel], total, out=out)
     else:
-        out.copy_(buf[:numel].div_(total))
+        out.copy_(buf[:numel]).div_(torch.tensor(total, dtype=torch.float32, device=out.device))
     sent = bytes_sent(numel, size, "none")  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
     return out, ReduceStats(sent, seconds, total, weights, wire_s=wire, codec_s=seconds - wire)
