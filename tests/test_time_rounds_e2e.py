@@ -58,8 +58,9 @@ def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs,
     import os
     import signal
     e2e.start_store(procs, port)
-    timed = [*TIMED[:-1], "--diloco.round_seconds=1.2", "--train.max_steps=27", "--ckpt.interval=4",
-             "--ckpt.keep=50"]  # 9 rounds
+    # 12 rounds: a busy machine (CI) takes a few rounds to wake b and re-admit it
+    timed = [*TIMED[:-1], "--diloco.round_seconds=1.2", "--train.max_steps=36", "--ckpt.interval=4",
+             "--ckpt.keep=50"]
     args = [e2e.CONFIG, *e2e.FAST, f"--mesh.store_port={port}", "--mesh.node_id=a", f"--run.dir={tmp_path / 'a'}",
             *timed]
     slow = e2e.Node(procs, "a", [sys.executable, "-c", SLOW.format(s=0.25), *args])
@@ -75,14 +76,15 @@ def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs,
         assert e2e.finish(n, 240, nodes) == 0, n.report()
     back = min(k for k, e in fast.outer().items() if k > 2)
     assert slow.outer()[back]["members"] == ["a", "b"], fast.report()  # it re-joined and is a member again
-    assert fast.outer()[back]["step"] > slow.outer()[back]["step"]  # and it counts its own steps, ahead of a's
+    # it counts its own steps: one after another through the freeze and the re-join (taking a's counters, it
+    # jumped to a's count, back or forward: whether b was ahead of a there depends on the machine's load)
     steps = [e["step"] for e in fast.of("step")]
     saved = [e["step"] for e in fast.of("checkpoint")]
-    assert steps == sorted(steps) and saved == sorted(set(saved)), (steps, saved)
+    assert steps == list(range(1, len(steps) + 1)) and saved == sorted(set(saved)), (steps, saved)
     latest = (tmp_path / "b" / "checkpoints" / "latest").read_text().strip()
     assert (tmp_path / "b" / "checkpoints" / latest).is_dir() and latest == f"step-{saved[-1]:08d}"
     e2e.assert_identical(nodes)
-    assert set(fast.outer()) < set(slow.outer()) and max(fast.outer()) == max(slow.outer()) == 9
+    assert set(fast.outer()) < set(slow.outer()) and max(fast.outer()) == max(slow.outer()) == 12
 
 
 def test_time_rounds_with_overlap_end_on_the_agreed_model(procs, port, tmp_path):
