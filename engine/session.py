@@ -320,7 +320,7 @@ def run(s: Session) -> str:
         follow_handoff(s)
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
-    loss = None
+    loss, behind = None, False  # behind: the run completed while this node waited to re-join
     while True:
         try:  # fragments: a run resumed at its last boundary syncs its other fragments here (outer steps)
             if s.outer.finished(progress, cfg.train.max_steps):
@@ -353,7 +353,7 @@ def run(s: Session) -> str:
         try:
             left = s.outer.after_inner_step(progress)
         except Stopped as e:  # a stop or drain inside the outer step's waits: this round is saved, not sent
-            status = e.reason
+            status, behind = e.reason, e.reason == "completed"
             break
         if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
             follow_handoff(s)
@@ -381,7 +381,10 @@ def run(s: Session) -> str:
     interrupted = save(s)
     if interrupted and status == "completed":  # the last round's outer step was stopped: no agreed model to export
         status = interrupted
-    if status == "completed" and cfg.ckpt.export_dir:
+    if behind and cfg.ckpt.export_dir:
+        s.telemetry.emit("warning", message=f"ckpt.export_dir: nothing exported to {cfg.ckpt.export_dir}: this node "
+                         f"missed the run's last outer steps (export the model of a node that finished)")
+    elif status == "completed" and cfg.ckpt.export_dir:
         path = export(s.inner, s.hf_config, s.data.tokenizer, cfg.ckpt.export_dir, s.world, s.group,
                       agreed=ends_agreed(cfg))
         if path != Path(cfg.ckpt.export_dir):

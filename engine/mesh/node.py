@@ -29,7 +29,8 @@ from engine.mesh.heartbeat import Heartbeat
 from engine.mesh.membership import STORE_ERRORS, Membership, text
 from engine.mesh.planner import KEEP_STEPS, Planner, moved_past
 from engine.mesh.polling import Polling
-from engine.mesh.protocol import ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, NodeState, Plan
+from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, NodeState,
+                                  Plan, Stopped)
 from engine.mesh.registration import Registration
 
 __all__ = ["KEEP_STEPS", "Mesh"]
@@ -186,7 +187,7 @@ class Mesh:
             if self.registration.leased:  # the goodbye outlives this process (until pruned): a clean exit
                 self.store.unlease_key(self.keys.hb(self.node_id))
             self.store.set(self.keys.hb(self.node_id), "-1")
-            self._set_state("left")
+            self._set_state("left", reason)
         members = list(self.plan.members) if self.plan else []
         self._emit_membership("drained" if reason == "drained" else "left", self.node_id, members)
 
@@ -303,6 +304,7 @@ class Mesh:
             self._await_link()
         self._set_state("joining")
         deadline = self.clock() + self.cfg.join_timeout
+        look = self.clock()  # when to look next whether the run completed without this node
         while True:
             self.polling.check(what)
             _, plan = self.planner.latest()
@@ -311,10 +313,26 @@ class Mesh:
                 self._m.epoch = plan.epoch
                 self._m.forming = False
                 return self._accept(plan)
+            if plan is not None and self.clock() >= look:
+                look = self.clock() + 1.0
+                self._ended_without_me(plan)
             if self.clock() > deadline:
                 raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
                                 f"({self.cfg.join_timeout:g}s); is any member of the run alive?")
             self.polling.idle(what)
+
+    def _ended_without_me(self, plan: Plan) -> None:
+        """Raise Stopped("completed") when every member of the run's latest plan has left it completed: nobody
+        will admit this node, which would otherwise wait out mesh.join_timeout and fail (a node left out of the
+        last rounds). A member that drained or failed may be restarted: the node waits on for it."""
+        states = self.planner.states(list(plan.members))
+        if all(st is not None and st.state == "left" and st.reason == "completed" for st in states.values()):
+            mine = f" of outer step {self.plan.outer_step}" if self.plan else ""
+            why = (f"the run completed at outer step {plan.outer_step} ({', '.join(plan.members)} left it) while "
+                   f"node {self.node_id} waited to join: it ends with its own weights{mine}, not the run's final "
+                   f"model (that is on the nodes that finished)")
+            self.emit("warning", message=why)
+            raise Stopped("completed", "waiting for admission")
 
     def _await_link(self) -> None:
         """A node that stepped out stays in standby until its heartbeat ticks are on time again (bounded by
@@ -400,11 +418,11 @@ class Mesh:
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: str, reason: str = "") -> None:
         self._m.state = state
         st = self._m.node_state
         self.registration.write_state(NodeState(state, st.token, st.at, st.contributing, st.draining, st.ok,
-                                                st.group), self.store)
+                                                st.group, reason), self.store)
 
     def _release_lease(self) -> None:
         self._m.is_leader = False

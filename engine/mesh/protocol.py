@@ -25,7 +25,8 @@ class Excluded(Exception):
 
 
 class Stopped(Exception):
-    """A stop or drain was requested while the node waited in the mesh. reason: "stopped" or "drained"."""
+    """A stop or drain was requested while the node waited in the mesh. reason: "stopped" or "drained"; or
+    "completed": every member of the run completed it while this node waited to join (Mesh.wait_admission)."""
 
     def __init__(self, reason: str, what: str) -> None:
         super().__init__(f"{reason} while {what}")
@@ -143,13 +144,17 @@ class NodeState:
     draining: bool = False
     ok: bool | None = None
     group: tuple[int, int] | None = None
+    reason: str = ""  # state left: why (LEAVE_REASONS), so a node waiting to join tells a completed run
 
     def arrival(self) -> Arrival:
         return Arrival(self.contributing, self.draining, self.at[1] if self.at else None)
 
     def to_json(self) -> str:
-        return json.dumps({"s": self.state, "t": self.token, "at": self.at, "c": self.contributing,
-                           "d": self.draining, "ok": self.ok, "g": self.group}, separators=(",", ":"))
+        d = {"s": self.state, "t": self.token, "at": self.at, "c": self.contributing, "d": self.draining,
+             "ok": self.ok, "g": self.group}
+        if self.reason:
+            d["r"] = self.reason
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "NodeState | None":
@@ -159,7 +164,7 @@ class NodeState:
         d = json.loads(text)
         return cls(state=d["s"], token=d.get("t", ""), at=tuple(d["at"]) if d.get("at") else None,
                    contributing=bool(d.get("c", True)), draining=bool(d.get("d", False)), ok=d.get("ok"),
-                   group=tuple(d["g"]) if d.get("g") else None)
+                   group=tuple(d["g"]) if d.get("g") else None, reason=d.get("r", ""))
 
 
 class Liveness:
