@@ -245,3 +245,16 @@ def test_gpu_mean_equals_the_cpu_mean_and_takes_its_wire_buffers_from_prepare(na
     for cpu, gpu, prepared, used in results.values():
         assert torch.equal(cpu, gpu)
         assert used and all(prepared[k] == (ptr, True) for k, ptr in used.items()), (prepared, used)
+
+
+@pytest.mark.gpu
+@_no_gpu
+def test_the_means_helper_thread_runs_on_the_callers_cuda_stream():
+    """An overlapped outer step's kernels run on a side stream; its mean's helper thread (groups.run_sliced) ran on
+    its own default stream, unordered after the side stream's writes of the pseudo-gradient."""
+    from engine.outer.groups import run_sliced
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        seen = run_sliced(torch.cuda.current_stream, "stream-test", 0.05, lambda: None)
+    assert seen == side and seen != torch.cuda.default_stream()

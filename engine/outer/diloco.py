@@ -476,9 +476,7 @@ class DilocoOuter:
     def _start_flight(self, run: Callable[[], None], name: str) -> None:
         """run() (an outer step) in a background thread, its kernels on their own CUDA stream on a GPU; what it
         raises is raised by _join_flight on the training thread. The mean's collectives run in a further thread
-        (groups.run_sliced), on that thread's default stream: on a GPU their copies wait behind the training's
-        queued kernels (150m, int8, an H200: 0.37 s in the background against 0.11 s in the foreground, hidden
-        behind the round's 2.2 s; docs/performance.md, "GPU")."""
+        (groups.run_sliced) on the same stream."""
         self._flight_compute, self._flight_error = self.watch.compute_s(), None
         stream = self._side_stream()
 

@@ -11,10 +11,12 @@ group of each generation, and collectives that no frozen, partitioned or dead pe
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from typing import Any, Callable, Collection
 
+import torch
 import torch.distributed as dist
 
 from engine.mesh.protocol import MeshError, Stopped
@@ -39,13 +41,17 @@ def run_sliced(fn: Callable[[], Any], name: str, slice_s: float, give_up: Callab
     way returns (its store round trip waits behind the collective's own bytes on a busy link: 0.08 s of every outer
     step at 200 Mbit/s, bench/wan.py --phases). give_up() runs on the watcher thread, so it must not act: it says
     why. gloo cannot cancel a collective: an abandoned one ends in its helper thread at its own timeout
-    (diloco.allreduce_timeout), its result unused, its group never used again."""
+    (diloco.allreduce_timeout), its result unused, its group never used again. On a GPU fn runs on the caller's
+    CUDA stream, as it would on the caller's thread: an overlapped outer step's side stream, not the helper's
+    default stream, whose copies waited behind the training's queued kernels (docs/performance.md, "GPU")."""
     box: dict[str, Any] = {}
     done = threading.Event()
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
 
     def work() -> None:
         try:
-            box["out"] = fn()
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                box["out"] = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting thread below
             box["err"] = e
         done.set()
