@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from engine.config import CkptConfig
-from engine.errors import CheckpointFailed
+from engine.errors import CheckpointFailed, toml_value
 from engine.world import World
 
 POINTER = "latest"
@@ -473,7 +473,9 @@ def _differences(there: Any, here: dict[str, Any] | None, most: int = 4) -> str:
     if not isinstance(there, dict) or not here:
         return ""
     here = json.loads(json.dumps(here))  # as meta.json holds it: a tuple is a list there
-    out = [f"{key} = {there.get(key, 'unset')} there, {here.get(key, 'unset')} here"
+    def shown(settings: dict[str, Any], key: str) -> str:
+        return toml_value(settings[key]) if key in settings else "unset"
+    out = [f"{key} = {shown(there, key)} there, {shown(here, key)} here"
            for key in sorted(set(there) | set(here)) if there.get(key, "unset") != here.get(key, "unset")]
     if len(out) > most:
         out[most:] = [f"and {len(out) - most} more"]

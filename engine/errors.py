@@ -4,12 +4,19 @@ rank of a node finds alike (engine/train.py reports it once, from local rank 0).
 from __future__ import annotations
 
 import contextlib
+import json
 
 
 def first_line(err: BaseException, limit: int | None = None) -> str:
     """The first line of the exception's text (at most `limit` characters); its type's name when it has no text."""
     text = str(err).strip()
     return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
+def toml_value(value: object) -> str:
+    """A setting's value as the user writes it in a TOML file or an override (true, "int8", [1, 2]); unset for None,
+    which TOML has no word for."""
+    return "unset" if value is None else json.dumps(value)
 
 
 class CheckpointFailed(RuntimeError):

@@ -21,6 +21,7 @@ import json
 import uuid
 from typing import Any, Callable
 
+from engine.errors import toml_value
 from engine.mesh.membership import UPDATE_WITHIN_S, Membership, Registry, text
 from engine.mesh.planner import Planner
 from engine.mesh.protocol import Keys, MeshError, NodeState
@@ -54,7 +55,7 @@ def differences(mine: str, run: str, most: int = 4) -> str:
 
 
 def _shown(settings: dict[str, Any], key: str) -> str:
-    return json.dumps(settings[key]) if key in settings else "its default"
+    return toml_value(settings[key]) if key in settings else "its default"
 
 
 class Registration:
