@@ -590,6 +590,12 @@ class PreflightLab:
                  f"ip daddr {address} tcp dport {port} drop; }}\n}}\n")
         self.net.sh(self.hosts[name].exec_args("nft", "-f", "-"), stdin=rules)
 
+    def block_new_connections(self, name: str, address: str) -> None:
+        """The same table: a rule that drops every new TCP connection the host opens to address (replies pass)."""
+        rules = (f"table inet zbc_preflight {{\n  chain out {{ type filter hook output priority 0; "
+                 f"ct state new ip daddr {address} tcp dport 1024-65535 drop; }}\n}}\n")
+        self.net.sh(self.hosts[name].exec_args("nft", "-f", "-"), stdin=rules)
+
     def unblock_port(self, name: str) -> None:
         self.net.sh(self.hosts[name].exec_args("nft", "delete", "table", "inet", "zbc_preflight"))
 
@@ -656,6 +662,8 @@ def _plant_and_check(lab: PreflightLab, here: Checkout, older: str) -> None:
     lab.as_user(lab.python, "-m", "venv", "--without-pip", str(lab.work["b"] / ".venv"))  # 2. a venv without torch
     store = lab.hosts["store"].address
     lab.block_port("a", store, lab.port)  # 5. the store's port dropped on its way from a
+    c_address = lab.hosts["c"].address
+    lab.block_new_connections("a", c_address)  # 5b. and a's connections to c, whose gloo it dials for collectives
     # 7. a missing identity file (d); 8. more workers than devices: c's one worker on cuda, where NVML (faked: the
     # same answer on a machine with a GPU) sees none; 9. an interface c does not have
     lab.write_profile(*_planted_hosts(lab))
@@ -663,6 +671,8 @@ def _plant_and_check(lab: PreflightLab, here: Checkout, older: str) -> None:
     wanted = [
         rf"a: cannot reach the store at {store}:{lab.port}: no answer \(a firewall drops it\?\); fix: open TCP "
         rf"{lab.port} from this host to {store}",
+        rf"a: cannot reach c's outer-step collectives \(gloo\) at {re.escape(c_address)}:\d+: no answer \(a "
+        rf"firewall drops it\?\); fix: open TCP from this host to {re.escape(c_address)} on every port",
         r"b: torch, transformers, pydantic, numpy not installed for \.venv/bin/python; fix: "
         r"zeroband-console .* sync \(it runs scripts/setup.sh in the venv\)",
         rf"b: the project in {w['b']} is not the console's \(host: engine \w+; console: commit \w+, engine \w+\); "
@@ -726,8 +736,9 @@ def _planted_hosts(lab: PreflightLab) -> tuple[dict[str, str], dict[str, dict[st
 def _fix_the_rest_and_train(lab: PreflightLab) -> None:
     store = lab.hosts["store"].address
     again = lab.console("check")  # sync fixed b: its two lines are gone, the others remain (the squatter left)
-    assert [line.split(":")[0] for line in again.stdout.splitlines()] == ["a", "b", "c", "c", "c", "d"], again.stdout
-    lab.unblock_port("a")
+    assert [line.split(":")[0] for line in again.stdout.splitlines()] == ["a", "a", "b", "c", "c", "c", "d"], \
+        again.stdout
+    lab.unblock_port("a")  # both of a's rules
     shutil.rmtree(lab.work["b"] / "data" / "prep")
     for name in ("b", "c"):
         shutil.copytree(lab.work["a"] / "data" / "prep", lab.work[name] / "data" / "prep")

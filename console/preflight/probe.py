@@ -13,7 +13,9 @@ and reads one JSON object from its stdout. Modes:
     facts    python, packages, the project's version (git commit and a digest of engine/**/*.py), GPUs (NVML; or
              ZEROBAND_FAKE_GPUS from the profile, the one fake allowed, for tests on machines without a GPU), CPUs,
              free disk under the run folder, data paths and a prepared folder's manifest digest, network
-             interfaces, whether the store's address and port can be bound, the venv's set-up stamp, the clock
+             interfaces, whether the store's address and port can be bound, the venv's set-up stamp, the clock,
+             and for an engine host the address its collectives listen on (the one on the route to the store, as
+             engine/mesh/group.py picks it) with a port free there now: the far end of the peers' link test
     listen   listen on the store's address and port(s) and accept (close at once) until `expect` connections came
              or `seconds` passed: the far end of the link test
     connect  open a TCP connection to each target, retrying a refusal until `seconds` (the listener may not be up
@@ -248,6 +250,23 @@ def bind_error(address, port):
         s.close()
 
 
+def peer_address(route_to):
+    """[address, port]: this host's address on the route to [address, port] (where the engine's gloo listens) and a
+    port free on it now; None when there is no such route."""
+    if not route_to:
+        return None
+    try:
+        family = socket.getaddrinfo(route_to[0], int(route_to[1]), 0, socket.SOCK_DGRAM)[0][0]
+        with socket.socket(family, socket.SOCK_DGRAM) as u:
+            u.connect((route_to[0], int(route_to[1])))  # UDP: sends nothing, picks the route
+            address = u.getsockname()[0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((address, 0))
+            return [address, s.getsockname()[1]]
+    except OSError:
+        return None
+
+
 def describe(e):
     name = errno.errorcode.get(e.errno or 0, "")
     text = e.strerror or str(e)
@@ -278,6 +297,7 @@ def facts(a):
         "data": [data_fact(workdir, p) for p in a.get("data", [])],
         "interfaces": interfaces(),
         "binds": [[address, port, bind_error(address, port)] for address, port in a.get("binds", [])],
+        "peer": peer_address(a.get("route_to")),
     }
     out["time"] = time.time()  # last: the console brackets it between sending this probe and reading its answer
     return out

@@ -75,6 +75,7 @@ class HostResult:
     received: float = 0.0
     links: list[list[Any]] = field(default_factory=list)  # [address, port, status, detail] per Target
     listening: set[str] = field(default_factory=set)  # targets a listener of the check held during the link test
+    peers: list[Target] = field(default_factory=list)  # the other engine hosts' collectives it dialled
 
 
 @dataclass(frozen=True)
@@ -265,16 +266,18 @@ def _network(plan: HostPlan, f: dict[str, Any], result: HostResult) -> list[Prob
                f"end what listens there (ss -ltnp 'sport = :{port}') or choose another port in [store]")
         out.append(Problem(plan.name, "bind", f"cannot listen on {address}:{port} for {target.what}: {error}", fix))
     for address, port, status, detail in result.links:
-        target = next((t for t in plan.links if (t.address, t.port) == (address, port)), None)
+        target = next((t for t in [*plan.links, *result.peers] if (t.address, t.port) == (address, port)), None)
         if target is None or status == "connected":
             continue
         if status == "refused" and f"{address}:{port}" not in result.listening:
             continue  # nothing of ours listened there (the store host has its own line): the path itself is open
         why = {"timeout": "no answer (a firewall drops it?)", "refused": "refused while the check listened there"}
+        fix = (f"open TCP {port} from this host to {address} (firewall, security group), or set store.address to an "
+               "address this host reaches") if target in plan.links else (
+               f"open TCP from this host to {address} on every port (gloo listens on one the system picks; "
+               f"firewall, security group)")
         out.append(Problem(plan.name, "link", f"cannot reach {target.what} at {address}:{port}: "
-                           f"{why.get(status, detail)}",
-                           f"open TCP {port} from this host to {address} (firewall, security group), or set "
-                           "store.address to an address this host reaches"))
+                           f"{why.get(status, detail)}", fix))
     return out
 
 
@@ -362,7 +365,9 @@ def _row(plan: HostPlan, result: HostResult, expect: Expect) -> tuple[str, ...]:
         if plan.engine else "-"
     data = ", ".join("prepared " + d["manifest"] if d["manifest"] else "ok" for d in f["data"]) \
         if plan.engine and f["data"] else "-"
-    links = ", ".join(f"{status}" for _, _, status, _ in result.links) or "-"
+    statuses = [status for _, _, status, _ in result.links]  # the store's first, then the peers'
+    links = (f"{len(statuses)} connected" if len(statuses) > 1 and set(statuses) == {"connected"} else
+             ", ".join(statuses) or "-")
     skew = clock_skew(f["time"], result.sent, result.received)
     return (plan.name, ",".join(sorted(plan.roles)), py, f["packages"].get("torch") or "-",
             "this checkout" if own else f"engine {f['engine']}", devices,

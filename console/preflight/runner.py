@@ -11,6 +11,10 @@
    address and port with a listener the check starts and that ends by itself, after every engine host connected
    or after `check.link_timeout` + 3 s; each engine host opens a TCP connection to it. Where the port is taken, or
    the store of this run already runs (`check` beside a running cluster, `add`), the engine hosts dial what listens.
+   Each engine host also listens on the address its outer step's collectives will listen on (gloo binds the one on
+   its route to the store) and a free port there, and every other engine host dials it: the engines connect to
+   each other directly, and a firewall that lets the store's port through may not let those through (not in
+   `add`: the running nodes' hosts hold no listener).
 3. rules.judge() turns what came back into problems.
 
 Modes: "check" (every host of the profile; a standby host is checked as an engine host unless it only holds the
@@ -76,7 +80,7 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
     results = dict(zip([p.name for p in plans],
                        await asyncio.gather(*(_ask(profile, p, profile.hosts[p.name], transport_of(p.name))
                                               for p in plans))))
-    await _link_test(profile, plans, results, transport_of, listen=not store_running)
+    await _link_test(profile, plans, results, transport_of, listen=not store_running, peers=mode != "add")
     return Report(plans, results, expect, judge(plans, results, expect), notes)
 
 
@@ -200,7 +204,8 @@ async def _ask(profile: Profile, plan: HostPlan, host: HostSpec, t: Transport) -
     args = {"mode": "facts", "workdir": host.workdir, "venv": host.venv or None, "config": plan.config,
             "run_dir": plan.run_dir, "packages": list(PACKAGES), "data": [p for _, p in plan.data],
             "binds": [[b.address, b.port] for b in plan.binds], "pythonpath": host.env.get("PYTHONPATH"),
-            "fake_gpus": host.env.get(FAKE_GPUS), "cuda_visible": host.env.get("CUDA_VISIBLE_DEVICES")}
+            "fake_gpus": host.env.get(FAKE_GPUS), "cuda_visible": host.env.get("CUDA_VISIBLE_DEVICES"),
+            "route_to": [plan.links[0].address, plan.links[0].port] if plan.engine and plan.links else None}
     timeout = profile.check.timeout
     result.sent = time.time()
     rc, answer, error = await run_probe(t, host.workdir, plan.python, args, timeout)
@@ -265,12 +270,22 @@ async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]
 
 # ---- the link test ------------------------------------------------------------------------------------------------
 async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str, HostResult],
-                     transport_of: Callable[[str], Transport], listen: bool) -> None:
+                     transport_of: Callable[[str], Transport], listen: bool, peers: bool = True) -> None:
     seconds = profile.check.link_timeout
     dialers = [p for p in plans if p.links and results[p.name].facts is not None]
     if not dialers:
         return
     waits = []
+    ends = {p.name: Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)")
+            for p in dialers if peers and (results[p.name].facts or {}).get("peer")}
+    if len(ends) >= 2:
+        for name, end in ends.items():
+            others = [d for d in dialers if d.name != name]
+            for d in others:
+                results[d.name].peers.append(end)
+                results[d.name].listening.add(str(end))
+            waits.append(_listen(profile.hosts[name], [[end.address, end.port]], transport_of(name), seconds + 3,
+                                 len(others), results[name], next(p for p in dialers if p.name == name)))
     for p in plans if listen else []:
         free = [[a, port] for a, port, error in (results[p.name].facts or {}).get("binds", []) if error is None]
         dialled = {t.port for t in dialers[0].links} & {port for _, port in free}
@@ -278,25 +293,25 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
             continue
         for d in dialers:  # what the check holds while the others dial: a refusal there is a problem
             results[d.name].listening |= {str(t) for t in d.links if t.port in dialled}
-        waits.append(_listen(p, free, transport_of(p.name), seconds + 3, len(dialers) * len(dialled), results,
-                             profile))
+        waits.append(_listen(profile.hosts[p.name], free, transport_of(p.name), seconds + 3,
+                             len(dialers) * len(dialled), results[p.name], p))
     dials = [_dial(p, transport_of(p.name), seconds, results[p.name], profile) for p in dialers]
     await asyncio.gather(*waits, *dials)
 
 
-async def _listen(plan: HostPlan, binds: list, t: Transport, seconds: float, expect: int,
-                  results: dict[str, HostResult], profile: Profile) -> None:
-    host = profile.hosts[plan.name]
+async def _listen(host: HostSpec, binds: list, t: Transport, seconds: float, expect: int, result: HostResult,
+                  plan: HostPlan) -> None:
     args = {"mode": "listen", "binds": binds, "seconds": seconds, "expect": expect}
-    await run_probe(t, host.workdir, _python_of(results[plan.name], plan), args, seconds + 10)
+    await run_probe(t, host.workdir, _python_of(result, plan), args, seconds + 10)
 
 
 async def _dial(plan: HostPlan, t: Transport, seconds: float, result: HostResult, profile: Profile) -> None:
     host = profile.hosts[plan.name]
-    args = {"mode": "connect", "targets": [[x.address, x.port] for x in plan.links], "seconds": seconds}
+    targets = [*plan.links, *result.peers]
+    args = {"mode": "connect", "targets": [[x.address, x.port] for x in targets], "seconds": seconds}
     _, answer, error = await run_probe(t, host.workdir, _python_of(result, plan), args, seconds + 15)
     if answer is None:
-        result.links = [[x.address, x.port, "error", f"the link test did not run: {error}"] for x in plan.links]
+        result.links = [[x.address, x.port, "error", f"the link test did not run: {error}"] for x in targets]
     else:
         result.links = answer["links"]
 
