@@ -199,6 +199,10 @@ class ConsoleApp(App[int]):
         self.request_quit()
 
     def request_quit(self) -> None:
+        if self._run_over():  # nothing trains: nothing to leave running or stop, so nothing to ask (the store stops)
+            self.run_worker(self._quit(stop=False), group="cluster", exit_on_error=False)
+            return
+
         def answer(choice: str | None) -> None:
             if choice in (QUIT_LEAVE, QUIT_STOP):
                 if choice == QUIT_STOP:

@@ -25,7 +25,7 @@ KEYS = """\
 | `t` | sparkline of tokens/s or loss |
 | `ctrl+p` | command palette: every action by name |
 | `?` | this help |
-| `q` | quit: leave training running, or stop it |
+| `q` | quit: leave training running, or stop it (once the run has ended, at once) |
 
 Heartbeat ages turn yellow at a third of the mesh's heartbeat timeout and red past it.
 Without a GPU the util column shows the host's CPU% (the whole machine's: nodes sharing a machine show the same
