@@ -96,7 +96,19 @@ class LossChart(PlotextPlot):
         xs = [x for xs, _ in series.values() for x in xs]
         if xs:  # seconds since the first point, never before it (one point alone was drawn on an axis of -1 to 1)
             plt.xlim(min(xs), max(max(xs), min(xs) + 1.0))
+        self._headroom(plt, [y for _, ys in series.values() for y in ys], len(series) if labelled else 0)
         self.refresh()
+
+    def _headroom(self, plt: Any, ys: list[float], entries: int) -> None:
+        """Room above the highest point for the legend, which plotext writes over the canvas's top left rows: there
+        a falling loss starts, and its first points were drawn under the node names."""
+        rows = (self.size.height or 0) - 6  # the canvas: less the border, the title and the x axis with its label
+        if not ys or not entries or rows <= entries + 2:  # no legend, or too short to spare the rows for one
+            plt.ylim(None, None)
+            return
+        lo, hi = min(ys), max(ys)
+        span = (hi - lo) or abs(hi) or 1.0
+        plt.ylim(lo, hi + span * (entries + 1) / (rows - entries - 1))
 
     def render(self) -> RenderResult:
         try:
