@@ -118,7 +118,11 @@ class Cluster:
         if await self._attacher.engines_running():
             await self.attach()
             return
-        await self._store.end_stale()
+        reason = await self._store.end_stale()
+        if reason is not None:  # another profile's run: nothing of this one starts, nothing of that one is touched
+            for host in self.profile.active_hosts():
+                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+            return
         starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
             await self._check_before("start", hosts=[h.name for h in starting])

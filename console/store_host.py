@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import socket
 import time
 from typing import Awaitable, Callable
 
@@ -25,6 +27,7 @@ from console.profile import Profile
 from console.transport import TransportError
 from console.transport import commands as C
 
+OWNER = "owner"  # in the store's folder: which console's profile started it (owner_of)
 STORE_READY_S = 60.0  # how long a store started for a restart may take to say ready (its imports, a loaded host)
 
 
@@ -76,23 +79,34 @@ class StoreHost:
         found = await self.restart(reason)
         await self.watch(ready=found, had_store=True)
 
-    async def end_stale(self) -> None:
+    async def end_stale(self) -> str | None:
         """A store left running by an earlier run whose engines are all gone: end it, so its port is free (on etcd,
-        the members this console runs: the preflight checks their ports before start would end them)."""
+        the members this console runs: the preflight checks their ports before start would end them). A store that
+        another profile started in this run dir is not this profile's to end (its engines are not this profile's
+        nodes, so nothing here says they are gone): the reason the start must not go on, else None."""
         if self.profile.store.backend == "etcd":
             if self.etcd is not None:
                 await self.etcd.stop()
-            return
+            return None
         host = self.profile.store_host.name
         pid = await self.hosts.live_pid(STORE, host)
         if pid is None:
-            return
+            return None
+        try:
+            owner = (await self.hosts.transport(host).read_text(self.hosts.path(STORE, OWNER)) or "").strip()
+        except TransportError:
+            owner = ""
+        if owner and owner != owner_of(self.profile):
+            return (f"{self.hosts.node_dir(STORE)} on {host} holds a running store started from another profile "
+                    f"or machine ({owner}): two profiles cannot share [run] dir; give this one its own, or stop "
+                    f"that run first (zeroband-console THAT_PROFILE stop)")
         await self.hosts.signal_quietly(host, pid, "TERM")
         for _ in range(50):
             if await self.hosts.live_pid(STORE, host) is None:
-                return
+                return None
             await asyncio.sleep(0.1)
         await self.hosts.signal_quietly(host, pid, "KILL")
+        return None
 
     async def bind(self) -> str:
         """The address the store listens on: [store] bind, else the one the engines dial when the store's host can
@@ -162,6 +176,7 @@ class StoreHost:
                 await t.remove(self.hosts.path(STORE, STOPPED))  # a stop of an earlier run (resumed) is over
                 self.pid = await t.start_detached(store_argv(self.profile, bind), self.hosts.node_dir(STORE),
                                                   env=host.env)
+                await t.write_text(self.hosts.path(STORE, OWNER), owner_of(self.profile))
                 self.bind_used = bind
         except TransportError as e:
             reason = str(e)
@@ -333,3 +348,8 @@ class StoreHost:
 
     def tasks(self) -> list[asyncio.Task]:
         return [t for t in (self.task, self.health_task) if t is not None]
+
+
+def owner_of(profile: Profile) -> str:
+    """This console's profile, as the store's folder records it: the machine and the profile file's full path."""
+    return f"{socket.gethostname()}:{os.path.abspath(profile.path)}"

@@ -145,6 +145,11 @@ class Transport(abc.ABC):
         rc, out, _ = await self.run(C.tail_lines_command(path, lines, self.workdir))
         return out if rc == 0 else ""
 
+    async def write_text(self, path: str, text: str) -> None:
+        rc, _, err = await self.run(C.write_command(path, self.workdir), stdin=text.encode())
+        if rc != 0:
+            raise TransportError(f"could not write {path}: {err.strip()}")
+
     async def touch(self, path: str) -> None:
         rc, _, err = await self.run(C.touch_command(path, self.workdir))
         if rc != 0:

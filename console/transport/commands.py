@@ -167,6 +167,11 @@ def touch_command(path: str, workdir: str = ".") -> str:
     return f"cd {qpath(workdir)} && touch {qpath(path)}"
 
 
+def write_command(path: str, workdir: str = ".") -> str:
+    """stdin into a small file (in place: its one reader reads it at a start, never while it is written)."""
+    return f"cd {qpath(workdir)} && cat > {qpath(path)}"
+
+
 def remove_command(path: str, workdir: str = ".") -> str:
     return f"cd {qpath(workdir)} && rm -f {qpath(path)}"
 
