@@ -54,6 +54,7 @@ class ConsoleApp(App[int]):
         self.cluster = cluster
         self.fleet = fleet
         self.readonly = readonly
+        self._quitting = False  # a quit without asking is under way (request_quit)
         self.attach = attach
         self.autostart = start
         self.heartbeat_timeout = heartbeat_timeout
@@ -200,7 +201,9 @@ class ConsoleApp(App[int]):
 
     def request_quit(self) -> None:
         if self._run_over():  # nothing trains: nothing to leave running or stop, so nothing to ask (the store stops)
-            self.run_worker(self._quit(stop=False), group="cluster", exit_on_error=False)
+            if not self._quitting:  # once: a second q while the first one's stop runs
+                self._quitting = True
+                self.run_worker(self._quit(stop=False), group="cluster", exit_on_error=False)
             return
 
         def answer(choice: str | None) -> None:

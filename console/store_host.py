@@ -174,9 +174,9 @@ class StoreHost:
                 self.fleet.set_store("starting", None, address=address,
                                      bind=None if bind == self.profile.store_address else bind)
                 await t.remove(self.hosts.path(STORE, STOPPED))  # a stop of an earlier run (resumed) is over
+                await t.write_text(self.hosts.path(STORE, OWNER), owner_of(self.profile))  # first: no unowned store
                 self.pid = await t.start_detached(store_argv(self.profile, bind), self.hosts.node_dir(STORE),
                                                   env=host.env)
-                await t.write_text(self.hosts.path(STORE, OWNER), owner_of(self.profile))
                 self.bind_used = bind
         except TransportError as e:
             reason = str(e)

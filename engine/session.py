@@ -320,13 +320,13 @@ def run(s: Session) -> str:
         follow_handoff(s)
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
-    loss, behind = None, False  # behind: the run completed while this node waited to re-join
+    loss, behind = None, False  # behind: the run completed while this node waited to re-join (Stopped "completed")
     while True:
         try:  # fragments: a run resumed at its last boundary syncs its other fragments here (outer steps)
             if s.outer.finished(progress, cfg.train.max_steps):
                 break
         except Stopped as e:
-            status = e.reason
+            status, behind = e.reason, e.reason == "completed"
             break
         schedule_step = s.outer.step_for_schedule(progress)
         if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
@@ -375,12 +375,14 @@ def run(s: Session) -> str:
             check_finite(s, loss)
             interrupted = save(s)
             if interrupted:
-                status = interrupted
+                status, behind = interrupted, interrupted == "completed"
                 break
     check_finite(s, loss)
     interrupted = save(s)
     if interrupted and status == "completed":  # the last round's outer step was stopped: no agreed model to export
         status = interrupted
+    # the run completed while the outer step in flight (overlap, fragments) waited to re-join it
+    behind = behind or interrupted == "completed"
     if behind and cfg.ckpt.export_dir:
         s.telemetry.emit("warning", message=f"ckpt.export_dir: nothing exported to {cfg.ckpt.export_dir}: this node "
                          f"missed the run's last outer steps (export the model of a node that finished)")

@@ -99,5 +99,5 @@ def test_the_150m_preset_resumes_and_exports_on_the_gpu(procs, tmp_path, strateg
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(export).cuda().eval()
     prompt = torch.tensor([[1, 2, 3, 4]], device="cuda")
-    out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8) and torch.equal(out[:, :4], prompt)

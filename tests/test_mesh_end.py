@@ -58,17 +58,20 @@ def test_a_node_waiting_to_join_waits_on_while_a_member_only_drained():
     assert sim.t - t0 >= CFG.join_timeout
 
 
-def test_a_node_frozen_until_the_run_completed_ends_completed_without_an_export(procs, port, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_a_node_frozen_until_the_run_completed_ends_completed_without_an_export(procs, port, tmp_path, mode):
     """Real engines: b is frozen (SIGSTOP) past the heartbeat timeout after outer step 2, and a completes the run
     alone. Woken, b is left out and asks to join: it ends at once with exit 0, run_end completed, a warning that
-    says why, its checkpoint, and no export (its weights are not the run's final model); a exported."""
+    says why, its checkpoint, and no export (its weights are not the run's final model); a exported. With
+    diloco.overlap the ask happens in the outer step in flight, and reaches the loop when it lands."""
     import os
     import signal
     import time
 
     import test_diloco_e2e as e2e
     e2e.start_store(procs, port)
-    steps = ["--diloco.min_nodes=2", "--train.max_steps=15"]  # H = 3: 5 outer steps
+    steps = ["--diloco.min_nodes=2", "--train.max_steps=15",  # H = 3: 5 outer steps
+             *(["--diloco.overlap=true"] if mode == "overlap" else [])]
     nodes = [e2e.start_node(procs, port, n, tmp_path, *steps, f"--ckpt.export_dir={tmp_path / n / 'export'}")
              for n in "ab"]
     a, b = nodes

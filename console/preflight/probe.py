@@ -256,9 +256,13 @@ def peer_address(route_to):
     if not route_to:
         return None
     try:
-        family = socket.getaddrinfo(route_to[0], int(route_to[1]), 0, socket.SOCK_DGRAM)[0][0]
+        try:  # IPv4 where the name has an IPv4 address, as the engine resolves the store (engine/store/server.py)
+            info = socket.getaddrinfo(route_to[0], int(route_to[1]), socket.AF_INET, socket.SOCK_DGRAM)
+        except socket.gaierror:
+            info = socket.getaddrinfo(route_to[0], int(route_to[1]), socket.AF_UNSPEC, socket.SOCK_DGRAM)
+        family, target = info[0][0], info[0][4]
         with socket.socket(family, socket.SOCK_DGRAM) as u:
-            u.connect((route_to[0], int(route_to[1])))  # UDP: sends nothing, picks the route
+            u.connect(target)  # UDP: sends nothing, picks the route
             address = u.getsockname()[0]
         with socket.socket(family, socket.SOCK_STREAM) as s:
             s.bind((address, 0))

@@ -168,8 +168,9 @@ def touch_command(path: str, workdir: str = ".") -> str:
 
 
 def write_command(path: str, workdir: str = ".") -> str:
-    """stdin into a small file (in place: its one reader reads it at a start, never while it is written)."""
-    return f"cd {qpath(workdir)} && cat > {qpath(path)}"
+    """stdin into a small file, its folder made if need be (in place: its one reader reads it at a start, never
+    while it is written)."""
+    return f"cd {qpath(workdir)} && mkdir -p -- \"$(dirname -- {qpath(path)})\" && cat > {qpath(path)}"
 
 
 def remove_command(path: str, workdir: str = ".") -> str:

@@ -325,10 +325,12 @@ class Mesh:
         """Raise Stopped("completed") when every member of the run's latest plan has left it completed: nobody
         will admit this node, which would otherwise wait out mesh.join_timeout and fail (a node left out of the
         last rounds). A member that drained or failed may be restarted: the node waits on for it."""
-        states = self.planner.states(list(plan.members))
-        if all(st is not None and st.state == "left" and st.reason == "completed" for st in states.values()):
+        others = [m for m in plan.members if m != self.node_id]  # it may be in the plan it stepped out of
+        states = self.planner.states(others) if others else {}
+        if states and all(st is not None and st.state == "left" and st.reason == "completed"
+                          for st in states.values()):
             mine = f" of outer step {self.plan.outer_step}" if self.plan else ""
-            why = (f"the run completed at outer step {plan.outer_step} ({', '.join(plan.members)} left it) while "
+            why = (f"the run completed at outer step {plan.outer_step} ({', '.join(others)} left it) while "
                    f"node {self.node_id} waited to join: it ends with its own weights{mine}, not the run's final "
                    f"model (that is on the nodes that finished)")
             self.emit("warning", message=why)

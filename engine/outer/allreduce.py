@@ -505,6 +505,7 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     if ex.on_host:
         torch.div(buf[:numel], total, out=out)
     else:
+        # queued on the current stream, the caller's (groups.run_sliced): its next kernels read it in order
         out.copy_(buf[:numel]).div_(torch.tensor(total, dtype=torch.float32, device=out.device))
     sent = bytes_sent(numel, size, "none")  # a ring all-reduce: 2 (size-1) segments out per rank
     seconds = time.perf_counter() - start
