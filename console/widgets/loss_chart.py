@@ -62,6 +62,7 @@ class LossChart(PlotextPlot):
         super().__init__(**kwargs)
         self.series: dict[str, tuple[list[float], list[float]]] = {}
         self._t0: float | None = None
+        self._height = 0  # the height the series were last drawn at (the legend's headroom depends on it)
 
     def show(self, nodes: Iterable[Any], focus: Iterable[str] = ()) -> None:
         """One line per node; past MAX_LINES nodes, the cluster mean plus the `focus` (selected, marked) nodes."""
@@ -83,9 +84,9 @@ class LossChart(PlotextPlot):
         for name, points in histories.items():
             points = downsample(points, limit)
             series[name] = ([t - (self._t0 or 0.0) for t, _ in points], [v for _, v in points])
-        if series == self.series:
+        if series == self.series and self.size.height == self._height:
             return
-        self.series = series
+        self.series, self._height = series, self.size.height
         plt = self.plt
         plt.clear_data()
         plt.title(title)
