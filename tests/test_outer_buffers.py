@@ -222,9 +222,15 @@ def test_gpu_mean_equals_the_cpu_mean_and_takes_its_wire_buffers_from_prepare(na
     from engine.outer import allreduce
     from test_diloco_math import _group
 
-    store, numel, results = dist.HashStore(), 100_003, {}
+    store, numel, results, errors = dist.HashStore(), 100_003, {}, []
 
     def rank(r):
+        try:
+            _rank(r)
+        except BaseException as e:  # noqa: BLE001 - raised below, on the test's thread
+            errors.append(e)
+
+    def _rank(r):
         pg = _group(store, r, 2, f"gpu-{name}")
         x = torch.randn(numel, generator=torch.Generator().manual_seed(7 + r)) * (r + 1)
         cpu, _ = allreduce.weighted_mean(x, 1.0 + r, pg, name)
@@ -241,6 +247,8 @@ def test_gpu_mean_equals_the_cpu_mean_and_takes_its_wire_buffers_from_prepare(na
         t.start()
     for t in threads:
         t.join(60)
+    if errors:
+        raise errors[0]
     assert sorted(results) == [0, 1]
     for cpu, gpu, prepared, used in results.values():
         assert torch.equal(cpu, gpu)
