@@ -473,9 +473,7 @@ def _differences(there: Any, here: dict[str, Any] | None, most: int = 4) -> str:
     if not isinstance(there, dict) or not here:
         return ""
     here = json.loads(json.dumps(here))  # as meta.json holds it: a tuple is a list there
-    def shown(settings: dict[str, Any], key: str) -> str:
-        return toml_value(settings[key]) if key in settings else "unset"
-    out = [f"{key} = {shown(there, key)} there, {shown(here, key)} here"
+    out = [f"{key} = {toml_value(there.get(key))} there, {toml_value(here.get(key))} here"  # missing: unset
            for key in sorted(set(there) | set(here)) if there.get(key, "unset") != here.get(key, "unset")]
     if len(out) > most:
         out[most:] = [f"and {len(out) - most} more"]

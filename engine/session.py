@@ -314,19 +314,19 @@ def run(s: Session) -> str:
     try:
         s.outer.start(progress)
     except Stopped as e:  # stopped while waiting to form or join: nothing trained in this process yet
-        return e.reason
+        return "completed" if e.reason == "ended" else e.reason
     s.training = True
     if progress.step != before:
         follow_handoff(s)
     s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
-    loss, behind = None, False  # behind: the run completed while this node waited to re-join (Stopped "completed")
+    loss = None
     while True:
         try:  # fragments: a run resumed at its last boundary syncs its other fragments here (outer steps)
             if s.outer.finished(progress, cfg.train.max_steps):
                 break
         except Stopped as e:
-            status, behind = e.reason, e.reason == "completed"
+            status = e.reason
             break
         schedule_step = s.outer.step_for_schedule(progress)
         if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
@@ -353,7 +353,7 @@ def run(s: Session) -> str:
         try:
             left = s.outer.after_inner_step(progress)
         except Stopped as e:  # a stop or drain inside the outer step's waits: this round is saved, not sent
-            status, behind = e.reason, e.reason == "completed"
+            status = e.reason
             break
         if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
             follow_handoff(s)
@@ -375,14 +375,16 @@ def run(s: Session) -> str:
             check_finite(s, loss)
             interrupted = save(s)
             if interrupted:
-                status, behind = interrupted, interrupted == "completed"
+                status = interrupted
                 break
     check_finite(s, loss)
     interrupted = save(s)
     if interrupted and status == "completed":  # the last round's outer step was stopped: no agreed model to export
         status = interrupted
-    # the run completed while the outer step in flight (overlap, fragments) waited to re-join it
-    behind = behind or interrupted == "completed"
+    # "ended" (in any wait above, an outer step in flight's too): the run completed while this node waited to
+    # re-join it. It completed too, but its weights are not the run's final model
+    behind = status == "ended"
+    status = "completed" if behind else status
     if behind and cfg.ckpt.export_dir:
         s.telemetry.emit("warning", message=f"ckpt.export_dir: nothing exported to {cfg.ckpt.export_dir}: this node "
                          f"missed the run's last outer steps (export the model of a node that finished)")

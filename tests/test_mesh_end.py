@@ -36,9 +36,9 @@ def test_a_node_waiting_to_join_a_run_every_member_completed_ends_at_once():
         sim.nodes[n].leave("completed")
         sim.kill(n)
     t0 = sim.t
-    with pytest.raises(Stopped, match="completed while waiting for admission") as stopped:
+    with pytest.raises(Stopped, match="ended while waiting for admission") as stopped:
         sim.nodes["c"].wait_admission()
-    assert stopped.value.reason == "completed" and sim.t - t0 <= 1.0
+    assert stopped.value.reason == "ended" and sim.t - t0 <= 1.0
     warning = [e["message"] for e in sim.events if e["type"] == "warning" and e["node"] == "c"][-1]
     assert warning.startswith("the run completed at outer step 1 (a, b left it) while node c waited to join: it "
                               "ends with its own weights of outer step 0"), warning

@@ -276,16 +276,16 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
     if not dialers:
         return
     waits = []
-    ends = {p.name: Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)")
-            for p in dialers if peers and (results[p.name].facts or {}).get("peer")}
+    ends = [(p, Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)"))
+            for p in dialers if peers and results[p.name].facts.get("peer")]
     if len(ends) >= 2:
-        for name, end in ends.items():
-            others = [d for d in dialers if d.name != name]
+        for p, end in ends:
+            others = [d for d in dialers if d is not p]
             for d in others:
                 results[d.name].peers.append(end)
                 results[d.name].listening.add(str(end))
-            waits.append(_listen(profile.hosts[name], [[end.address, end.port]], transport_of(name), seconds + 3,
-                                 len(others), results[name], next(p for p in dialers if p.name == name)))
+            waits.append(_listen(profile.hosts[p.name], [[end.address, end.port]], transport_of(p.name), seconds + 3,
+                                 len(others), results[p.name], p))
     for p in plans if listen else []:
         free = [[a, port] for a, port, error in (results[p.name].facts or {}).get("binds", []) if error is None]
         dialled = {t.port for t in dialers[0].links} & {port for _, port in free}

@@ -322,7 +322,7 @@ class Mesh:
             self.polling.idle(what)
 
     def _ended_without_me(self, plan: Plan) -> None:
-        """Raise Stopped("completed") when every member of the run's latest plan has left it completed: nobody
+        """Raise Stopped("ended") when every member of the run's latest plan has left it completed: nobody
         will admit this node, which would otherwise wait out mesh.join_timeout and fail (a node left out of the
         last rounds). A member that drained or failed may be restarted: the node waits on for it."""
         others = [m for m in plan.members if m != self.node_id]  # it may be in the plan it stepped out of
@@ -334,7 +334,7 @@ class Mesh:
                    f"node {self.node_id} waited to join: it ends with its own weights{mine}, not the run's final "
                    f"model (that is on the nodes that finished)")
             self.emit("warning", message=why)
-            raise Stopped("completed", "waiting for admission")
+            raise Stopped("ended", "waiting for admission")
 
     def _await_link(self) -> None:
         """A node that stepped out stays in standby until its heartbeat ticks are on time again (bounded by

@@ -26,7 +26,8 @@ class Excluded(Exception):
 
 class Stopped(Exception):
     """A stop or drain was requested while the node waited in the mesh. reason: "stopped" or "drained"; or
-    "completed": every member of the run completed it while this node waited to join (Mesh.wait_admission)."""
+    "ended": every member of the run completed it while this node waited to join (Mesh.wait_admission), and the
+    node ends completed, without the run's final model (engine/session.py)."""
 
     def __init__(self, reason: str, what: str) -> None:
         super().__init__(f"{reason} while {what}")
