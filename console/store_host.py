@@ -351,5 +351,6 @@ class StoreHost:
 
 
 def owner_of(profile: Profile) -> str:
-    """This console's profile, as the store's folder records it: the machine and the profile file's full path."""
-    return f"{socket.gethostname()}:{os.path.abspath(profile.path)}"
+    """This console's profile, as the store's folder records it: the machine and the profile file's resolved path
+    (the same profile reached through a symlink or another relative path is the same owner)."""
+    return f"{socket.gethostname()}:{os.path.realpath(profile.path)}"

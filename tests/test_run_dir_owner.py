@@ -30,7 +30,7 @@ async def test_a_second_profile_on_the_same_run_dir_leaves_the_first_ones_store_
     store_dir = workdir / "runs" / "t" / "_store"
     await until(lambda: (store_dir / "pid").exists() and (store_dir / OWNER).exists(), what="the first store")
     pid = int((store_dir / "pid").read_text())
-    assert (store_dir / OWNER).read_text().endswith(f":{workdir / 'p.toml'}")
+    assert (store_dir / OWNER).read_text().endswith(f":{os.path.realpath(workdir / 'p.toml')}")
 
     (workdir / "q.toml").write_text((workdir / "p.toml").read_text())  # the copy: same run dir, same port
     fleet = Fleet(run="t")
@@ -44,7 +44,9 @@ async def test_a_second_profile_on_the_same_run_dir_leaves_the_first_ones_store_
     await second.close()
     await first.close()  # its console quits (its watch would restart the store the next start ends)
 
-    again = Cluster(first.profile, fleet := Fleet(run="t"))  # the first profile's own stale store: ended, as before
+    # the first profile's own stale store, the profile reached through a symlink: ended, as before
+    (workdir / "link.toml").symlink_to(workdir / "p.toml")
+    again = Cluster(load_profile(workdir / "link.toml"), fleet := Fleet(run="t"))
     await again.start()
     await until(lambda: fleet.nodes["node-a"].state is NodeState.TRAINING, what="the first profile's start")
     assert int((store_dir / "pid").read_text()) != pid
