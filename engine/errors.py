@@ -4,7 +4,8 @@ rank of a node finds alike (engine/train.py reports it once, from local rank 0).
 from __future__ import annotations
 
 import contextlib
-import json
+
+import tomlkit
 
 
 def first_line(err: BaseException, limit: int | None = None) -> str:
@@ -14,9 +15,15 @@ def first_line(err: BaseException, limit: int | None = None) -> str:
 
 
 def toml_value(value: object) -> str:
-    """A setting's value as the user writes it in a TOML file or an override (true, "int8", [1, 2]); unset for None,
-    which TOML has no word for."""
-    return "unset" if value is None else json.dumps(value)
+    """A setting's value as the user writes it in a TOML file or an override (true, "int8", [1, 2], nan,
+    {a = 1}); unset for None, which TOML has no word for."""
+    if value is None:
+        return "unset"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{tomlkit.key(str(k)).as_string()} = {toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return tomlkit.item(value).as_string()
 
 
 class CheckpointFailed(RuntimeError):

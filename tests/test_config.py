@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides, run_digest
+from engine.errors import toml_value
 
 
 def write(tmp_path, text: str):
@@ -250,3 +251,11 @@ def test_the_config_reference_lists_every_key_with_its_default():
         assert cell.startswith("`") and cell.endswith("`"), (key, cell)
         written = tomllib.loads(f"v = {cell[1:-1]}")["v"]
         assert written == default and type(written) is type(default), (key, cell, default)
+
+
+@pytest.mark.parametrize("value", [True, "int8", 'say "hi"', [1, 2], 1e-3, float("inf"), {"a b": 1, "c": [{"d": "x"}]}])
+def test_a_refusal_writes_a_setting_as_toml_reads_it_back(value):
+    """Refusals name settings as the user writes them (`diloco.overlap = true`); JSON wrote NaN and dicts as no TOML
+    file can hold them."""
+    assert tomllib.loads(f"v = {toml_value(value)}")["v"] == value
+    assert toml_value(None) == "unset" and toml_value(float("nan")) == "nan"
