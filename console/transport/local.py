@@ -45,7 +45,7 @@ class LocalTransport(Transport):
 
     async def put_files(self, root: str, files: Sequence[tuple[str, bytes, int]]) -> None:
         try:
-            await asyncio.to_thread(write_files, Path(root), files)
+            await asyncio.to_thread(write_files, self.resolve(root), files)
         except OSError as e:
             raise TransportError(f"cannot write under {root}: {e}") from None
 
