@@ -160,7 +160,7 @@ def test_engine_command_and_environment():
     a, b = profile.hosts["node-a"], profile.hosts["node-c"]
     argv = engine_argv(profile, b)  # 8 workers, no rendezvous port given: torchrun --standalone
     assert argv[:5] == ["/usr/bin/python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
-    assert argv[5:8] == ["-m", "engine.train", "configs/debug-diloco.toml"]
+    assert argv[5:8] == ["-m", "engine.train", "configs/1b-diloco.toml"]
     local = load_profile(ROOT / "profiles" / "local.toml")  # one worker: the engine itself, no launcher
     assert engine_argv(local, local.hosts["node-a"])[1:4] == ["-m", "engine.train", "configs/debug-diloco.toml"]
     assert "--train.max_steps=10000" in argv and '--data.path="corpus/stdlib_docstrings.jsonl"' in argv
