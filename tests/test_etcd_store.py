@@ -186,7 +186,7 @@ def test_a_node_whose_lease_ends_is_dead_at_once_and_a_goodbye_outlives_its_leas
     deletes the key and the peers' next tick sees the death, without waiting out the heartbeat timeout. A clean
     exit's goodbye (the negative counter) is written without the lease, so it outlives the process: a left node
     is never reported dead."""
-    from test_mesh_protocol import CFG, Sim, _run_committed
+    from mesh_sim import CFG, Sim, _run_committed
 
     prefix = f"protocol/{uuid.uuid4().hex[:8]}/"
     stores = [EtcdStore(etcd_cluster.endpoints, prefix=prefix, tls=etcd_cluster.tls, timeout=10.0,
@@ -244,7 +244,7 @@ def test_multi_get_or_none_reads_present_and_missing_keys_in_one_go_beyond_the_t
 def test_a_heartbeat_on_etcd_costs_three_requests_with_live_dead_and_departed_peers(etcd_cluster):
     """The tick's three round trips hold on etcd too (one HTTP request each): a peer whose leased key vanished
     is read as missing in the same txn, not waited for, and a departed peer's goodbye is one more range in it."""
-    from test_mesh_protocol import CFG, Sim
+    from mesh_sim import CFG, Sim
 
     shared = _etcd(etcd_cluster, timeout=10.0, lease_ttl=CFG.heartbeat_timeout)
     own = EtcdStore(etcd_cluster.endpoints, prefix=shared.prefix, tls=etcd_cluster.tls, timeout=10.0,
@@ -294,7 +294,7 @@ def test_an_add_whose_reply_was_lost_counts_once(etcd_cluster):
 def test_an_id_whose_leased_key_vanished_is_taken_over_at_once(etcd_cluster):
     """A node restarted after a SIGKILL under the same id: on etcd its old process's heartbeat key is gone with
     the lease, which proves the id free; no heartbeat timeout of watching the old counter (as on TCPStore)."""
-    from test_mesh_protocol import CFG, Sim, _run_committed
+    from mesh_sim import CFG, Sim, _run_committed
 
     shared = _etcd(etcd_cluster, timeout=10.0, lease_ttl=CFG.heartbeat_timeout)
     old, new = (EtcdStore(etcd_cluster.endpoints, prefix=shared.prefix, tls=etcd_cluster.tls, timeout=10.0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.mesh import Excluded, MeshError, Stopped
-from test_mesh_protocol import CFG, Sim, _post_all_ok, _run_committed
+from mesh_sim import CFG, Sim, _post_all_ok, _run_committed
 
 
 def _left_out(sim: Sim) -> None:
