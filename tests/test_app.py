@@ -393,6 +393,20 @@ async def test_readonly_hides_actions(local_profile):
         await until(pilot, lambda: not app.is_running, 10, "the console to exit")
 
 
+async def test_the_table_is_as_tall_as_its_rows_and_the_charts_get_the_rest(local_profile):
+    """Defect: the node table took two fifths of the screen whatever its rows (four nodes over eight blank lines at
+    120x36), and the charts below had the rest: at 80x24 the outer-step chart got no row at all."""
+    app, fleet = build(local_profile, start=False)
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.pause()
+        table, outer = app.dashboard.table, app.dashboard.query_one(OuterChart)
+        assert table.region.height <= len(fleet.nodes) + 2  # its header, its rows and a horizontal scroll bar
+        assert outer.region.height >= 12 and table.region.bottom <= outer.region.y
+        await pilot.resize_terminal(120, 10)  # more nodes than rows: at most half the screen, and it scrolls
+        await pilot.pause()
+        assert table.region.height <= 5 and table.max_scroll_y > 0
+
+
 async def test_garbage_never_crashes(local_profile):
     """Malformed lines, absurd numbers and unknown nodes on the event path: counted, shown, never fatal."""
     app, fleet = build(local_profile, start=False)

@@ -1,5 +1,7 @@
 """The outer step made visible: per DiLoCo outer step, compute against communication (wire, codec) and idle time,
-as stacked bars (textual-plotext), captioned (on its border) with the newest step's members and bytes.
+as stacked bars (textual-plotext), captioned (on its top border) with the newest step's members and bytes; the
+legend is on its bottom border, in the bars' colors (plotext writes a legend over the canvas's top left rows,
+where it hid the first bars' tops).
 
 It tells an operator whether H (diloco.inner_steps) and the compression are right: communication that is a large
 share of each bar wants a larger H or more compression; idle time is nodes waiting for the slowest one.
@@ -16,6 +18,7 @@ from textual_plotext import PlotextPlot
 from console.widgets import cells
 
 BARS = 30  # the newest outer steps shown
+COLORS = {"compute": "green", "wire": "red", "allreduce": "red", "codec": "magenta", "idle": "yellow"}  # a part's bars
 
 
 def bar_series(rounds: list[Any]) -> dict[str, list[float]]:
@@ -59,9 +62,10 @@ class OuterChart(PlotextPlot):
         plt.clear_data()
         # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
         self.border_title = caption
+        self.border_subtitle = " ".join(f"[{COLORS[part]}]██[/] {part}" for part in series)
         plt.xlabel("outer step")
         if steps:
-            plt.stacked_bar([str(s) for s in steps], list(series.values()), labels=list(series))
+            plt.stacked_bar([str(s) for s in steps], list(series.values()), color=[COLORS[p] for p in series])
         self.refresh()
 
     def render(self) -> RenderResult:
