@@ -62,13 +62,19 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 
 # fields added after SCHEMA_VERSION 1 shipped: checked when present, never required, so that a reader still takes
 # the lines of an engine from before them (a console attached to an older run)
+# (and facts that only some producers have: the store's own state lines, a GPU's index and temperature)
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "run_start": {"rounds": (int,)},
+    "run_start": {"rounds": (int,), "run": (str,), "diloco": (bool,), "dataset": (str, type(None))},
+    "state": {"step": (int,), "params": (int,), "device": (str,), "grad_accum": (int,), "resumed_from": (str,),
+              "resumed_step": (int,), "host": (str,), "port": (int,), "pid": (int,)},
+    "step": {"tokens": (int,), "outer_step": (int,), "epoch": _opt_num},
+    "resource": {"index": (int, str), "temp_c": _num, "power_w": _num},
+    "heartbeat": {"keys": (int,), "rtt_ms": _num},
     "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
                    "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,)},
 }
 
-NODE_STATES = ("starting", "joining", "training", "draining", "left")
+NODE_STATES = ("starting", "joining", "training", "draining", "left")  # and the store's own: ready, stopped
 RUN_END_STATUSES = ("completed", "drained", "stopped", "failed")
 MEMBERSHIP_CHANGES = ("joined", "drained", "left", "dead", "leader", "rejected")
 
@@ -109,7 +115,7 @@ def validate(event: dict[str, Any]) -> dict[str, Any]:
             raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
     for name, types in OPTIONAL_FIELDS.get(type_, {}).items():
         value = event.get(name, _MISSING)
-        if value is not _MISSING and (not isinstance(value, types) or isinstance(value, bool)):
+        if value is not _MISSING and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
     return event
 

@@ -146,3 +146,17 @@ def test_nvml_follows_cuda_visible_devices():
     assert nvml_ids([0, 1], None) == ["0", "1"]
     uuid = "GPU-8c2a1f0e-0000-4000-8000-000000000001"
     assert nvml_ids([0], (uuid,)) == [uuid]
+
+
+def test_the_facts_only_some_events_carry_are_typed_too():
+    """run_start's run and diloco, state's facts, step's tokens and epoch, a GPU's index: documented fields that no
+    schema checked, so a producer could send any type and the console's reader took it."""
+    start = dict(pid=1, host="h", world_size=2, config_digest="abc", strategy="ddp", max_steps=10)
+    make_event("run_start", "n", 0, **start, run="r", diloco=True, dataset=None)  # a bool where a bool belongs
+    make_event("resource", "n", 0, device="gpu", util=1.0, mem_used=1, mem_total=2, index="GPU-5d1c", temp_c=40)
+    for type_, fields, bad in [("run_start", start, {"diloco": "yes"}), ("step", dict(step=3, loss=2.5, lr=1e-3,
+                               tokens_per_s=1.0, grad_norm=None), {"tokens": True}),
+                               ("state", dict(state="training"), {"params": 1.5}),
+                               ("heartbeat", dict(seq=1, peers={}), {"rtt_ms": "1"})]:
+        with pytest.raises(BadEvent, match=f"field '{next(iter(bad))}'"):
+            make_event(type_, "n", 0, **fields, **bad)
