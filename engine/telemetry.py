@@ -154,6 +154,13 @@ def _outer_times(event: dict[str, Any]) -> str:
     return text
 
 
+def members_after(change: str, subject: str, members: Iterable[str]) -> int:
+    """How many members a membership change leaves. `members` is the plan's: a node that left or drained is still
+    in it (it contributed that round), where "dead" already leaves it out; "left node-0 -> 3 members" read as three
+    staying when two did."""
+    return sum(1 for m in members if not (change in ("left", "drained") and m == subject))
+
+
 def format_human(event: dict[str, Any]) -> str | None:
     """The one-line progress text for a person watching stderr; None for events not worth a line."""
     t = event["type"]
@@ -169,7 +176,8 @@ def format_human(event: dict[str, Any]) -> str | None:
         return (f"{who} outer {event['outer_step']:>4} gen {event['generation']} members {len(event['members'])}"
                 f" pgrad {event['pgrad_norm']:.4f}{_outer_times(event)} sum {event['checksum']}")
     if t == "membership":
-        return f"{who} membership {event['change']} {event['subject']} -> {len(event['members'])} members"
+        after = members_after(event["change"], event["subject"], event["members"])
+        return f"{who} membership {event['change']} {event['subject']} -> {after} members"
     if t in ("checkpoint", "export"):
         return f"{who} {t} step {event['step']} -> {event['path']}"
     if t in ("warning", "error"):

@@ -160,3 +160,20 @@ def test_the_facts_only_some_events_carry_are_typed_too():
                                ("heartbeat", dict(seq=1, peers={}), {"rtt_ms": "1"})]:
         with pytest.raises(BadEvent, match=f"field '{next(iter(bad))}'"):
             make_event(type_, "n", 0, **fields, **bad)
+
+
+def test_a_membership_line_counts_the_members_the_change_leaves():
+    """Defect: a node that finished the run said `membership left node-0 -> 3 members` while two stayed (the plan's
+    members hold a leaving node for its last round); a death already counted the members that stay."""
+    from console.nodes import MembershipEvent
+    from console.widgets.panes import timeline_line
+
+    plan = ["node-0", "node-1", "node-2"]
+    cases = [("left", "node-0", plan, 2), ("drained", "node-1", plan, 2), ("dead", "node-2", plan[:2], 2),
+             ("joined", "node-3", plan + ["node-3"], 4)]
+    for change, subject, members, after in cases:
+        event = make_event("membership", "node-0", 0, ts=1.0, change=change, subject=subject, generation=3,
+                           members=members)
+        assert format_human(event).endswith(f"membership {change} {subject} -> {after} members")
+        entry = MembershipEvent(1.0, change, subject, 3, tuple(members), "node-0")
+        assert timeline_line(entry).endswith(f"{subject} {change} gen 3 -> {after} members")

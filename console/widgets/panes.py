@@ -12,6 +12,7 @@ from textual.content import Content
 from textual.widgets import Log, Static
 
 from console.widgets import cells
+from engine.telemetry import members_after
 from console.widgets.cells import summary_text
 
 LOG_TAIL = 300  # lines of the selected node shown in the pane (the fleet keeps 500)
@@ -135,6 +136,6 @@ _BAD = {"dead": "bold red", "failed": "bold red", "unreachable": "magenta", "rej
 def timeline_line(entry: Any) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(entry.ts))
     gen = "" if entry.generation is None else f" gen {entry.generation}"
-    members = f" -> {len(entry.members)} members" if entry.members else ""
+    members = f" -> {members_after(entry.change, entry.subject, entry.members)} members" if entry.members else ""
     reason = f" ({entry.reason})" if entry.reason else ""
     return f"{when} {entry.subject} {entry.change}{gen}{members}{reason}"
