@@ -96,7 +96,8 @@ class StoreHost:
             owner = (await self.hosts.transport(host).read_text(self.hosts.path(STORE, OWNER)) or "").strip()
         except TransportError:
             owner = ""
-        if owner and owner != owner_of(self.profile):
+        unresolved = f"{socket.gethostname()}:{os.path.abspath(self.profile.path)}"  # as consoles before wrote it
+        if owner and owner not in (owner_of(self.profile), unresolved):
             return (f"{self.hosts.node_dir(STORE)} on {host} holds a running store started from another profile "
                     f"or machine ({owner}): two profiles cannot share [run] dir; give this one its own, or stop "
                     f"that run first (zeroband-console THAT_PROFILE stop)")

@@ -59,9 +59,14 @@ async def test_the_outer_charts_legend_is_on_its_border_not_over_the_first_bars(
         chart = app.query_one(OuterChart)
         chart.show(SimpleNamespace(outer_rounds={r.outer_step: r for r in rounds}))
         await pilot.pause()
-        lines = [strip.text for strip in chart.render_lines(chart.region.reset_offset)]
+        strips = chart.render_lines(chart.region.reset_offset)
+        lines = [strip.text for strip in strips]
         canvas = lines[1:-1]
         assert all(part in lines[-1] for part in ("compute", "wire", "codec", "idle")), lines[-1]
+
+        def colours(strips) -> set:
+            return {seg.style.color.triplet for strip in strips for seg in strip if "█" in seg.text}
+        assert colours(strips[1:-1]) == colours(strips[-1:]) and len(colours(strips[-1:])) == 4  # the legend's
         assert not any(part in line for line in canvas for part in ("compute", "wire", "codec", "idle")), lines
         top = next(i for i, line in enumerate(canvas) if "█" in line)  # the first (tallest) bars reach the top row
         assert canvas[top].split("┤", 1)[1][:6].count("█") >= 4, "\n".join(lines)

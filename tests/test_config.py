@@ -253,7 +253,8 @@ def test_the_config_reference_lists_every_key_with_its_default():
         assert written == default and type(written) is type(default), (key, cell, default)
 
 
-@pytest.mark.parametrize("value", [True, "int8", 'say "hi"', [1, 2], 1e-3, float("inf"), {"a b": 1, "c": [{"d": "x"}]}])
+@pytest.mark.parametrize("value", [True, "int8", 'say "hi"\n\t\\', "é😀\x7f\x01", [1, 2], 1e-3, 1e20, -float("inf"),
+                                   {"a b": 1, "c": [{"d": "x"}], "é": [1, False]}])
 def test_a_refusal_writes_a_setting_as_toml_reads_it_back(value):
     """Refusals name settings as the user writes them (`diloco.overlap = true`); JSON wrote NaN and dicts as no TOML
     file can hold them."""

@@ -18,7 +18,9 @@ from textual_plotext import PlotextPlot
 from console.widgets import cells
 
 BARS = 30  # the newest outer steps shown
-COLORS = {"compute": "green", "wire": "red", "allreduce": "red", "codec": "magenta", "idle": "yellow"}  # a part's bars
+# a part's colour, the same in its bars and on the legend (textual-plotext maps colour names to its own palette)
+COLORS = {"compute": (152, 224, 36), "wire": (244, 0, 95), "allreduce": (244, 0, 95), "codec": (157, 101, 255),
+          "idle": (250, 162, 25)}
 
 
 def bar_series(rounds: list[Any]) -> dict[str, list[float]]:
@@ -62,7 +64,7 @@ class OuterChart(PlotextPlot):
         plt.clear_data()
         # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
         self.border_title = caption
-        self.border_subtitle = " ".join(f"[{COLORS[part]}]██[/] {part}" for part in series)
+        self.border_subtitle = " ".join(f"[rgb{COLORS[part]}]██[/] {part}" for part in series) if steps else ""
         plt.xlabel("outer step")
         if steps:
             plt.stacked_bar([str(s) for s in steps], list(series.values()), color=[COLORS[p] for p in series])

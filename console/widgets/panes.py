@@ -12,8 +12,8 @@ from textual.content import Content
 from textual.widgets import Log, Static
 
 from console.widgets import cells
-from engine.telemetry import members_after
 from console.widgets.cells import summary_text
+from engine.telemetry import members_after
 
 LOG_TAIL = 300  # lines of the selected node shown in the pane (the fleet keeps 500)
 
