@@ -96,8 +96,8 @@ class StoreHost:
             owner = (await self.hosts.transport(host).read_text(self.hosts.path(STORE, OWNER)) or "").strip()
         except TransportError:
             owner = ""
-        unresolved = f"{socket.gethostname()}:{os.path.abspath(self.profile.path)}"  # as consoles before wrote it
-        if owner and owner not in (owner_of(self.profile), unresolved):
+        # the unresolved path too: consoles before wrote the owner so
+        if owner and owner not in (owner_of(self.profile), owner_of(self.profile, os.path.abspath)):
             return (f"{self.hosts.node_dir(STORE)} on {host} holds a running store started from another profile "
                     f"or machine ({owner}): two profiles cannot share [run] dir; give this one its own, or stop "
                     f"that run first (zeroband-console THAT_PROFILE stop)")
@@ -351,7 +351,7 @@ class StoreHost:
         return [t for t in (self.task, self.health_task) if t is not None]
 
 
-def owner_of(profile: Profile) -> str:
+def owner_of(profile: Profile, resolve: Callable[[str], str] = os.path.realpath) -> str:
     """This console's profile, as the store's folder records it: the machine and the profile file's resolved path
     (the same profile reached through a symlink or another relative path is the same owner)."""
-    return f"{socket.gethostname()}:{os.path.realpath(profile.path)}"
+    return f"{socket.gethostname()}:{resolve(profile.path)}"

@@ -110,17 +110,21 @@ def validate(event: dict[str, Any]) -> dict[str, Any]:
         value = event.get(name, _MISSING)
         if value is _MISSING:
             raise BadEvent(f"{type_}: missing field {name!r}")
-        # bool is an int subclass; a bool where a number belongs is a producer bug
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        if _mistyped(value, types):
             raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
     for name, types in OPTIONAL_FIELDS.get(type_, {}).items():
         value = event.get(name, _MISSING)
-        if value is not _MISSING and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+        if value is not _MISSING and _mistyped(value, types):
             raise BadEvent(f"{type_}: field {name!r} has type {type(value).__name__}")
     return event
 
 
 _MISSING = object()
+
+
+def _mistyped(value: Any, types: tuple[type, ...]) -> bool:
+    # bool is an int subclass; a bool where a number belongs is a producer bug
+    return not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
 
 
 def encode(event: dict[str, Any]) -> str:
