@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 from datetime import timedelta
 
 from engine.telemetry import encode, make_event
@@ -77,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.host in ("0.0.0.0", ""):
         print(f"engine.store: warning: listening on every interface: anyone who reaches port {args.port} can steer "
               f"the run (docs/operations.md, threat model); bind the address the engines dial", file=sys.stderr)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # the stop signals are held back (the store's threads, started below, inherit the mask) and taken by sigwait
+    # once the store serves. A handler that set a threading.Event could deadlock: it runs in the main thread, and
+    # when that thread holds the Event's lock inside wait(), set() waits for that lock forever (seen in CI)
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
 
     import torch.distributed as dist  # after the cheap checks: importing torch takes seconds
 
@@ -94,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ready = make_event("state", "store", -1, state="ready", host=args.host, port=args.port, pid=os.getpid())
     print(encode(ready), flush=True)
-    while not stop.wait(1.0):  # signal handlers run in the main thread between waits
-        pass
+    signal.sigwait(stops)
     del store
     print(encode(make_event("state", "store", -1, state="stopped", host=args.host, port=args.port,
                             pid=os.getpid())), flush=True)
