@@ -8,6 +8,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# the tests' own system packages (not the hosts': setup.sh also runs on each host at `sync`): login shells that are
+# not sh, for the SSH test of a host user whose shell is fish or tcsh
+need_apt=()
+for pkg in fish tcsh; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "scripts/test.sh: installing ${need_apt[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq "${need_apt[@]}" >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null && apt-get install -y -qq "${need_apt[@]}" >/dev/null; }
+fi
 cores=$(nproc)
 workers=${ZEROBAND_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 if ! [[ "$workers" =~ ^[0-9]+$ ]]; then

@@ -33,16 +33,17 @@ USER = "zbtest"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
-def ensure_user(name: str = USER) -> pwd.struct_passwd:
-    """The login user of the SSH tests and labs, created once. Two test workers may ask at once on a fresh machine:
-    the first creates it under a lock, the second then finds it (useradd would fail on /etc/passwd's lock)."""
+def ensure_user(name: str = USER, shell: str = "/bin/sh") -> pwd.struct_passwd:
+    """The login user of the SSH tests and labs, created once, with that login shell. Two test workers may ask at
+    once on a fresh machine: the first creates it under a lock, the second then finds it (useradd would fail on
+    /etc/passwd's lock)."""
     with open("/run/zbtest-user.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held for a useradd at most
         try:
             return pwd.getpwnam(name)
         except KeyError:
             pass
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", name], check=True, capture_output=True,
+        subprocess.run(["useradd", "--create-home", "--shell", shell, name], check=True, capture_output=True,
                        timeout=30)
         # useradd leaves the password field "!" (locked); sshd without PAM refuses locked accounts even for keys
         subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True, timeout=30)
@@ -73,12 +74,13 @@ class Sshd:
         self.home = root / "home"  # a directory the non-root user may write (run dirs live here)
 
     @classmethod
-    def start_new(cls) -> "Sshd":
+    def start_new(cls, user: str = USER, shell: str = "/bin/sh") -> "Sshd":
+        """A server that lets `user` in (created with that login shell if missing)."""
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation directory
-        ensure_user()
+        ensure_user(user, shell)
         root = Path(tempfile.mkdtemp(prefix="zb-sshd-"))
         root.chmod(0o755)  # the user reads authorized_keys here
-        sshd = cls(root, free_port())
+        sshd = cls(root, free_port(), user)
         keygen(sshd.user_key, "console@test")
         (root / "authorized_keys").write_text((root / "user_key.pub").read_text())
         (root / "authorized_keys").chmod(0o644)

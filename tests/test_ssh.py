@@ -127,6 +127,48 @@ async def test_start_detached_tail_and_kill_with_metacharacters(sshd):
         await t.close()
 
 
+@pytest.mark.parametrize("shell", ["/usr/bin/fish", "/usr/bin/tcsh"])
+async def test_a_login_shell_that_is_not_sh_runs_every_command(shell):
+    """sshd runs a command through the user's login shell. Defect: a host user whose shell is fish or tcsh could run
+    none of the console's commands (`if ...; then ... fi`, `$(...)`, `2>/dev/null` are sh's). Every command now
+    reaches sh whatever the login shell, and does what it does under sh."""
+    assert os.access(shell, os.X_OK), f"{shell} missing: scripts/test.sh installs fish and tcsh"
+    server = Sshd.start_new(user=f"zb{Path(shell).name}", shell=shell)
+    server.trust()
+    try:
+        t = make_transport(server.host_spec("node f"))
+        try:
+            conn = await t._connection()  # the command as the login shell reads it: sh's syntax fails there
+            raw = await conn.run("if true; then echo sh; fi 2>/dev/null", check=False)
+            assert raw.stdout != "sh\n", raw  # (fish even says status 0 after its parse error)
+            rc, out, err = await t.run(f"if cd {C.qpath(str(server.home))} 2>/dev/null; then export X=$(echo 1); fi; "
+                                       "echo \"${X:-0}\" $0; echo err >&2; exit 3")
+            assert (rc, out, err) == (3, "1 sh\n", "err\n")
+            nasty = "it's \"$(touch PWNED)\"; `x` | & ~ $HOME \\ !1 %s\nline two"
+            assert (await t.run(f"printf %s {C.q(nasty)}"))[1] == nasty
+            assert (await t.run("cat", stdin=b"through stdin"))[1] == "through stdin"
+            await t.write_text("a dir/f.txt", nasty)
+            assert await t.read_text("a dir/f.txt") == nasty
+            pid = await t.start_detached([server.user_python(), writer(server), "3", "0.05"], NASTY_DIR,
+                                         env={"ZB_X": "a 'b' $(c)"})
+            assert await t.alive(pid)
+            tail = t.tail(f"{NASTY_DIR}/events.jsonl")
+            assert await asyncio.wait_for(collect(tail, 3), 20) == [b'{"i": %d}' % i for i in range(3)]
+            await tail.aclose()
+            assert await t.signal(pid, "KILL")
+            for _ in range(100):
+                if not await t.alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            assert not pid_alive(pid)
+            assert await t.preflight() is None
+            assert not list(server.home.rglob("PWNED"))
+        finally:
+            await t.close()
+    finally:
+        server.close()
+
+
 async def test_changed_host_key_is_refused_clearly(sshd):
     t = make_transport(sshd.host_spec("n", accept_new_host_key=True))  # even with the opt-in: changed != new
     await t.connect()

@@ -1,6 +1,8 @@
 """Shell command builders: pure functions from values to POSIX `sh` text. Every value goes through shlex.quote.
 
-The same text runs through a local `sh -c` and through an SSH channel, so local and remote behave alike.
+The same text runs through a local `sh -c` and through an SSH channel, so local and remote behave alike. sshd hands
+a command to the user's login shell, which may be fish or tcsh: over SSH the text goes through `through_sh`, which
+reaches sh unchanged whatever that shell.
 
 Detached start (what lets an engine outlive the console and the link):
 
@@ -20,6 +22,7 @@ channel. The wrapper records the exit status in RUN/rc; a process killed with it
 
 from __future__ import annotations
 
+import base64
 import shlex
 import signal
 from typing import Mapping, Sequence
@@ -38,6 +41,17 @@ _WRAPPER = ('trap : TERM INT HUP USR1 USR2; rc=$1; envf=$2; shift 2; '
 ENV_FILE = "env"
 TAG = "zeroband"  # the wrapper's $0: marks our processes, so a reused pid is not taken for an engine
 SYNC_SUFFIX = ".zb-sync"  # Transport.put_files writes a file here first, then renames it over the old one
+
+
+def through_sh(cmd: str) -> str:
+    """cmd as text that every login shell (sh, bash, zsh, fish, tcsh) hands to sh as it is. sshd runs a command
+    through the user's login shell, which parses it first: fish and csh read sh's `if`, `$(...)` and quoting their
+    own way (fish even answers status 0 after its parse error). The text travels as base64, whose letters every
+    shell leaves alone inside single quotes; sh decodes and evaluates it."""
+    encoded = base64.b64encode(cmd.encode()).decode()
+    return f"sh -c 'eval \"$(echo {encoded} | base64 -d)\"'"
+
+
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
 
 # preflight exit statuses -> what they mean

@@ -277,6 +277,7 @@ class SshTransport(Transport):
         MaxSessions (seen here: ten sessions open on the server while the client had eight). stdin, when given,
         is written to the channel and closed (EOF)."""
         mode = asyncssh.DEVNULL if stdin is None else asyncssh.PIPE
+        cmd = C.through_sh(cmd)  # the login shell (fish, tcsh...) parses it first: sh gets it as written
         for delay in CHANNEL_RETRY_S:
             try:
                 proc = await conn.create_process(cmd, stdin=mode, encoding=None)
