@@ -42,6 +42,9 @@ class StoreHost:
         self.bind_used: str | None = None  # what the running store was started to listen on
         self.health_task: asyncio.Task | None = None
         self._ensuring = asyncio.Lock()  # two restarts at once (marked nodes, r) start one store, not two
+        # held while a store is being started after a death: stop() waits for it, so a store whose start was in
+        # flight when the run was stopped is found and ended (it was left running: the stop had looked already)
+        self._restarting = asyncio.Lock()
         # the etcd members this console runs (store.backend etcd with etcd_hosts), else None
         self.etcd = E.cluster_of(hosts.profile, hosts.transport, E.pki_root(hosts.profile))
 
@@ -247,20 +250,24 @@ class StoreHost:
         except TransportError:
             pass  # the restart below says whether the host answers
         for failures in itertools.count():
-            if self.hosts.stopping or self.hosts.closed:
-                return False
-            try:
-                live = await self.hosts.running_pid(STORE, host.name)
-                if live is not None:  # it ran all along: its host did not answer when it was looked for
-                    self.pid = live
-                    self.fleet.set_store("up", None, pid=live)
-                    return True
-                self.pid = await self.hosts.transport(host.name).start_detached(
-                    store_argv(self.profile, self.bind_used), self.hosts.node_dir(STORE), env=host.env,
-                    append=True)
-            except TransportError as e:
-                self.fleet.set_store("down", f"{reason}; restart {failures + 1} failed: {e} (check {host.name}; "
-                                             f"the console keeps trying)")
+            async with self._restarting:
+                if self.hosts.stopping or self.hosts.closed:
+                    return False
+                try:
+                    live = await self.hosts.running_pid(STORE, host.name)
+                    if live is not None:  # it ran all along: its host did not answer when it was looked for
+                        self.pid = live
+                        self.fleet.set_store("up", None, pid=live)
+                        return True
+                    self.pid = await self.hosts.transport(host.name).start_detached(
+                        store_argv(self.profile, self.bind_used), self.hosts.node_dir(STORE), env=host.env,
+                        append=True)
+                    error = None
+                except TransportError as e:
+                    error = e
+            if error is not None:
+                self.fleet.set_store("down", f"{reason}; restart {failures + 1} failed: {error} (check "
+                                             f"{host.name}; the console keeps trying)")
                 await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                 continue
             self.fleet.set_store("restarting", f"after: {reason}", restarts=self.fleet.store.restarts + 1,
@@ -334,7 +341,8 @@ class StoreHost:
         are empty, KILL after console.stop_timeout; then the etcd members. Returns what may still run (a host that
         did not answer) and what etcd had to say."""
         host = self.profile.store_host.name
-        store = await self.hosts.live_pid(STORE, host)
+        async with self._restarting:  # a restart in flight ends first: its store is found below (none starts after)
+            store = await self.hosts.live_pid(STORE, host)
         probe = await self.hosts.live_pid(PROBE, host)  # it ends with the store, but only at its next look
         if store is not None:  # first: a console watching the store must not take its end for a crash and restart it
             await self.mark_stopped()

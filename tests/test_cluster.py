@@ -552,6 +552,56 @@ async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(
         await cluster.close()
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group runs (zombies, ended but not yet reaped, do not count)."""
+    import psutil
+
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, PermissionError):
+            continue
+    return False
+
+
+async def test_a_stop_while_the_store_is_being_restarted_leaves_no_store(workdir, cleanup):
+    """Defect: a stop that came while the console was starting a dead store again looked for the store before that
+    start was done, found none, and the new store ran on after the stop. The stop now waits for a restart in flight
+    and ends the store it started."""
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+        t = cluster.transport(profile.store_host.name)
+        real_start, in_flight, go_on, started = t.start_detached, asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+        async def slow_start(argv, run_dir, **kw):  # the store's start takes a while (a slow link, a loaded host)
+            if run_dir.endswith("_store"):
+                in_flight.set()
+                await go_on.wait()
+            pid = await real_start(argv, run_dir, **kw)
+            started.set()
+            return pid
+        t.start_detached = slow_start  # type: ignore[method-assign]
+        os.killpg(int((workdir / "runs/t/_store/pid").read_text()), signal.SIGKILL)
+        await asyncio.wait_for(in_flight.wait(), 20)
+        stopping = asyncio.ensure_future(cluster.stop())
+        await asyncio.wait({stopping}, timeout=3)  # the engines end in well under 3 s
+        go_on.set()
+        await asyncio.wait_for(started.wait(), 20)
+        outcome = await asyncio.wait_for(stopping, 30)
+        assert outcome.ok, outcome.message
+        restarted = int((workdir / "runs/t/_store/pid").read_text())
+        await asyncio.sleep(0.5)
+        assert not group_alive(restarted), "the store started during the stop runs on"
+        assert fleet.store.state == "stopped"
+    finally:
+        await cluster.close()
+
+
 async def test_a_watching_console_follows_a_node_another_console_starts(workdir, cleanup):
     """The chaos lab's way back: a node dies, a shell's `add NODE` (another console process) starts it again, and
     the dashboard watching the run shows it training again; the same for a standby host added from a shell."""
