@@ -473,8 +473,11 @@ def _differences(there: Any, here: dict[str, Any] | None, most: int = 4) -> str:
     if not isinstance(there, dict) or not here:
         return ""
     here = json.loads(json.dumps(here))  # as meta.json holds it: a tuple is a list there
-    out = [f"{key} = {toml_value(there.get(key))} there, {toml_value(here.get(key))} here"  # missing: unset
-           for key in sorted(set(there) | set(here)) if there.get(key, "unset") != here.get(key, "unset")]
+
+    def value(side: dict[str, Any], key: str) -> str:  # a setting one side's engine did not keep: "absent"
+        return toml_value(side[key]) if key in side else "absent"
+    out = [f"{key} = {value(there, key)} there, {value(here, key)} here"
+           for key in sorted(set(there) | set(here)) if value(there, key) != value(here, key)]
     if len(out) > most:
         out[most:] = [f"and {len(out) - most} more"]
     return "; ".join(out)

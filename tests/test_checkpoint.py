@@ -230,7 +230,11 @@ def test_corrupt_or_mismatched_checkpoints_are_clear_errors(tmp_path):
     kept, _ = ck.save(3, inner, data, progress, NoOuter())
     other.settings = {"data.seq_len": 64, "model.n_layers": 2, "diloco.inner_steps": 5, "diloco.overlap": True}
     with pytest.raises(ValueError, match=r"another config: data\.seq_len = 128 there, 64 here; diloco\.overlap "
-                                         r"= unset there, true here$"):
+                                         r"= absent there, true here$"):
+        other.read_meta(kept)
+    # a setting kept as None (unset) and one an older engine did not keep read apart: "unset" is not "absent"
+    other.settings = {**ck.settings, "diloco.overlap": None}
+    with pytest.raises(ValueError, match=r"another config: diloco\.overlap = absent there, unset here$"):
         other.read_meta(kept)
     fsdp = Checkpointer(ck.cfg, "unused", WORLD, "digest1", "fsdp", torch.device("cpu"))
     with pytest.raises(ValueError, match="inner.strategy ddp"):
