@@ -22,6 +22,8 @@ from console.widgets.panes import LogPane, RunHeader, Timeline
 
 # actions that change the cluster: hidden (and refused) in --readonly
 MUTATING = frozenset({"add", "drain", "kill", "restart"})
+# rows under the table that hold both charts (8 each); fewer (80x24 with a few nodes), one at a time, `c` swaps
+BOTH_CHARTS_ROWS = 16
 
 
 class DashboardScreen(Screen[None]):
@@ -35,6 +37,7 @@ class DashboardScreen(Screen[None]):
         Binding("slash", "filter", "Filter"),
         Binding("space", "mark", "Mark"),
         Binding("t", "trend", "Trend", show=False),
+        Binding("c", "swap_chart", "Chart", show=False),
         Binding("escape", "clear_filter", "Clear filter", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
@@ -45,6 +48,7 @@ class DashboardScreen(Screen[None]):
         self.heartbeat_timeout = heartbeat_timeout
         self.readonly = readonly
         self.filter_query = ""
+        self.one_chart = "loss"  # the chart shown when only one fits: "loss" or "outer"
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -82,6 +86,20 @@ class DashboardScreen(Screen[None]):
         self.query_one(LossChart).show(visible(fleet.nodes.values(), self.filter_query),
                                        focus=([selected] if selected else []) + focus)
         self.query_one(OuterChart).show(fleet)
+        self.fit_charts()
+
+    def fit_charts(self) -> None:
+        """Both charts where the rows under the table hold them; else the one chosen, and its border names `c`.
+        (At 80x24 the outer-step chart was laid out below the screen's last row.)"""
+        loss, outer = self.query_one(LossChart), self.query_one(OuterChart)
+        one = 0 < self.query_one("#lower").size.height < BOTH_CHARTS_ROWS
+        loss.display = not one or self.one_chart == "loss"
+        outer.display = not one or self.one_chart == "outer"
+        loss.border_subtitle = "c: outer steps" if one else ""
+        outer.set_hint("c: loss" if one else "")
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.fit_charts)  # once the table and the panes below it have their new sizes
 
     def render_ages(self, fleet: Any) -> None:
         """Heartbeat ages grow with the clock, not with events: refresh that one column."""
@@ -144,6 +162,12 @@ class DashboardScreen(Screen[None]):
             if node is not None:
                 node.marked = False
         self.table.sync(self._visible(), only=("mark",))
+
+    def action_swap_chart(self) -> None:
+        """Only where one chart fits: the other one."""
+        if self.query_one(LossChart).display != self.query_one(OuterChart).display:
+            self.one_chart = "outer" if self.one_chart == "loss" else "loss"
+            self.fit_charts()
 
     def action_trend(self) -> None:
         metric = self.table.toggle_trend()

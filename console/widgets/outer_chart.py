@@ -51,6 +51,7 @@ class OuterChart(PlotextPlot):
         self.steps: list[int] = []
         self.series: dict[str, list[float]] = {}
         self.caption = ""
+        self.hint = ""  # a key the dashboard names after the legend (`c: loss` when one chart fits)
 
     def show(self, fleet: Any) -> None:
         rounds = list(fleet.outer_rounds.values())[-BARS:]
@@ -64,11 +65,20 @@ class OuterChart(PlotextPlot):
         plt.clear_data()
         # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
         self.border_title = caption
-        self.border_subtitle = " ".join(f"[rgb{COLORS[part]}]██[/] {part}" for part in series) if steps else ""
+        self._subtitle()
         plt.xlabel("outer step")
         if steps:
             plt.stacked_bar([str(s) for s in steps], list(series.values()), color=[COLORS[p] for p in series])
         self.refresh()
+
+    def set_hint(self, hint: str) -> None:
+        if hint != self.hint:
+            self.hint = hint
+            self._subtitle()
+
+    def _subtitle(self) -> None:
+        legend = " ".join(f"[rgb{COLORS[part]}]██[/] {part}" for part in self.series) if self.steps else ""
+        self.border_subtitle = "  ".join(part for part in (legend, self.hint) if part)
 
     def render(self) -> RenderResult:
         try:
