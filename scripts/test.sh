@@ -12,7 +12,8 @@ scripts/setup.sh
 # not sh, for the SSH test of a host user whose shell is fish or tcsh
 need_apt=()
 for pkg in fish tcsh; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+  # installed, not merely known: a removed package keeps a "deinstall ok config-files" status that dpkg -s accepts
+  dpkg-query -W -f '${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "scripts/test.sh: installing ${need_apt[*]}" >&2

@@ -6,8 +6,8 @@ Defect: it pinned `torch==2.13.0` only. That is the CPU build on this machine be
 Now the spec names the CPU build (`+cpu`), asked first of whatever pip is configured with (this machine's local
 wheels), then of the PyTorch CPU index.
 
-setup.sh runs against stubs: a venv whose python records each call (pip answers as the stub is told), `dpkg` that
-has every package, `nvidia-smi` that finds no GPU. Nothing is installed.
+setup.sh runs against stubs: a venv whose python records each call (pip answers as the stub is told), `dpkg-query`
+that has every package installed, `nvidia-smi` that finds no GPU. Nothing is installed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _setup(tmp_path: Path, local_wheel: bool, gpu: bool = False, stamped: bool =
     bin_dir.mkdir()
     python = venv / "bin" / "python"
     python.write_text(STUB_PYTHON.format(python=sys.executable))
-    for path, text in ((python, None), (bin_dir / "dpkg", "#!/bin/sh\nexit 0\n"),
+    for path, text in ((python, None), (bin_dir / "dpkg-query", "#!/bin/sh\necho 'install ok installed'\n"),
                        (bin_dir / "nvidia-smi", f"#!/bin/sh\nexit {0 if gpu else 9}\n")):
         if text is not None:
             path.write_text(text)
