@@ -146,7 +146,7 @@ class Fleet:
         for key, value in facts.items():
             setattr(store, key, value)
         if state != store.state:
-            self._record(MembershipEvent(self._clock(), f"store {state}", "store", None, (), "console", reason))
+            self._record(MembershipEvent(self._clock(), state, "store", None, (), "console", reason))
             if state in ("down", "stopped", "off"):
                 store.rtt_ms = store.keys = None  # a gone store has no current figures
         store.state, store.reason = state, reason

@@ -533,8 +533,7 @@ async def test_live_two_workers_detail_outer_chart_and_store(two_by_two):
         await until(pilot, lambda: fleet.store.state == "up" and fleet.store.restarts == 1
                     and fleet.store.keys is not None, 60, "the store restarted and probed")
         assert int((Path(two_by_two.run.dir) / "_store" / "pid").read_text()) != store_pid
-        assert [e.change for e in fleet.timeline if e.subject == "store"][-3:] == [
-            "store down", "store restarting", "store up"]
+        assert [e.change for e in fleet.timeline if e.subject == "store"][-3:] == ["down", "restarting", "up"]
 
         await pilot.press("q")
         await pilot.press("s")

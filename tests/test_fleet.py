@@ -7,6 +7,7 @@ import time
 import pytest
 
 from console.fleet import OUTER_ROUNDS, Fleet, Node, NodeState
+from console.widgets.panes import timeline_line
 from engine.telemetry import encode, make_event
 
 
@@ -379,7 +380,8 @@ def test_store_health_and_its_alert():
     assert alert.plain.startswith("STORE DOWN 10.0.0.1:29600: store exited: Killed; restarting it -- ")
     assert "wait for it" in alert.plain and str(alert.style) == "bold white on red"
     assert fleet.store.keys is None  # a dead store has no current figures
-    assert [e.change for e in fleet.timeline] == ["store up", "store down"]
+    assert [e.change for e in fleet.timeline] == ["up", "down"]
+    assert timeline_line(fleet.timeline[-1]).endswith(" store down (store exited: Killed; restarting it)")  # once
 
 
 def test_a_node_held_without_steps_no_longer_counts_its_last_tokens_per_s():

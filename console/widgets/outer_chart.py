@@ -77,7 +77,7 @@ class OuterChart(PlotextPlot):
             self._subtitle()
 
     def _subtitle(self) -> None:
-        legend = " ".join(f"[rgb{COLORS[part]}]██[/] {part}" for part in self.series) if self.steps else ""
+        legend = " ".join(f"[rgb{COLORS[part]}]█[/] {part}" for part in self.series) if self.steps else ""
         self.border_subtitle = "  ".join(part for part in (legend, self.hint) if part)
 
     def render(self) -> RenderResult:

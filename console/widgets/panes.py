@@ -130,7 +130,7 @@ class Timeline(Static):
         self.update(text, layout=False)  # its size comes from the layout (1fr), never from its text
 
 
-_BAD = {"dead": "bold red", "failed": "bold red", "unreachable": "magenta", "rejected": "yellow"}
+_BAD = {"dead": "bold red", "failed": "bold red", "down": "bold red", "unreachable": "magenta", "rejected": "yellow"}
 
 
 def timeline_line(entry: Any) -> str:
