@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -312,6 +313,38 @@ def test_check_names_each_planted_problem_on_this_machine(tmp_path):
                                 "links", "clock"]
     assert [row.split()[:2] for row in table[1:]] == [["node-a", "engine,store"], ["node-b", "engine"]]
     assert all("this checkout" in row and "connected" in row for row in table[1:])
+
+
+async def test_a_port_taken_before_the_checks_listener_is_a_note_not_a_link_problem(tmp_path, monkeypatch):
+    """Defect: the facts probe finds a free port for each engine host's collectives, and the link test's listener
+    binds it a probe later. A port taken in between left nothing of the check listening there, and every other
+    host's refusal read as a link problem ("refused while the check listened there"). Now that port is a note:
+    not tested. Here the port is taken by a socket bound without listening (what refuses a connection)."""
+    from console.preflight import runner
+    from console.transport import make_transport
+
+    listen, squat, squat_ports = runner._listen, [], []
+
+    async def taken_first(host, binds, *args):
+        if host.name == "node-b":
+            for address, port in binds:
+                sock = socket.socket()
+                sock.bind((address, port))  # no SO_REUSEADDR: the listener's bind fails with EADDRINUSE
+                squat.append(sock)
+                squat_ports.append(port)
+        return await listen(host, binds, *args)
+    monkeypatch.setattr(runner, "_listen", taken_first)
+    try:
+        report = await runner.check_profile(load_profile(write_profile(tmp_path)), make_transport)
+    finally:
+        for sock in squat:
+            sock.close()
+    assert len(squat) == 1  # node-b's collectives (the store's port is node-a's)
+    taken = f"127.0.0.1:{squat_ports[0]}"
+    assert report.problems == [], report.lines()
+    assert report.notes == [f"node-b: {taken} was taken before the check's listener started there: that link was "
+                            f"not tested (run the check again)"]
+    assert [status for *_, status, _ in report.results["node-a"].links] == ["connected", "refused"]
 
 
 def test_a_start_with_a_problem_starts_nothing(tmp_path):
