@@ -25,7 +25,8 @@ say() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 for pkg in openssh-server openssh-client tmux iproute2 nftables etcd-server; do
   # installed, not merely known: a removed package keeps a "deinstall ok config-files" status that dpkg -s accepts
-  dpkg-query -W -f '${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+  # (and a held one reads "hold ok installed": the installed state alone is asked for)
+  [ "$(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null)" = installed ] || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -13,7 +13,8 @@ scripts/setup.sh
 need_apt=()
 for pkg in fish tcsh; do
   # installed, not merely known: a removed package keeps a "deinstall ok config-files" status that dpkg -s accepts
-  dpkg-query -W -f '${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || need_apt+=("$pkg")
+  # (and a held one reads "hold ok installed": the installed state alone is asked for)
+  [ "$(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null)" = installed ] || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "scripts/test.sh: installing ${need_apt[*]}" >&2

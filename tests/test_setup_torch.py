@@ -43,7 +43,7 @@ def _setup(tmp_path: Path, local_wheel: bool, gpu: bool = False, stamped: bool =
     bin_dir.mkdir()
     python = venv / "bin" / "python"
     python.write_text(STUB_PYTHON.format(python=sys.executable))
-    for path, text in ((python, None), (bin_dir / "dpkg-query", "#!/bin/sh\necho 'install ok installed'\n"),
+    for path, text in ((python, None), (bin_dir / "dpkg-query", "#!/bin/sh\nprintf installed\n"),
                        (bin_dir / "nvidia-smi", f"#!/bin/sh\nexit {0 if gpu else 9}\n")):
         if text is not None:
             path.write_text(text)
