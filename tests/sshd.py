@@ -72,6 +72,7 @@ class Sshd:
         self.user_key = root / "user_key"
         self.known_hosts = root / "known_hosts"
         self.home = root / "home"  # a directory the non-root user may write (run dirs live here)
+        self.extra_config: list[str] = []  # more sshd_config lines, in effect from the next start()
 
     @classmethod
     def start_new(cls, user: str = USER, shell: str = "/bin/sh") -> "Sshd":
@@ -98,7 +99,7 @@ class Sshd:
             "UsePAM no", "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
             "PermitRootLogin no", f"AllowUsers {self.user}", "MaxSessions 10",
             "LogLevel VERBOSE", "UseDNS no",
-            "Subsystem sftp internal-sftp", ""]))  # console sync sends files over SFTP
+            "Subsystem sftp internal-sftp", *self.extra_config, ""]))  # console sync sends files over SFTP
         return config
 
     def start(self, new_host_key: bool = False) -> None:

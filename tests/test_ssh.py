@@ -169,6 +169,26 @@ async def test_a_login_shell_that_is_not_sh_runs_every_command(shell):
         server.close()
 
 
+async def test_a_host_that_cannot_decode_the_commands_is_an_error_not_a_yes(sshd):
+    """A host without base64 (every command travels as base64: console/transport/commands.py) ran an empty command,
+    status 0: every process alive, every kill delivered, the preflight fine. Now each command is an error naming
+    the host and what it lacks. (sshd's SetEnv gives the session a PATH with sh and no base64.)"""
+    bare = sshd.root / "bare-bin"
+    bare.mkdir()
+    (bare / "sh").symlink_to("/bin/sh")
+    sshd.stop()
+    sshd.extra_config = [f"SetEnv PATH={bare}"]
+    sshd.start()
+    t = make_transport(sshd.host_spec("node z"))
+    try:
+        for ask in (t.run("true"), t.alive(os.getpid()), t.preflight()):
+            with pytest.raises(TransportError, match=r"^node z: zeroband: cannot decode a command of the console: "
+                                                     r"base64 -d failed \(the host needs coreutils or busybox\)$"):
+                await ask
+    finally:
+        await t.close()
+
+
 async def test_changed_host_key_is_refused_clearly(sshd):
     t = make_transport(sshd.host_spec("n", accept_new_host_key=True))  # even with the opt-in: changed != new
     await t.connect()

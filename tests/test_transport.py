@@ -66,6 +66,22 @@ def test_detached_command_quotes_every_value(tmp_path):
     assert not list(tmp_path.rglob("PWNED")), "a value reached the shell unquoted"
 
 
+def test_through_sh_runs_the_command_as_written_or_says_it_could_not_decode_it(tmp_path):
+    """What an SSH channel carries (console/transport/ssh.py): the command, as base64 that sh decodes. A host without
+    base64 (a bare container) would have run an empty command, status 0 for every alive and kill; it says so."""
+    cmd = "if true; then echo \"$0 ok\"; fi; printf '%s|' 'a\\b !x' \"$(echo nested)\"; cat; exit 3"
+    done = subprocess.run(["sh", "-c", C.through_sh(cmd)], input="in", capture_output=True, text=True, timeout=10)
+    assert (done.returncode, done.stdout, done.stderr) == (3, "sh ok\na\\b !x|nested|in", "")
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "sh").symlink_to("/bin/sh")  # sh, and no base64
+    done = subprocess.run(["/bin/sh", "-c", C.through_sh("echo ran")], capture_output=True, text=True, timeout=10,
+                          env={"PATH": str(bare)})
+    assert done.returncode == C.UNDECODED and done.stdout == ""
+    assert done.stderr.strip().splitlines()[-1] == (f"{C.UNDECODED_SAYS}: base64 -d failed (the host needs "
+                                                    "coreutils or busybox)")
+
+
 def test_a_program_under_home_is_the_host_users(tmp_path):
     """hosts.X.venv = "~/v": the check expands ~ on the host, so the start does too (it ran `~/v/bin/python`)."""
     (tmp_path / "v w" / "bin").mkdir(parents=True)

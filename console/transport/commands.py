@@ -43,13 +43,19 @@ TAG = "zeroband"  # the wrapper's $0: marks our processes, so a reused pid is no
 SYNC_SUFFIX = ".zb-sync"  # Transport.put_files writes a file here first, then renames it over the old one
 
 
+UNDECODED = 125  # through_sh's exit status where the host could not decode a command, with UNDECODED_SAYS on stderr
+UNDECODED_SAYS = "zeroband: cannot decode a command of the console"  # no ' \ ! (in the login shell's quotes)
+
+
 def through_sh(cmd: str) -> str:
     """cmd as text that every login shell (sh, bash, zsh, fish, tcsh) hands to sh as it is. sshd runs a command
     through the user's login shell, which parses it first: fish and csh read sh's `if`, `$(...)` and quoting their
     own way (fish even answers status 0 after its parse error). The text travels as base64, whose letters every
-    shell leaves alone inside single quotes; sh decodes and evaluates it."""
-    encoded = base64.b64encode(cmd.encode()).decode()
-    return f"sh -c 'eval \"$(echo {encoded} | base64 -d)\"'"
+    shell leaves alone inside single quotes; sh decodes and evaluates it. A host that cannot decode it says so
+    (UNDECODED): an empty command would have answered status 0 to everything (alive, kill, preflight)."""
+    encoded = base64.b64encode(cmd.encode("utf-8", "surrogateescape")).decode()
+    return (f"sh -c 'c=$(echo {encoded} | base64 -d) || {{ echo \"{UNDECODED_SAYS}: base64 -d failed (the host "
+            f"needs coreutils or busybox)\" >&2; exit {UNDECODED}; }}; eval \"$c\"'")
 
 
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)

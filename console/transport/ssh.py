@@ -268,7 +268,10 @@ class SshTransport(Transport):
             raise TransportError(self.lost_reason or f"no exit status from {self.host.name} (link lost?)", link=True)
         rc = result.exit_status if result.exit_status >= 0 else -1
         out = result.stdout if isinstance(result.stdout, bytes) else b""
-        return rc, out, _text(result.stderr)
+        err = _text(result.stderr)
+        if rc == C.UNDECODED and C.UNDECODED_SAYS in err:  # no command ran: not an answer of the command's
+            raise TransportError(f"{self.host.name}: {err.strip().splitlines()[-1]}")
+        return rc, out, err
 
     @staticmethod
     async def _open_channel(conn: asyncssh.SSHClientConnection, cmd: str,
