@@ -428,6 +428,15 @@ async def test_where_one_chart_fits_it_gets_the_rows_and_c_swaps_it(local_profil
         await pilot.press("c")
         await pilot.pause()
         assert loss.display and outer.display
+        await pilot.resize_terminal(80, 25)  # both fit, just; the filter box then takes three of their rows
+        await pilot.pause()
+        assert loss.display and outer.display and outer.region.bottom <= 24
+        await pilot.press("slash")
+        await pilot.pause()
+        assert loss.display != outer.display and max(loss.region.bottom, outer.region.bottom) <= 21
+        await pilot.press("escape")
+        await pilot.pause()
+        assert loss.display and outer.display
 
 
 async def test_garbage_never_crashes(local_profile):

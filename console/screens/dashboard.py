@@ -26,6 +26,14 @@ MUTATING = frozenset({"add", "drain", "kill", "restart"})
 BOTH_CHARTS_ROWS = 16
 
 
+class ChartArea(Horizontal):
+    """The charts and the side panes under the table. Its height follows the table's rows, the filter box and the
+    terminal: each change refits the charts (a screen resize alone missed a filter that shrank the table)."""
+
+    def on_resize(self) -> None:
+        self.screen.fit_charts()  # type: ignore[attr-defined]
+
+
 class DashboardScreen(Screen[None]):
     CSS_PATH = "dashboard.tcss"
     BINDINGS = [
@@ -53,7 +61,7 @@ class DashboardScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         yield NodeTable(self.heartbeat_timeout, id="nodes")
-        with Horizontal(id="lower"):
+        with ChartArea(id="lower"):
             with Vertical(id="charts"):
                 yield LossChart(id="chart")
                 yield OuterChart(id="outer")
@@ -97,9 +105,6 @@ class DashboardScreen(Screen[None]):
         outer.display = not one or self.one_chart == "outer"
         loss.border_subtitle = "c: outer steps" if one else ""
         outer.set_hint("c: loss" if one else "")
-
-    def on_resize(self) -> None:
-        self.call_after_refresh(self.fit_charts)  # once the table and the panes below it have their new sizes
 
     def render_ages(self, fleet: Any) -> None:
         """Heartbeat ages grow with the clock, not with events: refresh that one column."""
