@@ -90,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         store = dist.TCPStore(client_host, args.port, None, True, timedelta(seconds=30), wait_for_workers=False,
                               master_listen_fd=listener.fileno())
     except RuntimeError as e:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # as it was (main() may run in a caller's process)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"engine.store: cannot listen on {args.host}:{args.port}: {first}", file=sys.stderr)
         return 2
     ready = make_event("state", "store", -1, state="ready", host=args.host, port=args.port, pid=os.getpid())
     print(encode(ready), flush=True)
-    signal.sigwait(stops)
+    signal.sigwait(stops)  # (left blocked: a second stop signal while it ends must not cut its last line)
     del store
     print(encode(make_event("state", "store", -1, state="stopped", host=args.host, port=args.port,
                             pid=os.getpid())), flush=True)
