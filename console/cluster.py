@@ -82,6 +82,7 @@ class Cluster:
         self._watchers = Watchers(self._hosts, run_stopped=lambda: self._store.run_stopped())
         self._procs = self._watchers.procs  # the same dict: what the console knows of each node's process
         self._starting: set[str] = set()  # nodes an add or restart is starting now
+        self._stop_under_way = False  # stop() runs: an add or restart now would start what it is ending
         self._store_started_for: str | None = None  # the node an add started the run's store for
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
@@ -310,7 +311,8 @@ class Cluster:
         host = self.profile.hosts.get(name)
         if host is None:
             return Outcome(False, f"no node named {name!r}")
-        refused = self._config_refused(name)
+        refused = self._stop_refused(name)  # (an Outcome is false when refused: no `or` between these)
+        refused = refused if refused is not None else self._config_refused(name)
         if refused is not None:
             return refused
         if name in self._starting:  # an add or restart of it is under way (its checks take seconds): one engine
@@ -343,7 +345,8 @@ class Cluster:
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
         note, written = None, False
-        refused = self._config_refused(target)
+        refused = self._stop_refused(target)
+        refused = refused if refused is not None else self._config_refused(target)
         if refused is not None:  # before the profile or any host is touched
             return refused
         if target not in self.profile.hosts:
@@ -450,11 +453,22 @@ class Cluster:
         self.fleet.note(name, note)
         return note
 
+    def _stop_refused(self, name: str) -> Outcome | None:
+        """A node started while stop() runs could start the store again after the stop ended it, and outlive it."""
+        return Outcome(False, f"{name}: the run is being stopped") if self._stop_under_way else None
+
     async def stop(self) -> Outcome:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and
         its probe the same way. Returns when no process of the run is left on any host that answers: every process
         group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
         wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
+        self._stop_under_way = True
+        try:
+            return await self._stop()
+        finally:
+            self._stop_under_way = False
+
+    async def _stop(self) -> Outcome:
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
         await self._store.mark_stopped()  # before the engines end: another console watching them reads it
         running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}

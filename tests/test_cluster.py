@@ -602,6 +602,28 @@ async def test_a_stop_while_the_store_is_being_restarted_leaves_no_store(workdir
         await cluster.close()
 
 
+async def test_an_add_or_restart_while_the_run_is_being_stopped_is_refused(workdir, cleanup):
+    """A node started while a stop runs could start the run's store again after the stop had ended it (the store
+    then outlived the console). While stop() runs, add and restart say so and start nothing; after it, they work."""
+    profile = make_profile(workdir)
+    fleet = Fleet()
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+        stopping = asyncio.ensure_future(cluster.stop())
+        await asyncio.sleep(0)  # the stop has begun
+        for outcome, name in ((await cluster.restart("node-a"), "node-a"), (await cluster.add("node-c"), "node-c")):
+            assert not outcome.ok and outcome.message == f"{name}: the run is being stopped"
+        assert (await stopping).ok
+        assert "node-c" not in cluster.running() and fleet.store.state == "stopped"
+        assert (await cluster.restart("node-a")).ok  # the stop is over: a node starts, and the store with it
+        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="again")
+        await cluster.stop()
+    finally:
+        await cluster.close()
+
+
 async def test_a_watching_console_follows_a_node_another_console_starts(workdir, cleanup):
     """The chaos lab's way back: a node dies, a shell's `add NODE` (another console process) starts it again, and
     the dashboard watching the run shows it training again; the same for a standby host added from a shell."""
