@@ -25,6 +25,17 @@ def port() -> int:
     return free_port()
 
 
+@pytest.fixture
+def sshd():
+    """A real OpenSSH sshd on loopback whose host key is trusted (tests/sshd.py), closed after the test."""
+    from sshd import Sshd
+
+    server = Sshd.start_new()
+    server.trust()
+    yield server
+    server.close()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
