@@ -311,8 +311,7 @@ class Cluster:
         host = self.profile.hosts.get(name)
         if host is None:
             return Outcome(False, f"no node named {name!r}")
-        refused = self._stop_refused(name)  # (an Outcome is false when refused: no `or` between these)
-        refused = refused if refused is not None else self._config_refused(name)
+        refused = self._refused(name)
         if refused is not None:
             return refused
         if name in self._starting:  # an add or restart of it is under way (its checks take seconds): one engine
@@ -345,8 +344,7 @@ class Cluster:
     async def add(self, target: str) -> Outcome:
         """Start a standby (or stopped) profile host, or a new `[user@]address[:port]` written into the profile."""
         note, written = None, False
-        refused = self._stop_refused(target)
-        refused = refused if refused is not None else self._config_refused(target)
+        refused = self._refused(target)
         if refused is not None:  # before the profile or any host is touched
             return refused
         if target not in self.profile.hosts:
@@ -399,9 +397,13 @@ class Cluster:
             self._store_started_for = name  # a new address that then does not start stops it again (_not_added)
         return started, None if reason is None else Outcome(False, f"{name}: not started: {reason}")
 
-    def _config_refused(self, name: str) -> Outcome | None:
-        """An engine config the engines would refuse (a misspelt override): one `file:line: key` line, and nothing
-        starts (the engine would die at once, after "added")."""
+    def _refused(self, name: str) -> Outcome | None:
+        """Why an add or restart of name must not start anything, or None. While stop() runs: a node started then
+        could start the store again after the stop ended it, and outlive it. An engine config the engines would
+        refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at once,
+        after "added")."""
+        if self._stop_under_way:
+            return Outcome(False, f"{name}: the run is being stopped")
         try:
             check_engine_config(self.profile)
         except ProfileError as e:
@@ -452,10 +454,6 @@ class Cluster:
                 f"a run without overlap)")
         self.fleet.note(name, note)
         return note
-
-    def _stop_refused(self, name: str) -> Outcome | None:
-        """A node started while stop() runs could start the store again after the stop ended it, and outlive it."""
-        return Outcome(False, f"{name}: the run is being stopped") if self._stop_under_way else None
 
     async def stop(self) -> Outcome:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and

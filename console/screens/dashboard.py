@@ -94,7 +94,6 @@ class DashboardScreen(Screen[None]):
         self.query_one(LossChart).show(visible(fleet.nodes.values(), self.filter_query),
                                        focus=([selected] if selected else []) + focus)
         self.query_one(OuterChart).show(fleet)
-        self.fit_charts()
 
     def fit_charts(self) -> None:
         """Both charts where the rows under the table hold them; else the one chosen, and its border names `c`.
