@@ -10,6 +10,7 @@
 # is), TORCH_SPEC (pip's spec, instead), FORCE=1 (install again even when the venv's stamp says it is up to date), and
 # BASE_SITE: a site-packages folder on this machine that already has the project's packages (another venv of this
 # project, a shared image). The venv then sees them through a .pth file instead of downloading them again.
+# APT_EXTRA: more system packages, installed the same way (scripts/test.sh adds the tests' own).
 # `zeroband-console PROFILE sync` runs this on each host with FORCE=1, the console's torch version and the profile's
 # [sync] setup_env (docs/operations.md, "Before the first run").
 set -euo pipefail
@@ -23,7 +24,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf '[setup] %s\n' "$*" >&2; }
 
 need_apt=()
-for pkg in openssh-server openssh-client tmux iproute2 nftables etcd-server; do
+for pkg in openssh-server openssh-client tmux iproute2 nftables etcd-server ${APT_EXTRA:-}; do
   # installed, not merely known: a removed package keeps a "deinstall ok config-files" status that dpkg -s accepts
   # (and a held one reads "hold ok installed": the installed state alone is asked for)
   [ "$(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null)" = installed ] || need_apt+=("$pkg")

@@ -7,21 +7,9 @@
 # ZEROBAND_TEST_WORKERS=N runs N at a time; 0 or 1, one at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
-# the tests' own system packages (not the hosts': setup.sh also runs on each host at `sync`): login shells that are
-# not sh, for the SSH test of a host user whose shell is fish or tcsh
-need_apt=()
-for pkg in fish tcsh; do
-  # installed, not merely known: a removed package keeps a "deinstall ok config-files" status that dpkg -s accepts
-  # (and a held one reads "hold ok installed": the installed state alone is asked for)
-  [ "$(dpkg-query -W -f '${db:Status-Status}' "$pkg" 2>/dev/null)" = installed ] || need_apt+=("$pkg")
-done
-if [ ${#need_apt[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "scripts/test.sh: installing ${need_apt[*]}" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -qq "${need_apt[@]}" >/dev/null 2>&1 \
-    || { apt-get update -qq >/dev/null && apt-get install -y -qq "${need_apt[@]}" >/dev/null; }
-fi
+# the tests' own system packages too (not the hosts': setup.sh also runs on each host at `sync`): login shells that
+# are not sh, for the SSH test of a host user whose shell is fish or tcsh
+APT_EXTRA="fish tcsh" scripts/setup.sh
 cores=$(nproc)
 workers=${ZEROBAND_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}
 if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
