@@ -9,6 +9,7 @@ test runs the real engine on configs/debug-diloco.toml.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -152,6 +153,19 @@ def cleanup(workdir):
 
 def states(fleet: Fleet) -> dict[str, str]:
     return {n.name: n.state.value for n in fleet.nodes.values()}
+
+
+@contextlib.asynccontextmanager
+async def running(workdir: Path):
+    """A cluster of the stand-ins, started, its store up and node-a training; closed after (the engines run on)."""
+    fleet = Fleet()
+    cluster = Cluster(make_profile(workdir), fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+        yield cluster, fleet
+    finally:
+        await cluster.close()
 
 
 # ---- pure builders --------------------------------------------------------------------------------------------
@@ -531,12 +545,7 @@ async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(
     """Issue 13: the console restarts a store it started. A restart that dies before it is ready is retried; the
     nodes are never failed for a store that the run already had."""
     (workdir / "engine" / "store" / "__main__.py").write_text(FLAKY_STORE)
-    profile = make_profile(workdir)
-    fleet = Fleet()
-    cluster = Cluster(profile, fleet)
-    try:
-        await cluster.start()
-        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+    async with running(workdir) as (cluster, fleet):
         first = int((workdir / "runs/t/_store/pid").read_text())
         (workdir / "store-fails-once").write_text("")
         os.killpg(first, signal.SIGKILL)
@@ -548,34 +557,14 @@ async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(
         assert (workdir / "runs/t/_store/events.jsonl").read_text().count('"ready"') == 2  # appended, not replaced
         await cluster.stop()
         assert fleet.store.state == "stopped"
-    finally:
-        await cluster.close()
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether any process of the group runs (zombies, ended but not yet reaped, do not count)."""
-    import psutil
-
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                return True
-        except (ProcessLookupError, PermissionError):
-            continue
-    return False
 
 
 async def test_a_stop_while_the_store_is_being_restarted_leaves_no_store(workdir, cleanup):
     """Defect: a stop that came while the console was starting a dead store again looked for the store before that
     start was done, found none, and the new store ran on after the stop. The stop now waits for a restart in flight
     and ends the store it started."""
-    profile = make_profile(workdir)
-    fleet = Fleet()
-    cluster = Cluster(profile, fleet)
-    try:
-        await cluster.start()
-        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
-        t = cluster.transport(profile.store_host.name)
+    async with running(workdir) as (cluster, fleet):
+        t = cluster.transport(cluster.profile.store_host.name)
         real_start, in_flight, go_on, started = t.start_detached, asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def slow_start(argv, run_dir, **kw):  # the store's start takes a while (a slow link, a loaded host)
@@ -589,28 +578,24 @@ async def test_a_stop_while_the_store_is_being_restarted_leaves_no_store(workdir
         os.killpg(int((workdir / "runs/t/_store/pid").read_text()), signal.SIGKILL)
         await asyncio.wait_for(in_flight.wait(), 20)
         stopping = asyncio.ensure_future(cluster.stop())
-        await asyncio.wait({stopping}, timeout=3)  # the engines end in well under 3 s
+        # the engines end first; then the stop looks for the store (and, fixed, waits for the start in flight)
+        await until(lambda: stopping.done() or all(states(fleet)[n] == "left" for n in ("node-a", "node-b")), 30,
+                    what="the engines to end")
+        await asyncio.wait({stopping}, timeout=2)
         go_on.set()
         await asyncio.wait_for(started.wait(), 20)
         outcome = await asyncio.wait_for(stopping, 30)
         assert outcome.ok, outcome.message
         restarted = int((workdir / "runs/t/_store/pid").read_text())
         await asyncio.sleep(0.5)
-        assert not group_alive(restarted), "the store started during the stop runs on"
+        assert not await t.group_alive(restarted), "the store started during the stop runs on"
         assert fleet.store.state == "stopped"
-    finally:
-        await cluster.close()
 
 
 async def test_an_add_or_restart_while_the_run_is_being_stopped_is_refused(workdir, cleanup):
     """A node started while a stop runs could start the run's store again after the stop had ended it (the store
     then outlived the console). While stop() runs, add and restart say so and start nothing; after it, they work."""
-    profile = make_profile(workdir)
-    fleet = Fleet()
-    cluster = Cluster(profile, fleet)
-    try:
-        await cluster.start()
-        await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="up")
+    async with running(workdir) as (cluster, fleet):
         stopping = asyncio.ensure_future(cluster.stop())
         await asyncio.sleep(0)  # the stop has begun
         for outcome, name in ((await cluster.restart("node-a"), "node-a"), (await cluster.add("node-c"), "node-c")):
@@ -620,8 +605,6 @@ async def test_an_add_or_restart_while_the_run_is_being_stopped_is_refused(workd
         assert (await cluster.restart("node-a")).ok  # the stop is over: a node starts, and the store with it
         await until(lambda: fleet.store.state == "up" and states(fleet)["node-a"] == "training", what="again")
         await cluster.stop()
-    finally:
-        await cluster.close()
 
 
 async def test_a_watching_console_follows_a_node_another_console_starts(workdir, cleanup):

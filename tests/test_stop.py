@@ -286,16 +286,6 @@ HEADLESS = ("import sys; from console import cli; from console.cluster import Cl
             "sys.exit(cli.main(sys.argv[1:], cluster_factory=lambda profile, fleet, **_: Cluster(profile, fleet)))")
 
 
-@pytest.fixture
-def sshd():
-    from sshd import Sshd
-
-    server = Sshd.start_new()
-    server.trust()
-    yield server
-    server.close()
-
-
 @pytest.mark.timeout(240)
 def test_stop_from_a_shell_over_ssh_leaves_nothing_on_any_host(sshd, procs, repo_root):
     """The issue's run: two hosts named only by ssh_config aliases, `--headless`, then `zeroband-console PROFILE
