@@ -28,6 +28,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence, TextIO
 
+from console.dependency_warnings import route_dependency_warnings
 from console.fleet import Fleet, Node, NodeState
 from console.preflight import PreflightFailed
 from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
@@ -309,6 +310,7 @@ def engine_config_error(profile: Any) -> str | None:
 
 def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
          out: TextIO | None = None) -> int:
+    route_dependency_warnings()  # first, before asyncssh is imported: a library's deprecations go to the debug log
     args = parse_args(argv)
     out = out or sys.stdout
     try:
