@@ -24,7 +24,7 @@ from console import etcd as E
 from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STOPPED, STORE, Hosts
 from console.launch import probe_argv, store_argv
 from console.profile import Profile
-from console.transport import TransportError
+from console.transport import TransportError, last_said
 from console.transport import commands as C
 
 OWNER = "owner"  # in the store's folder: which console's profile started it (owner_of)
@@ -220,7 +220,7 @@ class StoreHost:
                     if await t.read_text(self.hosts.path(STORE, STOPPED)) is not None:
                         self.fleet.set_store("stopped", None)  # another console's stop(): it ends the run
                         return
-                    log = (await t.last_lines(self.hosts.path(STORE, C.LOG), 3)).strip().splitlines()
+                    log = await last_said(t, self.hosts.path(STORE, C.LOG))
                     reason = f"store exited: {log[-1] if log else 'no output'}"
                     if not ever_ready:
                         self.fleet.set_store("down", reason)

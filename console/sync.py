@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
 from console.checkout import Checkout, CheckoutError, TrackedFile
+from console.dependency_warnings import without_dependency_warnings
 from console.preflight.rules import PACKAGES, same_torch
 from console.preflight.runner import FALLBACK_PYTHON, console_torch, identity_missing, run_probe
 from console.profile import HostSpec, Profile
@@ -213,7 +214,7 @@ async def _setup(profile: Profile, t: Transport, host: HostSpec, say: Callable[[
     except TransportError as e:
         say(f"{host.name}: {SETUP} failed: {e}")
         return False
-    lines = (out + err).strip().splitlines()
+    lines = without_dependency_warnings(out + err).strip().splitlines()  # not a library's deprecations
     for line in (lines[-20:] if rc != 0 else [ln for ln in lines if ln.startswith("[setup]")]):
         say(f"{host.name}:   {line}")  # setup.sh's own steps; everything pip said when it failed
     if rc != 0:

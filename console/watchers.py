@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from console.fleet import NodeState
 from console.hosts import BACKOFF_S, KILLED, SETTLE_S, Hosts
 from console.profile import Profile
-from console.transport import TransportError
+from console.transport import TransportError, last_said
 from console.transport import commands as C
 
 
@@ -199,7 +199,7 @@ class Watchers:
             return  # the engine said how it ended (run_end); a mesh "dead" after that is moot
         try:
             rc = await t.read_text(self.hosts.path(name, C.RC))
-            log = (await t.last_lines(self.hosts.path(name, C.LOG), 3)).strip().splitlines()
+            log = await last_said(t, self.hosts.path(name, C.LOG))
             killed = await t.read_text(self.hosts.path(name, KILLED)) is not None
         except TransportError as e:
             self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))

@@ -106,6 +106,34 @@ def test_a_hosts_stderr_loses_the_dependency_deprecations_and_keeps_everything_e
     assert D.without_dependency_warnings(noise) == ""
 
 
+async def test_a_probe_that_fails_names_its_error_not_the_warnings_printed_after_it(tmp_path):
+    """runner.run_probe quotes the last line of a failed probe's stderr: a python whose dependencies warn as it
+    ends (here: a wrapper that imports the real asyncssh after the error) still says its error."""
+    from console.preflight.runner import run_probe
+    from console.transport.local import LocalTransport
+    from console.profile import HostSpec
+
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/sh\necho 'python: the probe cannot run here' >&2\n"
+                       f"{sys.executable} -c 'import asyncssh'\nexit 3\n")
+    wrapper.chmod(0o755)
+    t = LocalTransport(HostSpec(name="here", transport="local", workdir=str(tmp_path)))
+    rc, answer, error = await run_probe(t, str(tmp_path), str(wrapper), {"mode": "facts"}, 60)
+    assert (rc, answer, error) == (3, None, "python: the probe cannot run here")
+
+
+async def test_a_dead_engines_reason_quotes_its_last_words_not_a_librarys_source_line(tmp_path):
+    """The watchers and the store quote the last line of a process's log (console.transport.last_said)."""
+    from console.profile import HostSpec
+    from console.transport import LocalTransport, last_said
+
+    log = tmp_path / "engine.log"
+    log.write_text("step 3 loss 4.1\nerror: the store went away\n" + asyncssh_import_stderr() * 3)
+    t = LocalTransport(HostSpec(name="here", transport="local", workdir=str(tmp_path)))
+    assert await last_said(t, "engine.log") == ["step 3 loss 4.1", "error: the store went away"]
+    assert await last_said(t, "engine.log", 1) == ["error: the store went away"]
+
+
 # ---- the real console over SSH -------------------------------------------------------------------------------------
 def test_check_and_status_over_ssh_print_no_dependency_warning(sshd, tmp_path):
     """The real `zeroband-console PROFILE check` and `status`, with the installed asyncssh and cryptography, against

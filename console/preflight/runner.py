@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 
 from console import etcd as E
 from console.checkout import Checkout
+from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, NodeState
 from console.hosts import STORE
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
@@ -240,8 +241,8 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
                                    f"exec {C.qpath(python)} -", timeout=timeout, stdin=program)
     except TransportError as e:
         return -1, None, str(e)
-    if rc != 0:
-        last = (err.strip().splitlines() or [f"exit status {rc}"])[-1]
+    if rc != 0:  # its last line says why; a dependency's deprecation warning after it is not the reason
+        last = (without_dependency_warnings(err).strip().splitlines() or [f"exit status {rc}"])[-1]
         return rc, None, last
     try:
         return rc, json.loads(out.strip().splitlines()[-1]), None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from console.profile import HostSpec
-from console.transport.base import Tail, Transport, TransportError
+from console.transport.base import Tail, Transport, TransportError, last_said
 from console.transport.local import LocalTransport
 
 
@@ -15,4 +15,4 @@ def make_transport(host: HostSpec) -> Transport:
     return SshTransport(host)
 
 
-__all__ = ["LocalTransport", "Tail", "Transport", "TransportError", "make_transport"]
+__all__ = ["LocalTransport", "Tail", "Transport", "TransportError", "last_said", "make_transport"]

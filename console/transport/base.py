@@ -10,6 +10,7 @@ import abc
 import re
 from typing import Mapping, Sequence
 
+from console.dependency_warnings import without_dependency_warnings
 from console.profile import HostSpec
 from console.transport import commands as C
 
@@ -26,6 +27,7 @@ class TransportError(Exception):
         self.link = link
 
 
+SAID_SPARE = 40  # lines read beyond what last_said() returns: room for twenty two-line warnings after the reason
 _BACKOFF = re.compile(r" \(retrying in [\d.]+s\)")
 
 
@@ -169,6 +171,14 @@ class Transport(abc.ABC):
         rc, _, err = await self.run(C.preflight_command(workdir=self.workdir, python=python, config=config))
         reason = C.preflight_reason(rc, workdir=self.workdir, python=python, config=config)
         return reason if rc in C.PREFLIGHT_REASONS or rc == 0 else f"{reason}: {err.strip()}"
+
+
+async def last_said(t: Transport, path: str, lines: int = 3) -> list[str]:
+    """The last lines of a process's log (its stderr) as a reason quotes them: without a dependency's deprecation
+    warnings (console/dependency_warnings.py), so a node never reads "exited: <a library's source line>". The log
+    itself keeps them."""
+    text = await t.last_lines(path, lines + SAID_SPARE)
+    return without_dependency_warnings(text).strip().splitlines()[-lines:]
 
 
 async def collect(tail: Tail, limit: int) -> list[bytes]:
