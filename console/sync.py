@@ -11,11 +11,12 @@ first that answers; hosts on this machine share a folder by its real path):
    over SFTP on the host's SSH connection (a file write on this machine), each file to a temporary name and
    renamed over (a reader never sees half a file); remove those stray engine files (the version `check` compares
    covers every engine/**/*.py). Nothing is sent to a host that has it all: a second sync moves nothing;
-3. the venv the host's profile names, when missing or stale (no scripts/setup.sh stamp for these pyproject.toml
-   and setup.sh, a package missing, another torch than the console's): scripts/setup.sh runs there with VENV,
-   PYTHON and `[sync] setup_env` (its values travel on stdin, never in a command line). Without BASE_SITE (a
-   site-packages on the host that has the packages, linked into the venv) setup downloads packages: a host that
-   cannot reach the registry gets one line saying so and setup is not tried.
+3. the venv the host's profile names, when missing or stale (no scripts/setup.sh stamp for these pyproject.toml,
+   requirements.lock and setup.sh, a package missing, another torch than the console's): scripts/setup.sh runs
+   there with VENV, PYTHON and `[sync] setup_env` (its values travel on stdin, never in a command line) and
+   installs the lock's versions. Without BASE_SITE (a site-packages on the host that has the packages, linked into
+   the venv) setup downloads packages: a host that cannot reach the registry gets one line saying so and setup is
+   not tried.
 
 The console's own checkout is never written (a local host whose workdir is it): it is the version by definition.
 """
@@ -246,7 +247,8 @@ async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     if answer.get("gpus") and str(theirs).endswith("+cpu"):  # the same version to same_torch, but no CUDA
         return f"has torch {theirs}, the CPU build, on a host with {answer['gpus']} GPU(s)"
     if host.venv and answer["stamp"] != answer["stamp_want"]:
-        return "was set up from another pyproject.toml or setup.sh" if answer["stamp"] else "was not made by setup"
+        return ("was set up from another pyproject.toml, requirements.lock or setup.sh" if answer["stamp"] else
+                "was not made by setup")
     return None
 
 

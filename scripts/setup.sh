@@ -2,8 +2,9 @@
 # Idempotent set-up of everything the project needs on a fresh Debian/Ubuntu machine:
 # system packages (OpenSSH server for the SSH tests, tmux, iproute2 and nftables for the chaos lab's network
 # namespaces and packet loss, etcd-server for the etcd store backend and its tests), a virtual environment in .venv,
-# torch (the CPU build, pinned, where there is no NVIDIA driver), and the project with its extras.
-# Re-running it is cheap: each step is skipped when already done.
+# torch (the CPU build, pinned, where there is no NVIDIA driver), and the project with its extras at the versions of
+# requirements.lock (the ones the suite passed with: pip's -c takes only what the project asks for, at those versions;
+# scripts/lock.sh rewrites it). Re-running it is cheap: each step is skipped when already done.
 #
 # Environment: PYTHON (the interpreter the venv is made from), VENV (default .venv; a leading ~ is $HOME),
 # TORCH_VERSION (default 2.13.0: the CPU build of it where there is no NVIDIA driver, PyPI's CUDA build where there
@@ -20,8 +21,14 @@ VENV=${VENV:-.venv}
 case "$VENV" in "~" | "~/"*) VENV="$HOME${VENV#\~}" ;; esac
 case "$PYTHON" in "~/"*) PYTHON="$HOME${PYTHON#\~}" ;; esac
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+LOCK=requirements.lock
 
 say() { printf '[setup] %s\n' "$*" >&2; }
+
+if [ ! -s "$LOCK" ]; then  # a tracked file: sync sends it with the rest; without it pip would take any version
+  say "$PWD/$LOCK is missing or empty: restore it (git checkout -- $LOCK) or make it with scripts/lock.sh"
+  exit 1
+fi
 
 need_apt=()
 for pkg in openssh-server openssh-client tmux iproute2 nftables etcd-server ${APT_EXTRA:-}; do
@@ -56,9 +63,10 @@ if [ ! -s corpus-large/stdlib_sources.jsonl ]; then
   "$PY" scripts/make_corpus.py --sources >/dev/null
 fi
 
-# Install again only when the dependency list changed.
+# Install again only when the dependency list or the lock changed (console/preflight/probe.py's setup_digest is this
+# digest: sync compares the two to decide whether a host's venv is stale).
 stamp="$VENV/.zeroband-setup"
-want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+want=$(sha256sum pyproject.toml "$LOCK" scripts/setup.sh | sha256sum | cut -c1-16)
 if [ -z "${FORCE:-}" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -113,7 +121,8 @@ else
     fi
   fi
 fi
-say "installing the project and its extras (dev, deepspeed)"
-"$PY" -m pip install -q --disable-pip-version-check -e ".[dev,deepspeed]"
+# torch's own dependencies came with it; the lock brings those it shares with the project to the locked versions
+say "installing the project and its extras (dev, deepspeed) at the versions of $LOCK"
+"$PY" -m pip install -q --disable-pip-version-check -c "$LOCK" -e ".[dev,deepspeed]"
 echo "$want" > "$stamp"
 say "done"

@@ -40,6 +40,7 @@ import time
 
 MANIFEST = "manifest.json"  # engine/data/shards.py: a prepared folder's manifest
 STAMP = ".zeroband-setup"  # scripts/setup.sh: in the venv, the digest of what it was set up from
+SETUP_INPUTS = ("pyproject.toml", "requirements.lock", "scripts/setup.sh")  # what that digest covers, in order
 SUBPROCESS_S = 5.0
 IN_WORKDIR = "ZEROBAND_PROBE_IN_WORKDIR"  # set by runner.run_probe when it started the probe in the workdir
 
@@ -82,10 +83,10 @@ def engine_digest(root):
 
 
 def setup_digest(root):
-    """What scripts/setup.sh writes into VENV/.zeroband-setup: `sha256sum pyproject.toml scripts/setup.sh |
-    sha256sum | cut -c1-16`, or None when either file is missing."""
+    """What scripts/setup.sh writes into VENV/.zeroband-setup: `sha256sum pyproject.toml requirements.lock
+    scripts/setup.sh | sha256sum | cut -c1-16`, or None when any of them is missing."""
     lines = []
-    for rel in ("pyproject.toml", "scripts/setup.sh"):
+    for rel in SETUP_INPUTS:
         try:
             with open(os.path.join(root, rel), "rb") as f:
                 lines.append("%s  %s\n" % (hashlib.sha256(f.read()).hexdigest(), rel))
