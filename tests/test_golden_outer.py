@@ -47,3 +47,23 @@ def test_golden_run_gives_the_recorded_numbers_to_the_last_bit(spec, procs):
         pytest.fail("\n".join([f"golden run {spec['name']} differs from tests/golden/outer.json:", *diffs,
                                 record.torch_note(TABLE) or f"(torch {TABLE['header']['torch']}, as recorded)"]),
                     pytrace=False)
+
+
+def test_a_difference_of_one_ulp_is_named_by_run_node_and_step_and_another_torch_is_said():
+    """The comparison itself, on the table: one loss one ulp off, one outer step's checksum changed."""
+    import copy
+    import math
+    name = "sync-none-poison"
+    got = copy.deepcopy({"header": TABLE["header"], "runs": {name: TABLE["runs"][name]}})
+    step = got["runs"][name]["nodes"]["b"]["steps"][4]
+    step["loss"] = math.nextafter(float.fromhex(step["loss"]), math.inf).hex()
+    got["runs"][name]["nodes"]["c"]["outer"]["3"]["checksum"] = "0" * 12
+    diffs = record.compare(TABLE, got)
+    assert len(diffs) == 2, diffs
+    assert diffs[0].startswith(f"{name}: node b, step 5 (the first that differs): loss expected '")
+    assert f" got '{step['loss']}'" in diffs[0]
+    assert diffs[1].startswith(f"{name}: node c, outer step 3 (the first that differs): checksum expected '")
+    assert record.compare(TABLE, {"header": TABLE["header"], "runs": dict(TABLE["runs"])}) == []
+    assert record.torch_note(TABLE) == ""
+    other = dict(TABLE, header=dict(TABLE["header"], torch="2.4.0"))
+    assert "recorded with torch 2.4.0, this is torch" in record.torch_note(other)
