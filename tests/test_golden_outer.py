@@ -38,6 +38,7 @@ def test_the_table_holds_every_golden_run_and_how_it_was_made():
             assert all(len(o["checksum"]) == 12 for o in rec["outer"].values()), (name, node)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", record.RUNS, ids=[r["name"] for r in record.RUNS])
 def test_golden_run_gives_the_recorded_numbers_to_the_last_bit(spec, procs):
     got = {"header": TABLE["header"], "runs": {spec["name"]: record.record_run(spec, procs)}}
