@@ -22,7 +22,7 @@ from console.widgets.panes import LogPane, RunHeader, Timeline
 
 # actions that change the cluster: hidden (and refused) in --readonly
 MUTATING = frozenset({"add", "drain", "kill", "restart"})
-# rows under the table that hold both charts (8 each); fewer (80x24 with a few nodes), one at a time, `c` swaps
+# rows under the table that hold both charts (8 each); fewer (80x24 with five nodes), one at a time, `c` swaps
 BOTH_CHARTS_ROWS = 16
 
 
