@@ -23,7 +23,7 @@ KEYS = """\
 | `l` | the selected node's full log |
 | `/` | filter nodes by name, host or state (`escape` clears) |
 | `t` | sparkline of tokens/s or loss |
-| `c` | where one chart fits (under 16 rows below the table, as at 80x24 with five nodes): the loss or the outer steps |
+| `c` | where one chart fits (under 17 rows below the table, as at 80x24): the loss or the outer steps |
 | `ctrl+p` | command palette: every action by name |
 | `?` | this help |
 | `q` | quit: leave training running, or stop it (once the run has ended, at once) |
