@@ -313,6 +313,12 @@ class NodeTable(DataTable):
                 label = fit_label(trend_labels(self.trend), width)
                 self._layout[index] = (key, label, width)
                 self.columns[self._column_key("trend")].label = Text(label)
+                # the header's render is cached by cursor and update count, neither of which a label changes (with
+                # the cursor moved since the last frame, the old label stayed on screen)
+                clear = getattr(self, "_clear_caches", None)
+                if clear is not None:
+                    clear()
+                self.refresh()
         return self.trend
 
     def _column_key(self, key: str):
