@@ -38,6 +38,7 @@ NODES = {
 NEEDED = {"name": "node", "state": "state", "util": "util", "loss": "loss", "tps": "tok/s"}  # and hb (or heartbeat)
 # the documented order: host hides first, then trend, memory, step (these names are 11 long, the hosts `local`)
 HIDDEN = {80: {"host", "trend", "mem"}, 100: {"host", "trend"}, 120: set()}
+COLUMNS_KEYS = [c.key for c in COLUMNS]
 
 
 @pytest.fixture
@@ -76,7 +77,7 @@ def drawn_columns(table: NodeTable, lines: list[str]) -> tuple[dict[str, str], d
     """Each column's header and each row's cells as drawn on screen: the text between the x where the table draws
     the column and its end (cut at the table's right edge, as a terminal would cut it)."""
     top, x, right = table.region.y, table.region.x, table.scrollable_content_region.right
-    header, spans = {}, []
+    spans = []
     for column in table.ordered_columns:
         width = column.get_render_width(table)
         spans.append((column.key.value, x, min(x + width, right), str(column.label)))
@@ -145,9 +146,6 @@ async def test_the_node_table_fits_the_terminal_and_keeps_state_loss_and_tokens(
             assert_fits(app, size[0])
             header = screen_lines(app)[table.region.y]
             assert ("trend" in shown) == (f"trend {metric} " in header), header
-
-
-COLUMNS_KEYS = [c.key for c in COLUMNS]
 
 
 def test_columns_hide_in_their_order_on_both_sides_of_each_width():
