@@ -22,8 +22,9 @@ from console.widgets.panes import LogPane, RunHeader, Timeline
 
 # actions that change the cluster: hidden (and refused) in --readonly
 MUTATING = frozenset({"add", "drain", "kill", "restart"})
-# rows under the table that hold both charts (8 each); fewer (80x24 with a few nodes), one at a time, `c` swaps
-BOTH_CHARTS_ROWS = 16
+# rows under the table that hold both charts; fewer (80x24 with a few nodes), one at a time, `c` swaps. 16 (8 each)
+# left the loss chart one row of plot at 80x24 once the node table had no sideways scroll bar to take a row
+BOTH_CHARTS_ROWS = 17
 
 
 class ChartArea(Horizontal):

@@ -23,10 +23,14 @@ KEYS = """\
 | `l` | the selected node's full log |
 | `/` | filter nodes by name, host or state (`escape` clears) |
 | `t` | sparkline of tokens/s or loss |
-| `c` | where one chart fits (under 16 rows below the table, as at 80x24): the loss or the outer steps |
+| `c` | where one chart fits (under 17 rows below the table, as at 80x24): the loss or the outer steps |
 | `ctrl+p` | command palette: every action by name |
 | `?` | this help |
 | `q` | quit: leave training running, or stop it (once the run has ended, at once) |
+
+The table fits the terminal's width: node, state, util, heartbeat (`hb`), loss and tokens/s always show; where
+the rest do not fit, host hides first, then the trend, memory and step (`enter` shows a node's host, memory and
+step). Numbers too long for their column are shortened, never cut: `1.235M` tokens/s, a loss of `123.457`.
 
 Heartbeat ages turn yellow at a third of the mesh's heartbeat timeout and red past it.
 Without a GPU the util column shows the host's CPU% (the whole machine's: nodes sharing a machine show the same

@@ -164,11 +164,19 @@ def age_cell(age: float | None, timeout: float, live: bool = True) -> Text:
     if age is None or not _finite(age):
         return Text("-", style="dim")
     if not live:
-        return Text(f"{age:.0f}s", style="dim")
+        return Text(_whole_seconds(age), style="dim")
     if age < timeout / 3:
         # healthy: whole seconds; tenths would change every cell on every redraw for no information
-        return Text(f"{age:.0f}s", style="green")
-    return Text(f"{age:.1f}s", style="yellow" if age < timeout else "bold red")
+        return Text(_whole_seconds(age), style="green")
+    # tenths while they tell something (a late beat); a node silent for minutes reads in whole seconds, so the
+    # text stays within the table's six-character heartbeat column
+    text = f"{age:.1f}s" if age < 100 else _whole_seconds(age)
+    return Text(text, style="yellow" if age < timeout else "bold red")
+
+
+def _whole_seconds(age: float) -> str:
+    """At most six characters: seconds up to 99999 (27 hours), then hours."""
+    return f"{age:.0f}s" if age < 99_999.5 else f"{age / 3600:.0f}h"
 
 
 def num_cell(value: float | None, fmt: str = "{:,.0f}") -> str:
@@ -181,6 +189,32 @@ def num_cell(value: float | None, fmt: str = "{:,.0f}") -> str:
 
 def loss_cell(value: float | None) -> str:
     return num_cell(value, "{:.4f}")
+
+
+SI_SUFFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def fit_num(value: float | None, fmt: str = "{:,.0f}", width: int = 7) -> str:
+    """num_cell's text where it fits `width` characters; else fewer decimals (a loss of 123.4567 reads 123.457),
+    then as many significant digits as fit with a suffix (1234567 reads 1.235M): a table column never cuts a
+    number, which would show another number."""
+    text = num_cell(value, fmt)
+    if len(text) <= width:
+        return text
+    v = float(value)  # type: ignore[arg-type]  # num_cell gave a number: value is a finite number
+    if "." in fmt:
+        for decimals in range(int(fmt.split(".")[1][0]) - 1, -1, -1):
+            text = f"{v:.{decimals}f}"
+            if len(text) <= width:
+                return text
+    for scale, suffix in SI_SUFFIXES:
+        if abs(v) >= scale:
+            for digits in range(4, 0, -1):
+                text = f"{v / scale:.{digits}g}{suffix}"
+                if len(text) <= width and "e" not in text:
+                    return text
+            break
+    return f"{v:.0e}"  # past the largest suffix (garbage): the shortest form that still says how big
 
 
 def sparkline(values: Iterable[float], width: int = 12) -> str:

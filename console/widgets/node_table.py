@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Callable, Iterable, Sequence
 
@@ -12,22 +13,76 @@ from textual.widgets.data_table import CellDoesNotExist, ColumnKey, RowKey
 
 from console.widgets import cells
 
-# (key, label, width) -- fixed widths so an in-place update never re-measures the columns
-COLUMNS: tuple[tuple[str, str, int], ...] = (
-    ("mark", " ", 1),
-    ("name", "node", 14),
-    ("host", "host", 16),
-    ("state", "state", 11),  # the state alone: the reason is in the log title, the detail view, the timeline
-    ("util", "util", 14),
-    ("mem", "memory", 16),
-    ("hb", "heartbeat", 9),
-    ("step", "step", 8),
-    ("loss", "loss", 8),
-    ("tps", "tok/s", 9),
-    ("trend", "trend", 16),
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the node table: its labels (longest first: the longest that fits is shown), the narrowest width
+    that shows every value whole, the width it grows to where there is room, and `hides`: 0 for a column always
+    shown, else its place in the order columns hide when the terminal is too narrow (1 hides first)."""
+
+    key: str
+    labels: tuple[str, ...]
+    min: int
+    max: int
+    hides: int = 0
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("mark", (" ",), 1, 1),
+    Column("name", ("node",), 6, 20),  # measured: as wide as the longest name shown, within these bounds
+    Column("host", ("host",), 5, 16, hides=1),  # measured; also in the detail view and `status`; `/` still matches it
+    Column("state", ("state",), 11, 11),  # "unreachable"; the reason is in the log title, the detail view
+    Column("util", ("util",), 12, 14),  # "CPU 100.0%", "8GPU 87% ↓12"
+    Column("mem", ("memory",), 15, 16, hides=3),  # "RSS 619.9M", "75.2G/79.6G", "max 75.2G/79.6G"
+    Column("hb", ("heartbeat", "hb"), 6, 9),  # cells.age_cell: at most six characters
+    Column("step", ("step",), 7, 8, hides=4),
+    Column("loss", ("loss",), 7, 8),  # cells.fit_num: 3.4567, 123.457
+    Column("tps", ("tok/s",), 7, 9),  # cells.fit_num: 123,456, then 1.235M
+    Column("trend", (), 11, 16, hides=2),  # labels: trend_labels(); the sparkline as wide as its column
 )
+MEASURED = ("name", "host")  # as wide as their longest text (within the column's bounds), never wider
+NUMBER_WIDTH = 7  # step, loss and tokens/s are written to fit this (cells.fit_num)
+GROW_ORDER = ("util", "mem", "trend", "hb", "step", "loss", "tps")  # who gets the room left over first
 TREND_WIDTH = 16
 TREND_METRICS = ("tokens/s", "loss")
+
+
+def trend_labels(metric: str) -> tuple[str, ...]:
+    return (f"trend {metric}", "trend " + {"tokens/s": "tok/s"}.get(metric, metric), "trend")
+
+
+def layout(width: int, measured: dict[str, int] | None = None, trend: str = TREND_METRICS[0],
+           padding: int = 1) -> list[tuple[str, str, int]]:
+    """The columns shown in `width` terminal columns, as (key, label, width), in table order. Pure.
+
+    Every column starts at its minimum width (node and host: their longest text, within the column's bounds);
+    while they do not fit, the columns that hide go, in their order (host, trend, memory, step); then the room
+    left widens columns towards their widest, in GROW_ORDER; each shows the longest label that fits. Node, state,
+    util, heartbeat, loss and tokens/s always stay (below about 70 columns the table scrolls sideways, the node's
+    name fixed at the left).
+    """
+    def span(w: int) -> int:
+        return w + 2 * padding
+
+    measured = measured or {}
+    widths = {c.key: min(max(measured.get(c.key, 0), c.min), c.max) if c.key in MEASURED else c.min
+              for c in COLUMNS}
+    for column in sorted((c for c in COLUMNS if c.hides), key=lambda c: c.hides):
+        if sum(span(w) for w in widths.values()) <= width:
+            break
+        del widths[column.key]
+    room = width - sum(span(w) for w in widths.values())
+    for column in (c for key in GROW_ORDER for c in COLUMNS if c.key == key and key in widths):
+        grow = max(0, min(column.max - widths[column.key], room))
+        widths[column.key] += grow
+        room -= grow
+    return [(c.key, fit_label(trend_labels(trend) if c.key == "trend" else c.labels, widths[c.key]), widths[c.key])
+            for c in COLUMNS if c.key in widths]
+
+
+def fit_label(labels: Sequence[str], width: int) -> str:
+    """The first (longest) label that fits: a header is never cut."""
+    return next((label for label in labels if len(label) <= width), labels[-1][:width])
 
 
 def _last_values(history: Any, n: int) -> list[float]:
@@ -42,8 +97,9 @@ def _key(value: Any) -> Any:
     return value
 
 
-def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> dict[str, Any]:
-    """The cells of one node's row, by column key. Pure: tested without an app."""
+def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s",
+             trend_width: int = TREND_WIDTH) -> dict[str, Any]:
+    """The cells of one node's row, by column key (every column's, shown or not). Pure: tested without an app."""
     quiet = cells.state_name(node.state) in cells.QUIET_STATES
     live = cells.shows_figures(node.state)
     util, mem = (live and cells.gpu_cells(getattr(node, "devices", {}))) or cells.device_cells(
@@ -60,16 +116,22 @@ def node_row(node: Any, heartbeat_timeout: float, trend: str = "tokens/s") -> di
         "mem": mem,
         "hb": cells.age_cell(node.heartbeat_age, heartbeat_timeout,
                              live=not quiet),
-        "step": Text(cells.num_cell(node.step, "{:d}") if isinstance(node.step, int) else cells.num_cell(node.step),
+        "step": Text(cells.fit_num(node.step, "{:d}" if isinstance(node.step, int) else "{:,.0f}", NUMBER_WIDTH),
                      justify="right"),
-        "loss": Text(cells.loss_cell(node.loss), justify="right"),
-        "tps": Text(cells.num_cell(getattr(node, "tokens_per_s_now", node.tokens_per_s)), justify="right"),
-        "trend": Text(cells.sparkline(_last_values(history, TREND_WIDTH), TREND_WIDTH), style=spark_style),
+        "loss": Text(cells.fit_num(node.loss, "{:.4f}", NUMBER_WIDTH), justify="right"),
+        "tps": Text(cells.fit_num(getattr(node, "tokens_per_s_now", node.tokens_per_s), width=NUMBER_WIDTH),
+                    justify="right"),
+        # as many points as the column is wide: a longer line would be cut at its newest end
+        "trend": Text(cells.sparkline(_last_values(history, trend_width), trend_width), style=spark_style),
     }
 
 
 class NodeTable(DataTable):
-    """Rows keyed by node name; `sync` touches only the cells whose rendering changed."""
+    """Rows keyed by node name; `sync` touches only the cells whose rendering changed.
+
+    The columns shown are `layout()`'s for the table's width and the names and hosts shown: recomputed on a
+    resize and when the rows change, and the rows rebuilt only when that changes the columns.
+    """
 
     DEFAULT_CSS = """
     NodeTable { height: 1fr; min-height: 6; }
@@ -82,13 +144,42 @@ class NodeTable(DataTable):
         self._shown: dict[str, dict[str, Any]] = {}  # row key -> column key -> _key(value) on screen
         self.cell_updates = 0  # counted for the benchmark and the tests (proves updates are in place)
         self.rebuilds = 0  # whole-table rebuilds: only when rows go away or reorder (a filter), never per tick
+        self.relayouts = 0  # rebuilds for other columns: a resize, or the longest name or host changed
         self._stale = False  # rows out of view were skipped by the last sync
         self._synced_scroll = 0.0
+        self._layout: list[tuple[str, str, int]] = []  # the columns shown: (key, label, width)
+        self._fleet_nodes: list[Any] = []  # the nodes last synced (the fleet's own objects): a relayout redraws them
 
     def on_mount(self) -> None:
-        self.fixed_columns = 2  # the mark and the node's name stay while the table scrolls sideways (80 columns)
-        for key, label, width in COLUMNS:
+        self.fixed_columns = 2  # the mark and the node's name stay while the table scrolls sideways (under 70)
+        self._set_columns(self._wanted_layout(self._fleet_nodes))
+
+    def on_resize(self) -> None:
+        wanted = self._wanted_layout(self._fleet_nodes)
+        if wanted != self._layout:
+            self._rebuild(self._fleet_nodes, wanted)
+
+    def _wanted_layout(self, nodes: Sequence[Any]) -> list[tuple[str, str, int]]:
+        # the vertical scroll bar's columns are kept free: it comes with the rows, and a relayout then would
+        # rebuild the table each time the rows cross the table's height
+        width = (self.size.width or self.app.size.width) - self.styles.scrollbar_size_vertical
+        measured = {"name": max((len(str(n.name)) for n in nodes), default=0),
+                    "host": max((len(str(n.host)) for n in nodes), default=0)}
+        return layout(width, measured, self.trend, self.cell_padding)
+
+    def _set_columns(self, columns: list[tuple[str, str, int]]) -> None:
+        self._layout = columns
+        self.clear(columns=True)
+        self._shown.clear()
+        for key, label, width in columns:
             self.add_column(label, key=key, width=width)
+
+    def _trend_width(self) -> int:
+        return next((width for key, _, width in self._layout if key == "trend"), TREND_WIDTH)
+
+    def _row(self, node: Any) -> dict[str, Any]:
+        row = node_row(node, self.heartbeat_timeout, self.trend, self._trend_width())
+        return {key: row[key] for key, _, _ in self._layout}
 
     def sync(self, nodes: Iterable[Any], only: Sequence[str] | None = None) -> None:
         """Bring the table in line with `nodes` (in order); `only` limits the columns compared.
@@ -98,7 +189,12 @@ class NodeTable(DataTable):
         scroll brought stale rows into view.
         """
         wanted = list(nodes)
+        self._fleet_nodes = wanted
         names = [str(n.name) for n in wanted]
+        columns = self._wanted_layout(wanted)
+        if columns != self._layout:  # a longer name or host came, or the longest went: other columns fit
+            self._rebuild(wanted, columns)
+            return
         if list(self._shown) != names[: len(self._shown)] or len(set(names)) != len(names):
             # a node went away or the order changed (a filter): the one case where rows are rebuilt
             self._rebuild(wanted)
@@ -109,16 +205,16 @@ class NodeTable(DataTable):
         for index, node in enumerate(wanted):
             name = names[index]
             if name not in self._shown:
-                row = node_row(node, self.heartbeat_timeout, self.trend)
-                self.add_row(*(row[k] for k, _, _ in COLUMNS), key=name)
+                row = self._row(node)
+                self.add_row(*row.values(), key=name)
                 self._shown[name] = {k: _key(v) for k, v in row.items()}
                 continue
             if not first <= index <= last:
                 self._stale = True
                 continue
-            row = node_row(node, self.heartbeat_timeout, self.trend)
+            row = self._row(node)
             shown = self._shown[name]
-            for col in only or row.keys():
+            for col in [c for c in only if c in row] if only else row:
                 key = _key(row[col])
                 if shown.get(col) != key:
                     changes.append((name, col, row[col]))
@@ -171,19 +267,24 @@ class NodeTable(DataTable):
     def needs_sync(self) -> bool:
         return self._stale and self.scroll_y != self._synced_scroll
 
-    def _rebuild(self, nodes: list[Any]) -> None:
-        self.rebuilds += 1
+    def _rebuild(self, nodes: list[Any], columns: list[tuple[str, str, int]] | None = None) -> None:
+        """The rows again, from `nodes`; with `columns`, the columns too (a resize, or the names' width changed)."""
         selected, place = self.selected_name(), self.cursor_row
-        self.clear()
-        self._shown.clear()
+        if columns is None:
+            self.rebuilds += 1
+            self.clear()
+            self._shown.clear()
+        else:
+            self.relayouts += 1
+            self._set_columns(columns)
         seen: set[str] = set()
         for node in nodes:
             name = str(node.name)
             if name in seen:
                 continue
             seen.add(name)
-            row = node_row(node, self.heartbeat_timeout, self.trend)
-            self.add_row(*(row[k] for k, _, _ in COLUMNS), key=name)
+            row = self._row(node)
+            self.add_row(*row.values(), key=name)
             self._shown[name] = {k: _key(v) for k, v in row.items()}
         if selected in self._shown:
             self.move_cursor(row=self.get_row_index(selected))
@@ -205,8 +306,19 @@ class NodeTable(DataTable):
         return value.plain if isinstance(value, Text) else str(value)
 
     def toggle_trend(self) -> str:
+        """The sparkline's metric; its column's label says which (when the column is shown)."""
         self.trend = TREND_METRICS[(TREND_METRICS.index(self.trend) + 1) % len(TREND_METRICS)]
-        self.columns[self._column_key("trend")].label = Text(f"trend {self.trend}")
+        for index, (key, _, width) in enumerate(self._layout):
+            if key == "trend":
+                label = fit_label(trend_labels(self.trend), width)
+                self._layout[index] = (key, label, width)
+                self.columns[self._column_key("trend")].label = Text(label)
+                # the header's render is cached by cursor and update count, neither of which a label changes (with
+                # the cursor moved since the last frame, the old label stayed on screen)
+                clear = getattr(self, "_clear_caches", None)
+                if clear is not None:
+                    clear()
+                self.refresh()
         return self.trend
 
     def _column_key(self, key: str):
