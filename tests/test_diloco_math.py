@@ -744,6 +744,53 @@ def test_a_hand_off_rank_gives_up_on_a_death_upstream_only():
 
 
 
+def test_a_member_on_a_slow_link_steps_out_of_a_collective_just_past_its_budget_not_before():
+    """bounded(): a collective running past diloco.straggler_timeout (1 s here) on a node whose link is slow is given
+    up, and the node steps out; one that ends before it is not, nor is an overdue one on a healthy link. The
+    budget counts from the node's arrival at the boundary (its peers were held since): arrived 0.7 s before the
+    collective began, it gives up 0.3 s into it. On real time, 0.3 s or more either side of each bound."""
+    import threading
+    import time
+    from engine.mesh import MemoryStore
+    from engine.outer.groups import MeshLinks, PeerLost
+    stepped: list[str] = []
+    slow = {"link": True}
+    links = MeshLinks(DilocoConfig(enabled=True, straggler_timeout=1.0), MeshConfig(node_id="b", polling_interval=0.02),
+                      SimpleNamespace(size=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    links.store = object()
+    links.mesh = SimpleNamespace(dead_members=lambda p: [], store=MemoryStore(), link_slow=lambda: slow["link"],
+                                 step_out=lambda p, why: stepped.append(why))
+    plan = make_plan(2, 5, 0, ["a", "b"], source="a")
+
+    def ends_after(seconds: float):
+        return lambda: threading.Event().wait(seconds) or "done"
+    assert links.bounded(plan, "mean", ends_after(0.6)) == "done" and stepped == []  # under the budget
+    began = time.monotonic()
+    with pytest.raises(PeerLost, match=r"mean overdue \(1.0s, diloco.straggler_timeout\) on a slow link"):
+        links.bounded(plan, "mean", ends_after(10))
+    assert 1.0 <= time.monotonic() - began < 3.0 and len(stepped) == 1
+    links.arrived = (plan.outer_step, plan.attempt, time.monotonic() - 0.7)
+    with pytest.raises(PeerLost, match="overdue"):
+        links.bounded(plan, "mean", ends_after(0.6))  # 0.7 + 0.6: over
+    links.arrived, slow["link"] = None, False
+    assert links.bounded(plan, "mean", ends_after(1.3)) == "done" and len(stepped) == 2  # overdue, link healthy
+
+
+def test_the_straggler_budget_is_the_setting_or_the_larger_of_half_a_heartbeat_timeout_and_4x_the_slowest_mean():
+    """diloco.straggler_timeout = 0 (the default): the budget follows the run's recent means, never under half a
+    heartbeat timeout; either side of where the two meet."""
+    from engine.outer.groups import MeshLinks
+    links = MeshLinks(DilocoConfig(enabled=True), MeshConfig(node_id="b", heartbeat_timeout=6.0),
+                      SimpleNamespace(size=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    assert links.straggler_timeout() == 3.0  # no mean yet
+    links.recent_wire.extend([0.2, 0.74, 0.3])
+    assert links.straggler_timeout() == 3.0  # 4 x 0.74 = 2.96: under half the timeout
+    links.recent_wire.extend([0.76, 0.1])
+    assert links.straggler_timeout() == pytest.approx(3.04)  # just over it: the slowest mean's, not the last
+    links.cfg = DilocoConfig(enabled=True, straggler_timeout=1.5)
+    assert links.straggler_timeout() == 1.5  # diloco.straggler_timeout, whatever the means took
+
+
 def _tcp_store() -> dist.TCPStore:
     from procs import free_port
     return dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=datetime.timedelta(seconds=10),
