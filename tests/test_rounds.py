@@ -221,6 +221,32 @@ def test_a_slow_node_does_not_start_a_step_that_would_end_well_past_the_deadline
     assert ended == 9.0
 
 
+def test_a_round_ends_before_a_step_that_would_end_more_than_half_a_step_late_and_not_before_one_that_would_not():
+    """Both sides of the half-step rule: steps of 3 s, the next one ending at 12 s. With the deadline at 10.4 s it
+    would end 1.6 s late (over half a step): the round ends at 9 s. At 10.6 s it would end 1.4 s late (under half
+    a step): the node takes it and ends at 12 s, nearer the deadline than at 9 s."""
+    for deadline, expected in ((10.4, 9.0), (10.6, 12.0)):
+        clock = Clock()
+        r = timed(seconds=10.0, clock=clock)
+        r.begin(Progress(), SimpleNamespace(deadline=clock.t + deadline))
+        p, ended = Progress(), None
+        r.due(p)
+        for step in range(1, 6):
+            clock.t += 3.0
+            p.step = step
+            if r.due(p):
+                ended = clock.t - 1000.0
+                break
+        assert ended == expected, (deadline, ended)
+
+
+def test_the_straggler_grace_is_the_setting_or_a_quarter_round():
+    """diloco.straggler_grace = 0 (the default): a quarter of diloco.round_seconds."""
+    timed_cfg = dict(enabled=True, round="time", round_seconds=10.0)
+    assert DilocoConfig(**timed_cfg).grace == 2.5
+    assert DilocoConfig(**timed_cfg, straggler_grace=0.5).grace == 0.5
+
+
 def test_a_resume_under_another_max_steps_names_the_lr_where_the_round_clock_is(tmp_path):
     """With time rounds the LR follows the round clock (H per committed round), not the node's own steps: the
     warning of a stretched schedule gave the LR at the node's step (25), past both schedules' end (the same
