@@ -355,16 +355,20 @@ def _handoff_checks(store, rank: int) -> dict:
             "sent": [x for r in recording for x in r.sent]}
 
 
-def _first_step_checks(store, rank: int, c_seed: int, prefix: str, forming: bool = True) -> dict:
+def _first_step_checks(store, rank: int, c_seed: int, prefix: str, forming: bool = True,
+                       members: str = "abc") -> dict | None:
     """A run's first outer step (plan.forming), three members and no joiner; c starts from weights of seed c_seed
     (a and b from seed 0): the hand-off moves the state only where some member's differs from the source's. Each
     member counts its own tokens, as with time rounds. forming=False: the same outer step as a later one of the
-    run, as processes that never committed one (a node restarted after a store restart) see it."""
+    run, as processes that never committed one (a node restarted after a store restart) see it. members="ab": a
+    plan of two, whose last member (b) starts from c_seed; rank 2 sits it out (None)."""
     node = "abc"[rank]
+    if node not in members:
+        return None
     recording: list = []
     events: list = []
-    inner = TinyInner(c_seed if node == "c" else 0)
-    plan = make_plan(3, 1, 0, ["a", "b", "c"], source="a", forming=forming)
+    inner = TinyInner(c_seed if node == members[-1] else 0)
+    plan = make_plan(3, 1, 0, list(members), source="a", forming=forming)
     outer = make_outer(inner, FakeMesh([plan], [True]), node=node, inner_steps=1, compression="none",
                        outer_lr=0.7, outer_momentum=0.9, events=events,
                        group_factory=lambda p, n, r: recording.append(_Recording(
@@ -396,6 +400,8 @@ def _group_worker(rank: int, port: int, queue) -> None:
                   "same_start": _first_step_checks(store, rank, 0, "gen3/"),
                   "other_start": _first_step_checks(store, rank, 99, "gen4/"),
                   "not_forming": _first_step_checks(store, rank, 99, "gen5/", forming=False),
+                  "pair_same": _first_step_checks(store, rank, 0, "pair-same/", members="ab"),
+                  "pair_other": _first_step_checks(store, rank, 99, "pair-other/", members="ab"),
                   "chain": _chain_checks(_group(store, rank, SIZE, "chain/"), rank)}
         # a peer that dies mid-collective: the others get the backend's error at once, not a hang
         pg = _group(store, rank, SIZE, "death/")
@@ -540,6 +546,23 @@ def test_a_runs_first_step_moves_the_sources_state_to_members_that_started_elsew
                for o in other)
     assert any("adopted the source's" in w for w in other[2]["warnings"]) and not other[1]["warnings"]
     assert not torch.equal(other[0]["params"], group_results[0]["same_start"]["params"])  # c's start counted
+
+
+def test_a_two_member_formation_checks_the_fingerprints_too(group_results):
+    """The smallest run (two nodes, an FSDP pair's) forms like any other: from one seed nothing moves; with b from
+    other weights the source's state goes to b, which adopts it. A fingerprint check skipped at two members was
+    caught only by an FSDP e2e run (issue 41)."""
+    assert group_results[2]["pair_same"] is None and group_results[2]["pair_other"] is None  # c sat them out
+    same = [group_results[r]["pair_same"] for r in range(2)]
+    assert all(s["sent"] == [] for s in same), [s["sent"] for s in same]
+    assert torch.equal(same[0]["params"], same[1]["params"]) and torch.equal(same[0]["momentum"], same[1]["momentum"])
+    assert not any(s["warnings"] for s in same)
+    other = [group_results[r]["pair_other"] for r in range(2)]
+    assert sum(n for _, n in other[0]["sent"]) == 36 * 4 * 2 + 3 * 8 and other[1]["sent"] == []  # a -> b, once
+    assert torch.equal(other[0]["params"], other[1]["params"])
+    assert torch.equal(other[0]["momentum"], other[1]["momentum"])
+    assert any("adopted the source's" in w for w in other[1]["warnings"]) and not other[0]["warnings"]
+    assert not torch.equal(other[0]["params"], same[0]["params"])  # b's start counted in the mean
 
 
 def test_the_chain_delivers_every_piece_through_a_sliding_window(group_results):
@@ -719,6 +742,53 @@ def test_a_hand_off_rank_gives_up_on_a_death_upstream_only():
     assert links.bounded(plan, "state hand-off", lambda: watch.clear() or (done.wait(10) and "kept"),
                          until_decided=False, watch=watch) == "kept"
 
+
+
+def test_a_member_on_a_slow_link_steps_out_of_a_collective_just_past_its_budget_not_before():
+    """bounded(): a collective running past diloco.straggler_timeout (1 s here) on a node whose link is slow is given
+    up, and the node steps out; one that ends before it is not, nor is an overdue one on a healthy link. The
+    budget counts from the node's arrival at the boundary (its peers were held since): arrived 0.8 s before the
+    collective began, it gives up 0.2 s into it. On real time, 0.3 s or more either side of each bound."""
+    import threading
+    import time
+    from engine.mesh import MemoryStore
+    from engine.outer.groups import MeshLinks, PeerLost
+    stepped: list[str] = []
+    slow = {"link": True}
+    links = MeshLinks(DilocoConfig(enabled=True, straggler_timeout=1.0), MeshConfig(node_id="b", polling_interval=0.02),
+                      SimpleNamespace(size=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    links.store = object()
+    links.mesh = SimpleNamespace(dead_members=lambda p: [], store=MemoryStore(), link_slow=lambda: slow["link"],
+                                 step_out=lambda p, why: stepped.append(why))
+    plan = make_plan(2, 5, 0, ["a", "b"], source="a")
+
+    def ends_after(seconds: float):
+        return lambda: threading.Event().wait(seconds) or "done"
+    assert links.bounded(plan, "mean", ends_after(0.6)) == "done" and stepped == []  # under the budget
+    began = time.monotonic()
+    with pytest.raises(PeerLost, match=r"mean overdue \(1.0s, diloco.straggler_timeout\) on a slow link"):
+        links.bounded(plan, "mean", ends_after(10))
+    assert 1.0 <= time.monotonic() - began < 3.0 and len(stepped) == 1
+    links.arrived = (plan.outer_step, plan.attempt, time.monotonic() - 0.8)
+    with pytest.raises(PeerLost, match="overdue"):
+        links.bounded(plan, "mean", ends_after(0.6))  # 0.8 + 0.6: over
+    links.arrived, slow["link"] = None, False
+    assert links.bounded(plan, "mean", ends_after(1.3)) == "done" and len(stepped) == 2  # overdue, link healthy
+
+
+def test_the_straggler_budget_is_the_setting_or_the_larger_of_half_a_heartbeat_timeout_and_4x_the_slowest_mean():
+    """diloco.straggler_timeout = 0 (the default): the budget follows the run's recent means, never under half a
+    heartbeat timeout; either side of where the two meet."""
+    from engine.outer.groups import MeshLinks
+    links = MeshLinks(DilocoConfig(enabled=True), MeshConfig(node_id="b", heartbeat_timeout=6.0),
+                      SimpleNamespace(size=1), "b", lambda *a, **k: None, lambda: None, digest="d", info={})
+    assert links.straggler_timeout() == 3.0  # no mean yet
+    links.recent_wire.extend([0.2, 0.74, 0.3])
+    assert links.straggler_timeout() == 3.0  # 4 x 0.74 = 2.96: under half the timeout
+    links.recent_wire.extend([0.76, 0.1])
+    assert links.straggler_timeout() == pytest.approx(3.04)  # just over it: the slowest mean's, not the last
+    links.cfg = DilocoConfig(enabled=True, straggler_timeout=1.5)
+    assert links.straggler_timeout() == 1.5  # diloco.straggler_timeout, whatever the means took
 
 
 def _tcp_store() -> dist.TCPStore:

@@ -114,6 +114,71 @@ def test_a_member_that_left_after_a_commit_and_was_pruned_is_not_awaited(store):
     assert nxt.members == ("a", "c") and sim.t - t0 < CFG.heartbeat_timeout, sim.t - t0
 
 
+def test_a_silent_member_is_awaited_until_the_heartbeat_timeout_and_planned_out_just_after():
+    """mesh.heartbeat_timeout (1.5 s here) on both sides: c stops beating right after a commit, a and b arrive at the
+    next boundary and poll every 50 ms (a sees c's last beat at its first look, 50 ms later). Through 1.5 s of
+    silence c is alive to both and awaited; at 1.6 s it is dead and planned out (long before mesh.store_timeout,
+    3 s, would plan without it). A timeout 5 % off either way fails."""
+    sim = Sim()
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    sim.kill("c")
+    silent_from, timeout = sim.t, CFG.heartbeat_timeout  # c's last beat was at this time
+    for n in "ab":
+        sim.nodes[n].arrive(1, 0)
+    plan, silent = None, 0.0
+    while plan is None:
+        sim.sleep(0.05)
+        silent = sim.t - silent_from
+        plan = sim.nodes["a"].poll_plan(1, 0)
+        if silent <= timeout:
+            assert plan is None and not sim.nodes["a"].is_dead("c") and not sim.nodes["b"].is_dead("c"), silent
+        assert plan is not None or silent < timeout + 0.09, f"c still awaited after {silent:.2f} s of silence"
+    assert plan.members == ("a", "b") and sim.nodes["b"].is_dead("c"), (plan, silent)
+
+
+def test_the_leader_prunes_a_dead_id_two_timeouts_after_its_death_not_before():
+    """The registry keeps an id silent for up to three heartbeat timeouts (dead after one, pruned two later: 4.5 s
+    of silence here, as the leader sees it: from its first look after c's last beat, 50 ms on), so that a node
+    frozen for a while finds its id still there; the leader's next tick prunes it. 5 % off either way fails."""
+    sim = Sim()
+    sim.start("a", "b", "c")
+    _run_committed(sim, 0, ["a", "b", "c"])
+    sim.kill("c")
+    silent_from, bound = sim.t + 0.05, 3 * CFG.heartbeat_timeout
+    while "c" in Registry.read(sim.store, Keys())[1].ids:
+        assert sim.t - silent_from < bound + 0.04, f"c not pruned after {sim.t - silent_from:.2f} s of silence"
+        sim.sleep(0.05)
+    assert sim.t - silent_from > bound, sim.t - silent_from
+
+
+def test_a_straggler_on_a_slow_link_steps_out_just_past_its_budget_not_before():
+    """The straggler budget (diloco.straggler_timeout) counts from the start of c's arrival, its slow write
+    included: polled 10 ms before it is spent, c waits on; 10 ms after, it steps out. (Counted from the end of
+    its write, 0.3 s later, c would still wait.)"""
+    sim = Sim()
+    slow = {"s": 0.0}
+    c = sim.node("c", store=SlowLink(sim, sim.store, slow))
+    sim.start("a", "b")
+    c.start()
+    sim.alive.add("c")
+    sim.advance(1.0)  # c's baseline of ticks on time
+    _run_committed(sim, 0, ["a", "b", "c"])
+    slow["s"] = 0.3
+    while not c.link_slow():
+        sim.sleep(CFG.heartbeat_interval)
+    budget, began = 1.0, sim.t
+    c.arrive(1, 0)  # its state write crawls too
+    slow["s"] = 0.0
+    assert sim.t - began == pytest.approx(0.3)  # one round trip
+    sim.t = began + budget - 0.01  # no tick meanwhile: the link is still judged slow
+    assert c.link_slow() and c.poll_plan(1, 0, budget=budget) is None and c.state == "training"
+    sim.t = began + budget + 0.01
+    with pytest.raises(Excluded, match="stepped out"):
+        c.poll_plan(1, 0, budget=budget)
+    assert c.state == "standby"
+
+
 # A death above is timed on the fake clock, with under a second between the bound and the timeout a planner that
 # ignored the dead would wait out instead. These take the clock out: the leader already sees the member dead, and
 # its very first poll must plan without it (or decide), as the rule says, with no time passing.
@@ -380,6 +445,25 @@ def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
     assert not mesh.link_slow()  # one late tick is not a slow link
     sim.sleep(CFG.heartbeat_interval)
     assert len(mesh._ticks) < 8 and mesh.link_slow()
+
+
+def test_a_tick_is_late_just_over_slow_tick_past_the_fastest_not_just_under():
+    """mesh.slow_tick (0.2 s) on both sides: ticks 0.19 s over the node's fastest, eight in a row, are its link's
+    normal; two ticks 0.21 s over are a slow link."""
+    sim = Sim()
+    slow = {"s": 0.0}
+    sim.store = lossy_store(sim, slow)()
+    sim.start("a")
+    mesh = sim.nodes["a"]
+    sim.advance(2.0)  # a baseline of ticks at 0 s
+    slow["s"] = (CFG.slow_tick - 0.01) / 3  # three store operations a tick
+    for _ in range(8):
+        sim.sleep(CFG.heartbeat_interval)
+        assert not mesh.link_slow() and mesh.link_healthy(), list(mesh._ticks)
+    slow["s"] = (CFG.slow_tick + 0.01) / 3
+    sim.sleep(CFG.heartbeat_interval)
+    sim.sleep(CFG.heartbeat_interval)
+    assert mesh.link_slow() and not mesh.link_healthy(), list(mesh._ticks)
 
 
 class SlowLink:

@@ -84,6 +84,26 @@ def test_a_blind_spell_shorter_than_the_timeout_is_not_counted_against_the_peers
     assert calm.is_dead("a", 104.6) and not calm.is_dead("a", 104.4)
 
 
+@pytest.mark.parametrize("grace", [0.5, 2.0])
+def test_time_rounds_wait_for_a_member_until_the_plans_deadline_plus_the_grace_not_after(grace):
+    """diloco.straggler_grace on both sides of its bound, against the deadline the last plan carries: written by
+    b, whose clock ran 3.75 s behind a's, where a would have put it at 1010 (its own clock plus a round). At 10 ms
+    before deadline + grace a still waits; at 10 ms after it plans without the latecomer. Never for a retry of that
+    plan's own outer step (its deadline is the next round's), nor for a plan of another epoch."""
+    from types import SimpleNamespace
+
+    from engine.mesh.planner import Planner
+    from engine.mesh.protocol import Keys
+    now = [0.0]
+    planner = Planner(SimpleNamespace(epoch=3), "a", Keys(), min_nodes=1, clock=lambda: now[0], round_seconds=10.0,
+                      grace=grace, wall=lambda: now[0])
+    latest = Plan(5, 7, 0, ("a", "b", "c"), (), "b", (), ("a", "b", "c"), epoch=3, deadline=1006.25)
+    for offset, past in ((-0.01, False), (0.01, True)):
+        now[0] = 1006.25 + grace + offset
+        assert planner.past_grace(latest, 8) is past, (grace, offset)
+    assert not planner.past_grace(latest, 7) and not planner.past_grace(replace(latest, epoch=2), 8)
+
+
 def test_decision_rule():
     m = ["a", "b", "c"]
     assert decide(m, {"a": True, "b": True}, dead=[]) is None

@@ -72,6 +72,56 @@ def test_time_rounds_end_at_the_plans_deadline_whatever_the_speed():
     assert fast.deadline == slow.deadline == 1020.0  # chained: one round later
 
 
+def test_a_node_ends_its_round_at_the_agreed_deadline_not_at_one_it_chains_itself():
+    """The plan's deadline is the planner's (its clock when it wrote the plan, plus a round): every member ends
+    there, whatever it would have chained itself (its last deadline plus a round). The test above gives the plan
+    the deadline the node computes anyway; here the agreed one is 4 s earlier, then 7 s later, than the node's."""
+    for agreed_in in (6.0, 17.0):
+        clock = Clock()
+        r = timed(seconds=10.0, clock=clock)
+        p = Progress()
+        r.resume(p)
+        r.begin(p)  # before the first plan: its own chain, now + a round
+        assert r.deadline == 1010.0
+        clock.t = 1010.5  # the boundary's plan came half a second after that deadline
+        r.begin(p, SimpleNamespace(deadline=clock.t - 0.5 + agreed_in))  # the node alone would chain 1020
+        assert r.deadline == 1010.0 + agreed_in
+        r.due(p)  # the round's first step starts now; steps of 0.25 s
+        ended = None
+        while ended is None and clock.t < 1040:
+            clock.t += 0.25
+            p.step += 1
+            if r.due(p):
+                ended = clock.t
+        assert ended == 1010.0 + agreed_in, (agreed_in, ended)
+
+
+def test_the_outer_loop_ends_each_round_at_its_plans_deadline():
+    """Through DilocoOuter: the deadline a committed plan carries is the next round's end, not the node's own chain
+    (its last deadline plus a round): the plans say 3 s later (1023, not 1020), then 2.5 s earlier (1030.5, not
+    1033)."""
+    from dataclasses import replace
+    clock = Clock()
+    plans = [replace(make_plan(1, 1, 0, ["a"], source="a"), deadline=1023.0),
+             replace(make_plan(1, 2, 0, ["a"], source="a"), deadline=1030.5),
+             replace(make_plan(1, 3, 0, ["a"], source="a"), deadline=1040.5)]
+    inner = TinyInner(0)
+    outer = make_outer(inner, FakeMesh(plans, [True] * 3), inner_steps=4, round="time", round_seconds=10.0)
+    outer.rounds.clock = clock
+    p = Progress()
+    outer.start(p)
+    ends = []
+    while len(ends) < 3 and clock.t < 1060:
+        clock.t += 0.5
+        inner.train_step(p.step)
+        p.step, p.tokens = p.step + 1, p.tokens + 64
+        outer.after_inner_step(p)
+        if p.outer_step > len(ends):
+            ends.append(clock.t)
+    assert ends == [1010.0, 1023.0, 1030.5], ends  # the first round, before any plan: the node's own chain
+    assert outer.rounds.deadline == 1040.5
+
+
 def test_a_late_begin_gets_a_fresh_round_not_a_deadline_already_gone():
     clock = Clock()
     r = timed(clock=clock)
@@ -169,6 +219,32 @@ def test_a_slow_node_does_not_start_a_step_that_would_end_well_past_the_deadline
             ended = clock.t - 1000.0
             break
     assert ended == 9.0
+
+
+def test_a_round_ends_before_a_step_that_would_end_more_than_half_a_step_late_and_not_before_one_that_would_not():
+    """Both sides of the half-step rule: steps of 3 s, the next one ending at 12 s. With the deadline at 10.4 s it
+    would end 1.6 s late (over half a step): the round ends at 9 s. At 10.6 s it would end 1.4 s late (under half
+    a step): the node takes it and ends at 12 s, nearer the deadline than at 9 s."""
+    for deadline, expected in ((10.4, 9.0), (10.6, 12.0)):
+        clock = Clock()
+        r = timed(seconds=10.0, clock=clock)
+        r.begin(Progress(), SimpleNamespace(deadline=clock.t + deadline))
+        p, ended = Progress(), None
+        r.due(p)
+        for step in range(1, 6):
+            clock.t += 3.0
+            p.step = step
+            if r.due(p):
+                ended = clock.t - 1000.0
+                break
+        assert ended == expected, (deadline, ended)
+
+
+def test_the_straggler_grace_is_the_setting_or_a_quarter_round():
+    """diloco.straggler_grace = 0 (the default): a quarter of diloco.round_seconds."""
+    timed_cfg = dict(enabled=True, round="time", round_seconds=10.0)
+    assert DilocoConfig(**timed_cfg).grace == 2.5
+    assert DilocoConfig(**timed_cfg, straggler_grace=0.5).grace == 0.5
 
 
 def test_a_resume_under_another_max_steps_names_the_lr_where_the_round_clock_is(tmp_path):

@@ -88,6 +88,45 @@ def test_norms_are_judged_per_token():
         assert outliers(rows([xs[0], xs[1], 100 * xs[2]], weights=[2000, 2000, 2000]), RATIO, MIN_COS) == [2]
 
 
+def table(weights: list[float], per_token: list[float], directions: list[tuple[float, float]] | None = None):
+    """Rows as the all_gather hands them over, built to the digit: member i's weight (its round's tokens), a norm
+    of per_token[i] x its weight, and a sample along directions[i] in a plane (all along one axis by default)."""
+    out = torch.zeros(len(weights), SAMPLE + 2, dtype=torch.float64)
+    for i, (w, pt) in enumerate(zip(weights, per_token)):
+        out[i, 0], out[i, 1] = w, (pt * w) ** 2
+        out[i, 2:4] = torch.tensor(directions[i] if directions else (1.0, 0.0), dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("ratio", [3.0, RATIO])
+def test_the_scale_rule_leaves_out_just_over_the_ratio_and_keeps_just_under(ratio):
+    """norm / tokens against diloco.sentinel_ratio x the median of the others', 1 % either side of the bound, with
+    tokens that differ from node to node: judged on raw norms, c (few tokens, 1 % over per token) would stay in,
+    and a node with many tokens, 1 % under, would be left out; against the others' mean (4/3 of their median
+    below) one 1 % over would stay in."""
+    weights = [100.0, 400.0, 50.0]
+    for factor, expected in ((1.01, [2]), (0.99, [])):
+        assert outliers(table(weights, [1.0, 1.0, factor * ratio]), ratio, MIN_COS) == expected, (ratio, factor)
+        # a node with 40x the others' tokens: its raw norm is 40 x ratio x theirs either way
+        many = [100.0, 100.0, 4000.0]
+        assert outliers(table(many, [1.0, 1.0, factor * ratio]), ratio, MIN_COS) == expected, (ratio, factor)
+        # the median of the others (1), not their mean (4/3)
+        four = [100.0, 200.0, 300.0, 50.0]
+        assert outliers(table(four, [1.0, 1.0, 2.0, factor * ratio]), ratio, MIN_COS) == [i + 1 for i in expected], \
+            (ratio, factor)
+
+
+@pytest.mark.parametrize("min_cos", [MIN_COS, 0.3])
+def test_the_direction_rule_leaves_out_just_under_the_bound_and_keeps_just_over(min_cos):
+    """c's cosine with the others' direction 0.01 either side of diloco.sentinel_min_cosine (a and b point one
+    way; each of them has cosine 0.6 or more with the rest); the tokens differ and do not count (unit samples)."""
+    weights = [100.0, 300.0, 50.0]
+    for cos, expected in ((min_cos - 0.01, [2]), (min_cos + 0.01, [])):
+        c = (cos, math.sqrt(1 - cos * cos))
+        got = outliers(table(weights, [1.0, 1.0, 1.0], [(1.0, 0.0), (1.0, 0.0), c]), RATIO, min_cos)
+        assert got == expected, (min_cos, cos, got)
+
+
 class _Gathered:
     """A group whose all_gather hands back the other members' rows as given, this member's own in its place."""
 
