@@ -471,3 +471,13 @@ def test_a_profile_s_number_given_as_a_string_is_refused_at_its_line(tmp_path, l
     assert str(e.value) == f"{path}:9: hosts.a.standby: Input should be a valid boolean"
     path.write_text(text.format("port = 29710", "false"))
     assert load_profile(path).store.port == 29710
+
+
+def test_a_mistyped_resume_is_one_line_asking_about_latest_and_moves_nothing(capsys, monkeypatch, tmp_path):
+    """Defect: `--ckpt.resume=lastest` said "lastest is not a complete checkpoint (no meta.json)"."""
+    ckpts = old_run(tmp_path / "run")
+    code, _, err = run_main(capsys, monkeypatch, "configs/debug.toml", *SMALL, f"--run.dir={tmp_path / 'run'}",
+                            "--ckpt.resume=lastest")
+    assert code == 2 and error_lines(err) == ["error: ckpt.resume: 'lastest' is not a checkpoint folder, 'latest' or "
+                                              "'auto': did you mean 'latest'?"], err
+    assert (ckpts / "latest").is_file() and not (tmp_path / "run" / "_archive").exists()

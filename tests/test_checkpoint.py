@@ -403,3 +403,41 @@ def test_eval_asked_for_with_nothing_held_out_is_said():
     assert eval_off_note(SimpleNamespace(train=SimpleNamespace(eval_interval=0)), none_held) is None
     too_few = SimpleNamespace(eval=None, notes=["data: the held-out split has too few tokens for eval; eval is off"])
     assert eval_off_note(cfg, too_few) is None  # said already
+
+
+def test_a_resume_of_a_missing_folder_a_typo_or_a_pointer_to_a_removed_step_says_which(tmp_path):
+    """Defect: all three said "is not a complete checkpoint (no meta.json)", which sent one looking inside a folder
+    that was not there. Each has its own line; a real folder without meta.json still says that."""
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    for n in (1, 2):
+        step(inner, data, progress)
+        ck.save(n, inner, data, progress, NoOuter())
+    missing = tmp_path / "nowhere" / "step-00000009"
+    cases = {str(missing): f"ckpt.resume: no such folder: {missing}",
+             "lastest": "ckpt.resume: 'lastest' is not a checkpoint folder, 'latest' or 'auto': did you mean 'latest'?",
+             "Latest": "ckpt.resume: 'Latest' is not a checkpoint folder, 'latest' or 'auto': did you mean 'latest'?",
+             "atuo": "ckpt.resume: 'atuo' is not a checkpoint folder, 'latest' or 'auto': did you mean 'auto'?",
+             "nothing-like-it": "ckpt.resume: no such folder: nothing-like-it",
+             str(ck.dir / "latest"): f"ckpt.resume: {ck.dir / 'latest'} is a file, not a checkpoint folder"}
+    for resume, line in cases.items():
+        with pytest.raises(ValueError) as e:
+            parts(tmp_path, resume=resume)[0].check_start()
+        assert str(e.value) == line
+    # latest names step 2, which was removed by hand: said so, with the newest complete one left (step 1)
+    import shutil
+    shutil.rmtree(ck.dir / "step-00000002")
+    for resume in ("latest", "auto"):
+        with pytest.raises(ValueError) as e:
+            parts(tmp_path, resume=resume)[0].check_start()
+        assert str(e.value) == (f"ckpt.resume: latest points to {ck.dir / 'step-00000002'}, which is gone; "
+                                f"{ck.dir / 'step-00000001'} is the newest complete one: name it in ckpt.resume")
+    assert parts(tmp_path, resume=str(ck.dir / "step-00000001"))[0].check_start() == ck.dir / "step-00000001"
+    shutil.rmtree(ck.dir / "step-00000001")
+    with pytest.raises(ValueError) as e:
+        parts(tmp_path, resume="latest")[0].check_start()
+    assert str(e.value) == f"ckpt.resume: latest points to {ck.dir / 'step-00000002'}, which is gone"
+    (tmp_path / "empty").mkdir()  # a folder that is there but holds no checkpoint: what the old line was for
+    with pytest.raises(ValueError, match=r"empty is not a complete checkpoint \(no meta\.json\)$"):
+        parts(tmp_path, resume=str(tmp_path / "empty"))[0].check_start()
+    assert (ck.dir / "latest").is_file()  # nothing moved
