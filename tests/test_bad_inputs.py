@@ -83,6 +83,38 @@ def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, ext
     assert done.stderr.count("exitcode  : 2") == 2, done.stderr  # torchrun's report: both ranks exited 2
 
 
+TORCHRUN_BANNER = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's own opening lines
+
+
+@pytest.mark.parametrize("extra, line", [
+    ([], "error: configs/debug.toml: train.batch_size (8) is not divisible by train.micro_batch_size x workers (8 x "
+         "2): make train.batch_size a multiple of 16 or train.micro_batch_size 4"),
+    (["--train.batch_size=-1"], "error: command line: train.batch_size: Input should be greater than 0 "
+                                "(--train.batch_size=-1)"),
+])
+def test_under_torchrun_the_engine_s_line_comes_first_once_and_is_torchrun_s_root_cause(procs, tmp_path, extra,
+                                                                                       line):
+    """Issue 41: `torchrun --nproc_per_node=2 -m engine.train configs/debug.toml` printed the engine's line inside 45
+    lines of torchrun's ChildFailedError, whose root cause said "To enable traceback see: <link>". The engine's
+    line is the first after torchrun's banner, and the only `error:`; the rank that left it to local rank 0 says so;
+    torchrun's summary names the engine's reason (the worker's TORCHELASTIC_ERROR_FILE, which torch's @record
+    writes). What stays: torchrun ends with ChildFailedError's traceback, its own frames, and exit code 1, for any
+    worker that exits non-zero (torch/distributed/launcher/api.py); no frame of it is the engine's."""
+    done = procs.run([*TORCHRUN, f"--run.dir={tmp_path / 'run'}", *extra], timeout=120)
+    assert done.returncode == 1, done.stderr  # torchrun's code for a failed worker; the workers exited 2
+    assert done.stderr.count("exitcode  : 2") == 2, done.stderr
+    ours = [text for text in done.stderr.splitlines() if text.strip() and not text.startswith(TORCHRUN_BANNER)]
+    assert ours[0] == line, done.stderr
+    assert done.stderr.count("error: ") == 1 and error_lines(done.stderr) == [line], done.stderr
+    root = done.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"  traceback : {line.removeprefix('error: ')}\n" in root, done.stderr
+    others = done.stderr.split("Failures:", 1)[1].split("Root Cause", 1)[0]
+    assert "traceback : the same error as local rank 0, which reports it once for the node" in others, done.stderr
+    assert "To enable traceback see" not in done.stderr
+    frames = [text for text in done.stderr.splitlines() if text.lstrip().startswith('File "')]
+    assert frames and not [f for f in frames if f"{ROOT}/engine/" in f or "engine/train.py" in f], frames
+
+
 def test_bad_input_found_while_building_moves_no_checkpoints(capsys, monkeypatch, tmp_path):
     """Whatever build() refuses (here FSDP2's CPU offload on a CPU, refused by the inner strategy after the model is
     built) comes before an older run's checkpoints are moved aside."""
