@@ -41,7 +41,9 @@ class ProfileError(ValueError):
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a number or a boolean only as TOML types it (a float takes an integer too): `port = "29710"` was
+    # taken for 29710, and `standby = 1` for true, though docs/config.md promises a type error
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class RunSpec(_Spec):

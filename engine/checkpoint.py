@@ -28,6 +28,7 @@ was.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import errno
 import json
 import os
@@ -197,7 +198,7 @@ class Checkpointer:
         than it: a save that crashed after its rename and before the pointer's update is whole (meta.json was
         written before the rename), and resuming anywhere older would be refused as overwriting it."""
         if resume != "latest":
-            return Path(resume)
+            return self._named(resume)
         pointer = self.dir / POINTER
         named = self.dir / pointer.read_text().strip() if pointer.is_file() else None
         newest = self._newest_complete()
@@ -208,7 +209,25 @@ class Checkpointer:
             return newest
         if named is None:
             raise ValueError(f"ckpt.resume: no checkpoint to resume in {self.dir} (no {POINTER} pointer)")
+        if not named.exists():  # the folder was removed by hand: "not a complete checkpoint" sent one looking inside
+            older = f"; {newest} is the newest complete one: name it in ckpt.resume" if newest is not None else ""
+            raise ValueError(f"ckpt.resume: {POINTER} points to {named}, which is gone{older}")
         return named
+
+    @staticmethod
+    def _named(resume: str) -> Path:
+        """A folder ckpt.resume names itself: one that does not exist is said so, and a word close to `latest` or
+        `auto` (a typo) is asked about, rather than "not a complete checkpoint (no meta.json)"."""
+        path = Path(resume)
+        if path.exists():
+            if not path.is_dir():
+                raise ValueError(f"ckpt.resume: {path} is a file, not a checkpoint folder")
+            return path
+        close = difflib.get_close_matches(resume.lower(), [POINTER, "auto"], n=1, cutoff=0.6)
+        if close and "/" not in resume:
+            raise ValueError(f"ckpt.resume: {resume!r} is not a checkpoint folder, {POINTER!r} or 'auto': did you "
+                             f"mean {close[0]!r}?")
+        raise ValueError(f"ckpt.resume: no such folder: {path}")
 
     def _newest_complete(self) -> Path | None:
         """The newest step folder with its meta.json, or None."""

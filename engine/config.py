@@ -18,8 +18,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic.fields import FieldInfo
+
+from engine.errors import toml_value
+from engine.store.endpoints import parse_endpoint
 
 
 class ConfigError(ValueError):
@@ -27,8 +31,11 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    # inf and nan are no setting: an infinite timeout overflowed timedelta deep in the mesh, after training began
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # inf and nan are no setting: an infinite timeout overflowed timedelta deep in the mesh, after training began.
+    # strict: a number, a boolean or a name is taken only as TOML types it (a float takes an integer too); a TOML
+    # string "8" for train.batch_size, 1 for a boolean or 8.0 for an integer is refused, as docs/config.md says.
+    # The command line and the environment are text by nature: load_config reads their values as TOML first
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
 class ModelConfig(_Section):
@@ -228,6 +235,26 @@ class MeshConfig(_Section):
     def _endpoint_list(cls, value: Any) -> Any:
         # "a:2379,b:2379" as well as a TOML list: one command-line override carries them all
         return [e.strip() for e in value.split(",") if e.strip()] if isinstance(value, str) else value
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints_parse(cls, value: list[str]) -> list[str]:
+        # host:port each (engine/store/endpoints.py): "notaport" or port 99999 failed later as a DNS or connection
+        # error that named neither the key nor the value
+        for endpoint in value:
+            parse_endpoint(endpoint)
+        return value
+
+    @field_validator("etcd_endpoints", "etcd_prefix", "etcd_ca", "etcd_cert", "etcd_key", "etcd_insecure")
+    @classmethod
+    def _etcd_only(cls, value: Any, info: ValidationInfo) -> Any:
+        # run for a key that was given only (a default is not validated): with the tcp store an etcd setting was
+        # ignored without a word on the command line (the console's profile refuses it)
+        backend = info.data.get("store_backend")
+        if backend is not None and backend != "etcd":
+            raise ValueError(f"{toml_value(value)} is an etcd setting, but mesh.store_backend is {backend} (set "
+                             f"mesh.store_backend = \"etcd\", or leave mesh.{info.field_name} out)")
+        return value
 
     @model_validator(mode="after")
     def _etcd_complete(self) -> "MeshConfig":
@@ -447,6 +474,9 @@ def _format_error(err: ValidationError, source: str, origins: Mapping[str, tuple
         close = _close_key(first["loc"])
         hint = f" (did you mean {close}{typed[len(loc):]}?)" if close else ""
         return f"{'command line' if typed in origins else source}: {typed}: unknown key{hint}{extra}"
+    if first["type"] in ("int_type", "float_type", "bool_type") and isinstance(first["input"], str) \
+            and loc not in origins:  # a TOML string where a number or boolean belongs (strict: see _Section)
+        msg += f", not the string {toml_value(first['input'])} (write it without quotes)"
     if loc in origins:
         where, written = origins[loc]
         if where == "environment":
@@ -463,9 +493,10 @@ def _format_error(err: ValidationError, source: str, origins: Mapping[str, tuple
 
 def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any] = (),
                 environ: Mapping[str, str] | None = None) -> Config:
-    """File, then environment, then command line (the command line wins). Overrides are command-line words, or a
-    mapping of typed values (the console's profile): there a str of a text key is taken as it is, and any other
-    str is read as on the command line."""
+    """File, then environment, then command line (the command line wins). Overrides are command-line words, read as
+    TOML reads a value, or a mapping of typed values (the console's profile, a TOML file itself): there a str is a
+    TOML string, taken as it is, so that `"train.batch_size" = "8"` is refused as in a config file (the console
+    passes it on as --train.batch_size="8", which the engine refuses too)."""
     source = str(path) if path is not None else "defaults"
     tree = _read_file(Path(path), source) if path is not None else {}
     origins: dict[str, tuple[str, str]] = {}  # keys not set by the file: who set them, as they wrote it
@@ -475,10 +506,10 @@ def load_config(path: str | Path | None, overrides: list[str] | Mapping[str, Any
     typed = isinstance(overrides, Mapping)
     pairs = overrides if typed else parse_overrides(list(overrides))
     for key, value in pairs.items():
-        if isinstance(value, str) and not (typed and _is_text(key)):
+        if isinstance(value, str) and not typed:
             value = _coerce(key, value)
         _set_dotted(tree, key, value, "command line")
-        origins[key] = ("command line", f"--{key}={pairs[key]}")
+        origins[key] = ("command line", f"--{key}={toml_value(value) if typed else pairs[key]}")
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

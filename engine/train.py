@@ -24,17 +24,22 @@ contribute (a join), and otherwise lets the round commit and leaves right after 
 Exit codes: 0 completed, drained or stopped; 2 bad input (one `error: ...` line on stderr for the node, and no
 closing lines after it; a bad config or command line is that line alone; plus an "error" event); 1 crash or mesh
 failure ("error" event, run_end "failed"; a traceback on stderr for a crash, one line for a mesh failure). A
-failure after training started saves a checkpoint first: no trained step is lost.
+failure after training started saves a checkpoint first: no trained step is lost. Under torchrun the node's line
+comes first, from local rank 0; torchrun then closes with its own ChildFailedError summary (a traceback of
+torchrun's frames, exit 1) for any worker that exits non-zero, which no worker can prevent: the summary's root
+cause is the engine's line (tell_torchrun), not a link to torch's docs.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -186,6 +191,7 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
     training: ModuleType | None = None  # engine.session, once the config passed
     session: Session | None = None
     status, code = "failed", 1
+    reason: str | None = None  # why this process fails, for torchrun's summary (tell_torchrun)
     try:
         with same_on_every_rank():
             config_path, overrides = split_args(argv)
@@ -204,35 +210,66 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         status = training.run(session)
         code = 0
     except Diverged as e:  # NaN or inf without DiLoCo: one line, and nothing saved over the last good checkpoint
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        reason = error_line(e)
         telemetry.emit("error", message=str(e))
     except ValueError as e:  # bad input: config, files, data, checkpoint
         code = 2
         if isinstance(e, SameOnEveryRank) and world.rank > 0:  # one line for the node, from local rank 0
+            reason = REPORTED_BY_RANK_0
             leave_quietly()
         else:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            reason = error_line(e)
         telemetry.emit("error", message=str(e))
     except CheckpointFailed as e:  # every rank agreed its save failed: one line (rank 0's says which rank and why)
-        if world.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        reason = error_line(e) if world.rank == 0 else REPORTED_BY_RANK_0
         telemetry.emit("error", message=str(e))
     except MeshError as e:  # the mesh said no: bad input before training (store, id, digest), a failure after
         code = 1 if session is not None and session.training else 2
         if world.rank == 0 or not getattr(e, "node_wide", False):  # every local rank has a node-wide one: once
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            reason = error_line(e)
+        else:
+            reason = REPORTED_BY_RANK_0
         telemetry.emit("error", message=str(e))
         if session is not None:
             training.save_before_failing(session)
     except Exception as e:  # noqa: BLE001 - a crash: report it as an event too, then exit 1
         traceback.print_exc()
+        reason = traceback.format_exc()
         telemetry.emit("error", message=f"{type(e).__name__}: {e}")
         if session is not None:
             training.save_before_failing(session)
     finally:
+        if code != 0:
+            tell_torchrun(world, reason)
         telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
         shutdown(session, telemetry, status, clean=code == 0, training=training)
     return code
+
+
+# what a rank that leaves its node's error to local rank 0 tells torchrun's summary
+REPORTED_BY_RANK_0 = "the same error as local rank 0, which reports it once for the node"
+
+
+def error_line(err: BaseException) -> str:
+    """The one `error: ...` line on stderr; returns its text."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+    return str(err)
+
+
+def tell_torchrun(world: World, reason: str | None) -> None:
+    """Under torchrun, write why this worker failed into its error file (TORCHELASTIC_ERROR_FILE, the file torch's
+    @record writes), so that torchrun's closing summary names the engine's reason where it said "To enable traceback
+    see: <link>", which sent a person after a traceback that a bad input does not have. torchrun itself still ends
+    with that summary, as a traceback of its own, and exit code 1, whatever its workers do: its launcher raises
+    ChildFailedError for any worker that exits non-zero, and nothing a worker does changes that."""
+    if not world.error_file or not reason:
+        return
+    data = {"message": {"message": reason.strip().splitlines()[-1],
+                        "extraInfo": {"py_callstack": reason.rstrip("\n"), "timestamp": str(int(time.time()))}}}
+    try:
+        Path(world.error_file).write_text(json.dumps(data))
+    except OSError:
+        pass  # torchrun's summary falls back to its own words; the error line above has said it all
 
 
 def time_rounds(cfg: Config) -> dict[str, int]:

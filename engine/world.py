@@ -28,6 +28,8 @@ class World:
     # CUDA_VISIBLE_DEVICES as listed (indices or GPU UUIDs); None when unset. CUDA renumbers the visible GPUs
     # from 0, NVML does not: cuda:i is the NVML device visible_gpus[i]
     visible_gpus: tuple[str, ...] | None = None
+    # TORCHELASTIC_ERROR_FILE: where torchrun reads a failed worker's reason for its summary (engine/train.py)
+    error_file: str | None = None
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -80,5 +82,6 @@ def read_world(environ: Mapping[str, str] | None = None) -> World:
         log_level=log_level,
         launched_by_torchrun="TORCHELASTIC_RUN_ID" in environ or "MASTER_ADDR" in environ,
         visible_gpus=_visible(environ.get("CUDA_VISIBLE_DEVICES")),
+        error_file=environ.get("TORCHELASTIC_ERROR_FILE") or None,
         env=relevant,
     )

@@ -83,6 +83,38 @@ def test_torchrun_bad_input_found_by_every_rank_is_one_line(procs, tmp_path, ext
     assert done.stderr.count("exitcode  : 2") == 2, done.stderr  # torchrun's report: both ranks exited 2
 
 
+TORCHRUN_BANNER = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's own opening lines
+
+
+@pytest.mark.parametrize("extra, line", [
+    ([], "error: configs/debug.toml: train.batch_size (8) is not divisible by train.micro_batch_size x workers (8 x "
+         "2): make train.batch_size a multiple of 16 or train.micro_batch_size 4"),
+    (["--train.batch_size=-1"], "error: command line: train.batch_size: Input should be greater than 0 "
+                                "(--train.batch_size=-1)"),
+])
+def test_under_torchrun_the_engine_s_line_comes_first_once_and_is_torchrun_s_root_cause(procs, tmp_path, extra,
+                                                                                       line):
+    """Issue 41: `torchrun --nproc_per_node=2 -m engine.train configs/debug.toml` printed the engine's line inside 45
+    lines of torchrun's ChildFailedError, whose root cause said "To enable traceback see: <link>". The engine's
+    line is the first after torchrun's banner, and the only `error:`; the rank that left it to local rank 0 says so;
+    torchrun's summary names the engine's reason (the worker's TORCHELASTIC_ERROR_FILE, which torch's @record
+    writes). What stays: torchrun ends with ChildFailedError's traceback, its own frames, and exit code 1, for any
+    worker that exits non-zero (torch/distributed/launcher/api.py); no frame of it is the engine's."""
+    done = procs.run([*TORCHRUN, f"--run.dir={tmp_path / 'run'}", *extra], timeout=120)
+    assert done.returncode == 1, done.stderr  # torchrun's code for a failed worker; the workers exited 2
+    assert done.stderr.count("exitcode  : 2") == 2, done.stderr
+    ours = [text for text in done.stderr.splitlines() if text.strip() and not text.startswith(TORCHRUN_BANNER)]
+    assert ours[0] == line, done.stderr
+    assert done.stderr.count("error: ") == 1 and error_lines(done.stderr) == [line], done.stderr
+    root = done.stderr.split("Root Cause (first observed failure):", 1)[1]
+    assert f"  traceback : {line.removeprefix('error: ')}\n" in root, done.stderr
+    others = done.stderr.split("Failures:", 1)[1].split("Root Cause", 1)[0]
+    assert "traceback : the same error as local rank 0, which reports it once for the node" in others, done.stderr
+    assert "To enable traceback see" not in done.stderr
+    frames = [text for text in done.stderr.splitlines() if text.lstrip().startswith('File "')]
+    assert frames and not [f for f in frames if f"{ROOT}/engine/" in f or "engine/train.py" in f], frames
+
+
 def test_bad_input_found_while_building_moves_no_checkpoints(capsys, monkeypatch, tmp_path):
     """Whatever build() refuses (here FSDP2's CPU offload on a CPU, refused by the inner strategy after the model is
     built) comes before an older run's checkpoints are moved aside."""
@@ -365,3 +397,119 @@ def test_a_resumed_run_says_so_once_and_says_when_max_steps_stretches_the_schedu
                                    "schedule is stretched to 8 steps" in stretched[0], longer.stderr
     assert sum("resumed from" in line for line in longer.stderr.splitlines()) == 1
 
+
+
+# ---------------------------------------------------------------------------------------------- issue 41, item 6
+
+@pytest.mark.parametrize("endpoint, why", [
+    ("notaport", "'notaport' has no port (host:port, e.g. 10.0.0.1:2379)"),
+    ("a:99999", "'a:99999': port 99999 is outside 1-65535"),
+    ("a:65536", "'a:65536': port 65536 is outside 1-65535"),
+    ("a:0", "'a:0': port 0 is outside 1-65535"),
+    ("a:", "'a:': port '' is not a number (host:port, e.g. 10.0.0.1:2379)"),
+    (":2379", "':2379' has no host (host:port, e.g. 10.0.0.1:2379)"),
+    ("fd00::1:2379", "'fd00::1:2379': an IPv6 address goes in brackets ([address]:port, e.g. [fd00::1]:2379)"),
+    ("[fd00::1]", "'[fd00::1]' has no port ([address]:port, e.g. [fd00::1]:2379)"),
+    ("[node-a]:2379", "'[node-a]:2379': 'node-a' in brackets is not an IPv6 address"),
+    ("ftp://a:2379", "'ftp://a:2379': unknown scheme 'ftp' (http:// or https://, or none: host:port, e.g. "
+                     "10.0.0.1:2379)"),
+    ("a:2379/v3", "'a:2379/v3': an endpoint has no path (host:port, e.g. 10.0.0.1:2379)"),
+])
+def test_an_etcd_endpoint_that_is_not_host_port_is_one_line_naming_key_and_value(endpoint, why):
+    """Defect: `--mesh.etcd_endpoints=notaport` (or port 99999) was taken, and failed later as a DNS or connection
+    error naming neither the key nor the value. Both sides of the port's range: 1 and 65535 pass, 0 and 65536 not."""
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "debug.toml", ["--mesh.store_backend=etcd", "--mesh.etcd_insecure=true",
+                                                      f"--mesh.etcd_endpoints=b:2379,{endpoint}"])
+    assert str(e.value) == f"command line: mesh.etcd_endpoints: {why} (--mesh.etcd_endpoints=b:2379,{endpoint})"
+
+
+def test_etcd_endpoints_that_are_host_port_pass_and_a_file_s_bad_one_names_the_file(tmp_path):
+    from engine.store.endpoints import Endpoint, parse_endpoint
+    good = ["a:1", "a:65535", "10.0.0.1:2379", "[fd00::1]:2379", "https://etcd-1.lan:2379/", "http://[::1]:2379"]
+    cfg = load_config(ROOT / "configs" / "debug.toml", ["--mesh.store_backend=etcd", "--mesh.etcd_insecure=true",
+                                                        f"--mesh.etcd_endpoints={','.join(good)}"])
+    assert cfg.mesh.etcd_endpoints == good
+    assert parse_endpoint("https://[fd00::1]:2379/") == Endpoint("https", "fd00::1", 2379)
+    assert parse_endpoint("[fd00::1]:2379").url(tls=True) == "https://[fd00::1]:2379"
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\nfake = true\n[mesh]\nstore_backend = "etcd"\netcd_insecure = true\n'
+                    'etcd_endpoints = ["notaport"]\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: mesh.etcd_endpoints: 'notaport' has no port (host:port, e.g. 10.0.0.1:2379)"
+
+
+@pytest.mark.parametrize("override, shown", [
+    ("--mesh.etcd_endpoints=a:2379", '["a:2379"]'), ("--mesh.etcd_prefix=zb/x/", '"zb/x/"'),
+    ("--mesh.etcd_ca=ca.pem", '"ca.pem"'), ("--mesh.etcd_cert=c.pem", '"c.pem"'), ("--mesh.etcd_key=k.pem", '"k.pem"'),
+    ("--mesh.etcd_insecure=true", "true"),
+])
+def test_an_etcd_setting_with_the_tcp_store_is_refused_naming_it(override, shown):
+    """Defect: `--mesh.etcd_endpoints` with the tcp backend was ignored without a word (a profile refuses it)."""
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "configs" / "debug.toml", [override])
+    assert str(e.value) == (f"command line: {key}: {shown} is an etcd setting, but mesh.store_backend is tcp (set "
+                            f"mesh.store_backend = \"etcd\", or leave {key} out) ({override})")
+    # the same key with the etcd store is taken, and the tcp store without any etcd key is the default
+    cfg = load_config(ROOT / "configs" / "debug.toml", ["--mesh.store_backend=etcd", "--mesh.etcd_endpoints=a:1",
+                                                        "--mesh.etcd_insecure=true", override])
+    assert cfg.mesh.store_backend == "etcd"
+    assert load_config(ROOT / "configs" / "debug.toml").mesh.store_backend == "tcp"
+
+
+@pytest.mark.parametrize("line, key, message", [
+    ('[train]\nbatch_size = "8"', "train.batch_size", 'Input should be a valid integer, not the string "8" (write '
+                                                      'it without quotes)'),
+    ('[optim]\nlr = "1e-3"', "optim.lr", 'Input should be a valid number, not the string "1e-3" (write it without '
+                                         'quotes)'),
+    ('[train]\ncompile = "true"', "train.compile", 'Input should be a valid boolean, not the string "true" (write '
+                                                   'it without quotes)'),
+    ("[train]\ncompile = 1", "train.compile", "Input should be a valid boolean"),
+    ("[train]\nmax_steps = 8.0", "train.max_steps", "Input should be a valid integer"),
+])
+def test_a_toml_string_where_a_number_belongs_is_refused_as_the_docs_say(tmp_path, line, key, message):
+    """Defect: `batch_size = "8"` was taken for 8 (and `compile = 1` for true), though docs/config.md promised a
+    type error. The same values typed as TOML types them pass; a float key takes an integer; the command line and
+    the environment, text by nature, are read as TOML first."""
+    path = tmp_path / "c.toml"
+    path.write_text(f"[data]\nfake = true\n{line}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: {key}: {message}"
+    path.write_text('[data]\nfake = true\n[train]\nbatch_size = 8\ncompile = true\nmax_steps = 8\n[optim]\nlr = 1\n')
+    cfg = load_config(path, ["--train.max_steps=9"], environ={"GLOBAL_PORT": "29601"})
+    assert (cfg.train.batch_size, cfg.train.compile, cfg.train.max_steps, cfg.optim.lr, cfg.mesh.store_port) == \
+        (8, True, 9, 1.0, 29601)
+    with pytest.raises(ConfigError, match=r'^command line: train\.max_steps: Input should be a valid integer '
+                                          r'\(--train\.max_steps="9"\)$'):
+        load_config(path, ['--train.max_steps="9"'])  # a TOML string on the command line is a string too
+
+
+@pytest.mark.parametrize("line, key", [('port = "29710"', "store.port"), ("port = 29710.0", "store.port")])
+def test_a_profile_s_number_given_as_a_string_is_refused_at_its_line(tmp_path, line, key):
+    """Defect: a profile's `port = "29710"` was taken for 29710. A profile is as strict as an engine config."""
+    from console.profile import ProfileError, load_profile
+    path = tmp_path / "p.toml"
+    text = '[engine]\nconfig = "configs/debug.toml"\n\n[store]\n{}\n\n[hosts.a]\ntransport = "local"\nstandby = {}\n'
+    path.write_text(text.format(line, "false"))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert str(e.value) == f"{path}:5: {key}: Input should be a valid integer"
+    path.write_text(text.format("port = 29710", "1"))
+    with pytest.raises(ProfileError) as e:
+        load_profile(path)
+    assert str(e.value) == f"{path}:9: hosts.a.standby: Input should be a valid boolean"
+    path.write_text(text.format("port = 29710", "false"))
+    assert load_profile(path).store.port == 29710
+
+
+def test_a_mistyped_resume_is_one_line_asking_about_latest_and_moves_nothing(capsys, monkeypatch, tmp_path):
+    """Defect: `--ckpt.resume=lastest` said "lastest is not a complete checkpoint (no meta.json)"."""
+    ckpts = old_run(tmp_path / "run")
+    code, _, err = run_main(capsys, monkeypatch, "configs/debug.toml", *SMALL, f"--run.dir={tmp_path / 'run'}",
+                            "--ckpt.resume=lastest")
+    assert code == 2 and error_lines(err) == ["error: ckpt.resume: 'lastest' is not a checkpoint folder, 'latest' or "
+                                              "'auto': did you mean 'latest'?"], err
+    assert (ckpts / "latest").is_file() and not (tmp_path / "run" / "_archive").exists()

@@ -403,3 +403,72 @@ def test_eval_asked_for_with_nothing_held_out_is_said():
     assert eval_off_note(SimpleNamespace(train=SimpleNamespace(eval_interval=0)), none_held) is None
     too_few = SimpleNamespace(eval=None, notes=["data: the held-out split has too few tokens for eval; eval is off"])
     assert eval_off_note(cfg, too_few) is None  # said already
+
+
+def test_a_resume_of_a_missing_folder_a_typo_or_a_pointer_to_a_removed_step_says_which(tmp_path):
+    """Defect: all three said "is not a complete checkpoint (no meta.json)", which sent one looking inside a folder
+    that was not there. Each has its own line; a real folder without meta.json still says that."""
+    ck, inner, data = parts(tmp_path)
+    progress = Progress()
+    for n in (1, 2):
+        step(inner, data, progress)
+        ck.save(n, inner, data, progress, NoOuter())
+    missing = tmp_path / "nowhere" / "step-00000009"
+    cases = {str(missing): f"ckpt.resume: no such folder: {missing}",
+             "lastest": "ckpt.resume: 'lastest' is not a checkpoint folder, 'latest' or 'auto': did you mean 'latest'?",
+             "Latest": "ckpt.resume: 'Latest' is not a checkpoint folder, 'latest' or 'auto': did you mean 'latest'?",
+             "atuo": "ckpt.resume: 'atuo' is not a checkpoint folder, 'latest' or 'auto': did you mean 'auto'?",
+             "nothing-like-it": "ckpt.resume: no such folder: nothing-like-it",
+             str(ck.dir / "latest"): f"ckpt.resume: {ck.dir / 'latest'} is a file, not a checkpoint folder"}
+    for resume, line in cases.items():
+        with pytest.raises(ValueError) as e:
+            parts(tmp_path, resume=resume)[0].check_start()
+        assert str(e.value) == line
+    # latest names step 2, which was removed by hand: said so, with the newest complete one left (step 1)
+    import shutil
+    shutil.rmtree(ck.dir / "step-00000002")
+    for resume in ("latest", "auto"):
+        with pytest.raises(ValueError) as e:
+            parts(tmp_path, resume=resume)[0].check_start()
+        assert str(e.value) == (f"ckpt.resume: latest points to {ck.dir / 'step-00000002'}, which is gone; "
+                                f"{ck.dir / 'step-00000001'} is the newest complete one: name it in ckpt.resume")
+    assert parts(tmp_path, resume=str(ck.dir / "step-00000001"))[0].check_start() == ck.dir / "step-00000001"
+    shutil.rmtree(ck.dir / "step-00000001")
+    with pytest.raises(ValueError) as e:
+        parts(tmp_path, resume="latest")[0].check_start()
+    assert str(e.value) == f"ckpt.resume: latest points to {ck.dir / 'step-00000002'}, which is gone"
+    (tmp_path / "empty").mkdir()  # a folder that is there but holds no checkpoint: what the old line was for
+    with pytest.raises(ValueError, match=r"empty is not a complete checkpoint \(no meta\.json\)$"):
+        parts(tmp_path, resume=str(tmp_path / "empty"))[0].check_start()
+    assert (ck.dir / "latest").is_file()  # nothing moved
+
+
+@pytest.mark.parametrize("setting, there, here", [("outer_lr", "1.0", "0.5"), ("outer_momentum", "0.0", "0.9")])
+def test_a_diloco_resume_that_changes_only_the_outer_optimizer_is_refused_naming_it(procs, tmp_path, setting, there,
+                                                                                       here):
+    """Issue 41: the checkpoint's digest covers diloco.outer_lr and outer_momentum, but no test resumed with either
+    changed alone (dropped from the digest, every test stayed green). A checkpoint written as the engine writes a
+    configs/debug-diloco.toml run's (its digest and settings from the same config), then the real engine resumes it
+    with one outer setting changed: refused before the mesh is asked, one line naming the setting and both values.
+    The store's port is 1: a resume let through would fail there instead, with another line."""
+    from engine.config import digest, flat_settings, load_config, shared_settings
+    from procs import PYTHON, ROOT
+    run_dir = tmp_path / "run"
+    common = ["--data.fake=true", f"--run.dir={run_dir}", "--data.seq_len=16", "--train.micro_batch_size=2",
+              "--train.batch_size=2", "--mesh.store_port=1", "--mesh.store_timeout=2"]
+    cfg = load_config(ROOT / "configs" / "debug-diloco.toml", common)
+    assert cfg.diloco.enabled and str(getattr(cfg.diloco, setting)) == there
+    torch.manual_seed(0)
+    data = build_data(cfg.data, WORLD, seed=cfg.train.seed)  # the run's fake data: a resume let through goes on
+    model = build_model(cfg.model, data.vocab_size, cfg.data.seq_len, seed=0)
+    inner = build_inner(model, cfg.inner, cfg.train, cfg.optim, WORLD, torch.device("cpu"))
+    ck = Checkpointer(cfg.ckpt, cfg.run.dir, WORLD, digest(cfg), cfg.inner.strategy, torch.device("cpu"),
+                      max_steps=cfg.train.max_steps, settings=flat_settings(shared_settings(cfg)))
+    progress = Progress()
+    step(inner, data, progress)
+    saved, _ = ck.save(1, inner, data, progress, NoOuter())
+    done = procs.run([PYTHON, "-m", "engine.train", "configs/debug-diloco.toml", *common, "--ckpt.resume=latest",
+                      f"--diloco.{setting}={here}"], timeout=150)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and lines == [f"error: ckpt.resume: {saved} was written with another config: "
+                                              f"diloco.{setting} = {there} there, {here} here"], done.stderr[-2000:]

@@ -203,3 +203,59 @@ def test_a_txt_file_over_the_limit_is_refused_before_anything_is_written(tmp_pat
     assert prepare(big, "--out", out, "--max-text-mb=3") == 0
     from engine.data.prepare import parse_args
     assert parse_args(["prepare", "x", "--out", "y"]).max_text_bytes == 32 << 20  # the documented default
+
+
+# ------------------------------------------------------------------------------------------ issue 41: binary input
+
+def _binary_refused(tmp_path, capsys, corpus: Path, fragment: str) -> str:
+    """Training on the raw files and preparing them both refuse, in one line naming the file, writing nothing."""
+    with pytest.raises(ValueError) as e:
+        build_data(DataConfig(path=str(corpus), seq_len=16, eval_percent=0), world(), 0)
+    head = f"data.path: {corpus} is not text: "
+    assert str(e.value).startswith(head + fragment), str(e.value)
+    capsys.readouterr()
+    out = tmp_path / "out"
+    assert prepare_main(["prepare", str(corpus), "--out", str(out), "--workers=0", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"error: prepare: {corpus} is not text: {str(e.value)[len(head):]}"], err
+    assert not out.exists()
+    return str(e.value)
+
+
+def test_random_bytes_named_txt_are_refused_in_training_and_in_prepare(tmp_path, capsys):
+    """Defect: a file of random bytes named .txt trained and prepared without a word."""
+    rng = np.random.default_rng(0)
+    noise = tmp_path / "noise.txt"
+    blob = rng.integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    noise.write_bytes(blob)
+    _binary_refused(tmp_path, capsys, noise, f"a NUL byte at byte {blob.index(0)} (binary, or UTF-16")
+    nonul = tmp_path / "nonul.txt"  # the same noise without its NUL bytes: the share of what is not text
+    nonul.write_bytes(blob.replace(b"\0", b""))
+    line = _binary_refused(tmp_path, capsys, nonul, "")
+    assert line.endswith("characters are invalid UTF-8 or control characters (over 10%; a .txt/.md file is read "
+                         "as UTF-8 text)"), line
+    utf16 = tmp_path / "utf16.txt"
+    utf16.write_text("plain words " * 50, encoding="utf-16")
+    _binary_refused(tmp_path, capsys, utf16, "a NUL byte at byte 3 (binary, or UTF-16: a .txt/.md file is read as "
+                                             "UTF-8)")
+
+
+@pytest.mark.parametrize("blob, refused", [
+    ((b"a" * 9 + b"\xe9") * 10, False),  # 10 invalid bytes of 100 characters: a tenth, still text (Latin-1)
+    (b"\xe9" * 11 + b"a" * 89, True),  # 11 of 100: over a tenth
+    (b"\x01" * 10 + b"a" * 90, False),  # control characters count alike
+    (b"\x01" * 11 + b"a" * 89, True),
+    (b"\t\n\r\f\v" * 20, False),  # the whitespace controls are text
+    (b"a" * 8191 + b"\0", True),  # a NUL in the first 8 KiB
+    (b"a" * 8192 + b"\0", False),  # past it: not looked at
+    ("\u00e9".encode() * 4095 + b"a\xc3\xa9", False),  # a character cut at the sniffed 8 KiB is not invalid
+])
+def test_the_binary_rule_on_both_sides_of_its_thresholds(tmp_path, blob, refused):
+    from engine.data.documents import check_text
+    path = tmp_path / "x.txt"
+    path.write_bytes(blob)
+    if refused:
+        with pytest.raises(ValueError, match=rf"^data\.path: {path} is not text: "):
+            check_text(path, "data.path")
+    else:
+        check_text(path, "data.path")

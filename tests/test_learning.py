@@ -120,7 +120,7 @@ def test_outer_momentum_in_a_short_run_is_warned_about_once_configs_say_so():
     from engine.outer.protocol import SHORT_RUN_OUTER_STEPS, short_run_note
 
     def note(path, **over):
-        return short_run_note(load_config(ROOT / "configs" / path, {k: str(v) for k, v in over.items()}))
+        return short_run_note(load_config(ROOT / "configs" / path, [f"--{k}={v}" for k, v in over.items()]))
 
     # the shipped short config is quiet; the paper's momentum in it is not
     assert note("debug-diloco.toml") is None

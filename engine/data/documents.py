@@ -15,12 +15,18 @@ byte-order mark dropped (a .jsonl line's too, as where files were concatenated),
 a .jsonl text, each unpaired UTF-16 surrogate escape (`"\\ud83d"`, an emoji cut in half by a web scrape, which JSON
 accepts) as U+FFFD too, since it has no UTF-8 form and the tokenizers refuse it.
 
+Binary input: a .txt/.md file is refused, with one line naming it, when its first 8 KiB (SNIFF_BYTES) hold a NUL
+byte (as git and grep decide; UTF-16 text has them too) or more than a tenth of characters that are not text
+(invalid UTF-8 and control characters other than tab, newline, carriage return, form feed and vertical tab). A
+Latin-1 `é` now and then stays text. Random bytes named `.txt` trained and prepared without a word.
+
 Held-out split: a document goes to eval when a hash of its text falls in the first eval_percent percent, so the
 split does not depend on file order, chunking or the number of workers.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -35,6 +41,11 @@ SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + TABLE_SUFFIXES
 
 # ("file", path) | ("jsonl", path, start, end) | ("texts", path, [text, ...]): plain tuples, cheap to pickle
 Task = tuple
+
+SNIFF_BYTES = 8192  # how much of a .txt/.md file is looked at for binary content
+NOT_TEXT_SHARE = 0.10  # more than this share of the sniffed characters not text: binary
+# control characters that are no part of text (tab, newline, vertical tab, form feed and carriage return are)
+CONTROL = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")
 
 # what json.loads leaves of a "\udXXX" escape without its pair (a pair becomes the one character it encodes)
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -66,8 +77,26 @@ def is_eval_document(text: str, eval_percent: float) -> bool:
 
 # ---------------------------------------------------------------------------------------------- one file kind each
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: Path, what: str = "data.path") -> str:
+    check_text(path, what)
     return path.read_text(encoding="utf-8-sig", errors="replace")
+
+
+def check_text(path: Path, what: str) -> None:
+    """A ValueError naming the file when its first SNIFF_BYTES look binary (the module's docstring)."""
+    with path.open("rb") as fh:
+        sample = fh.read(SNIFF_BYTES)
+    nul = sample.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{what}: {path} is not text: a NUL byte at byte {nul} (binary, or UTF-16: a .txt/.md file "
+                         f"is read as UTF-8)")
+    # a character cut at the sample's end is not counted as invalid (final only when the sample is the whole file)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    text = decoder.decode(sample, final=len(sample) < SNIFF_BYTES)
+    bad = text.count("\ufffd") + len(CONTROL.findall(text))
+    if text and bad > NOT_TEXT_SHARE * len(text):
+        raise ValueError(f"{what}: {path} is not text: {bad} of the first {len(text)} characters are invalid UTF-8 or "
+                         f"control characters (over {NOT_TEXT_SHARE:.0%}; a .txt/.md file is read as UTF-8 text)")
 
 
 def _record_text(path: Path, lineno: int, line: bytes, text_field: str) -> str:
@@ -160,11 +189,11 @@ def table_batches(path: Path, text_field: str, batch_rows: int = 1024) -> Iterat
 
 # ---------------------------------------------------------------------------------------------- in order
 
-def read_documents(files: list[Path], text_field: str) -> Iterator[str]:
+def read_documents(files: list[Path], text_field: str, what: str = "data.path") -> Iterator[str]:
     for f in files:
         suffix = f.suffix.lower()
         if suffix in TEXT_SUFFIXES:
-            yield read_text_file(f)
+            yield read_text_file(f, what)
         elif suffix in JSONL_SUFFIXES:
             with f.open("rb") as fh:  # lines of bytes, as jsonl_range cuts them
                 for lineno, line in enumerate(fh, 1):
@@ -203,7 +232,7 @@ def read_task(task: Task, text_field: str) -> tuple[list[str], int]:
     """(documents, source bytes they came from) of one task."""
     kind, path = task[0], Path(task[1])
     if kind == "file":
-        return [read_text_file(path)], path.stat().st_size
+        return [read_text_file(path, "prepare")], path.stat().st_size
     if kind == "jsonl":
         return jsonl_range(path, task[2], task[3], text_field), task[3] - task[2]
     return task[2], sum(len(t.encode("utf-8")) for t in task[2])

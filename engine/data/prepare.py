@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engine.data.documents import TEXT_SUFFIXES, find_files, is_eval_document, plan_tasks, read_task
+from engine.data.documents import TEXT_SUFFIXES, check_text, find_files, is_eval_document, plan_tasks, read_task
 from engine.data.shards import FORMAT, JOURNAL, MANIFEST, SPLITS, read_manifest, shard_names, verify
 from engine.data.tokenizer import Tokenizer, frame_documents, load_tokenizer, token_dtype
 
@@ -266,6 +266,8 @@ def prepare(args: argparse.Namespace, say: Callable[[str], None] = print) -> dic
         files += find_files(source, "prepare")
     files = list(dict.fromkeys(files))  # a file named by two sources is read once
     for f in files:
+        if f.suffix.lower() in TEXT_SUFFIXES:
+            check_text(f, "prepare")  # before anything is written, as the size below
         if f.suffix.lower() in TEXT_SUFFIXES and f.stat().st_size > args.max_text_bytes:
             raise ValueError(f"prepare: {f} holds {f.stat().st_size / (1 << 20):.1f} MiB, over --max-text-mb "
                              f"{args.max_text_bytes / (1 << 20):g} (a .txt/.md file is one document, tokenized "

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
+from engine.store.endpoints import parse_endpoint
 from engine.store.etcd_gateway import EtcdError, Gateway, Tls, b64, range_end, unb64
 
 WAIT_POLL_S = (0.005, 0.01, 0.02, 0.05, 0.1)  # growing pauses of wait()/get() on a missing key
@@ -239,11 +240,11 @@ class EtcdStore(dist.Store):
     @property
     def host(self) -> str:
         """The first member's address: make_group() finds this host's address on the route to it."""
-        return self.endpoints[0].split("://")[-1].rsplit(":", 1)[0]
+        return parse_endpoint(self.endpoints[0]).host
 
     @property
     def port(self) -> int:
-        return int(self.endpoints[0].rsplit(":", 1)[1])
+        return parse_endpoint(self.endpoints[0]).port
 
     # ---- leases -----------------------------------------------------------------------------------------------
     def lease_key(self, key: str) -> None:
