@@ -41,3 +41,18 @@ def test_an_ended_run_says_how_and_keeps_its_final_loss():
     fleet.ingest("c", start("c"))
     fleet.ingest("c", line("run_end", "c", status="stopped", step=3))
     assert fleet.summary().ended == "stopped"
+
+
+def test_a_running_runs_line_shows_its_loss_within_80_columns():
+    """The header is cut at its right edge: at 80 columns a run's loss was past the cut (after tokens/s), so the
+    dashboard of a run in progress showed no loss at all. The loss now comes before tokens/s and the ETA."""
+    fleet = Fleet(run="lab-1b-0612")
+    for name in ("node-gpu-01", "node-gpu-02"):
+        fleet.add_node(name, "h")
+        fleet.ingest(name, start(name, max_steps=100000))
+        fleet.ingest(name, line("state", name, state="training"))
+        fleet.ingest(name, step(15800, 3.4567, 123456.0, name, ts=time.time() - 5))
+        fleet.ingest(name, step(15810, 3.4561, 123456.0, name))
+    text = cells.summary_text(fleet.summary())
+    assert "ETA " in text and "tok/s" in text
+    assert "loss 3.4561" in text[:80], text

@@ -261,6 +261,8 @@ def summary_text(summary: Any) -> str:
     ended = getattr(summary, "ended", None)  # a completed run looked like a stopped one: "loss -", a stale ETA
     if ended:  # first and short: the header is cut at its right edge (80 columns)
         return f"run {summary.run} {ended} | outer {outer} | step {step} | loss {loss_cell(summary.loss)}{store}"
+    # loss before tokens/s: at 80 columns the header is cut at its right edge, and the loss is the run's own figure
+    # (each node's tokens/s shows in the table)
     return (f"run {summary.run} | members {members} | outer {outer} | step {step} | "
-            f"{num_cell(summary.tokens_per_s)} tok/s | loss {loss_cell(summary.loss)} | "
+            f"loss {loss_cell(summary.loss)} | {num_cell(summary.tokens_per_s)} tok/s | "
             f"ETA {eta_text(summary.eta_s)}{store}")
