@@ -10,7 +10,8 @@ is unknown". Two ways to trust them, both only for a host known_hosts has no key
     --accept-new-host-keys          on check, sync, hostkeys, add and a start: trust on first use, no question
 
 A CHANGED key (known_hosts records another key for the host) is never written, whatever the option says: its line
-names both keys and exit status is 1. Exit status: 0 every key known or recorded, 1 otherwise.
+names both keys and exit status is 1. Exit status: 0 every key known or recorded, 1 otherwise. A host behind a jump
+host whose key is new shows (and records) the jump's key first; run `hostkeys` again for the host's own.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ async def _look(host: Any, make: Callable[[Any], Any]) -> Seen:
         verdict = "changed" if t.offered_verdict == "changed" else "unreachable"
         await t.close()
         return Seen(host.name, verdict, f"{host.name}: {str(e)}")
-    key = t._conn.get_server_host_key() if t._conn is not None else None
+    key = t.server_host_key
     await t.close()
     return Seen(host.name, "known", f"{host.name}: known    {fingerprint(key) if key else '(no key)'}")
 

@@ -135,8 +135,8 @@ def test_a_changed_key_is_refused_even_with_the_option(sshd):
     before = sshd.known_hosts.read_text()
     profile = write_profile(sshd, sshd.known_hosts)
     refusal = (rf"host key CHANGED for {sshd.user}@127\.0\.0\.1:{sshd.port}: it offers {re.escape(new)}, known_hosts "
-               rf"has {re.escape(old)}: refused; (fix: )?if the host was reinstalled, check its new key, then remove the "
-               rf"old one \(ssh-keygen -R '\[127\.0\.0\.1\]:{sshd.port}' -f {re.escape(str(sshd.known_hosts))}\)")
+               rf"has {re.escape(old)}: refused; (fix: )?if the host was reinstalled, check its new key, then remove "
+               rf"the old one \(ssh-keygen -R '\[127\.0\.0\.1\]:{sshd.port}' -f {re.escape(str(sshd.known_hosts))}\)")
     for args in (["hostkeys", "--accept-new-host-keys"], ["hostkeys"], ["check", "--accept-new-host-keys"]):
         done = console(profile, *args)
         assert done.returncode == 1, (args, done.stdout, done.stderr)

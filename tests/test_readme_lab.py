@@ -1,5 +1,5 @@
-"""The README's "From this machine to your cluster", read from README.md itself and done in the namespace lab (tests/lab):
-two machines, each a network namespace with its own sshd, reached over SSH from a fresh HOME whose known_hosts is
+"""The README's "From this machine to your cluster", read from README.md itself and done in the namespace lab
+(tests/lab): two machines, each a network namespace with its own sshd, reached over SSH from a fresh HOME whose known_hosts is
 empty. Nothing of the section is copied here: its commands and its profile edit are parsed out of README.md
 (tests/test_readme.py: cluster_section, edit_profile), each command runs as written in bash in a stand-in for the
 repository's root (every top-level entry of the checkout linked, profiles/ copied, so the `cp` makes a file of the

@@ -80,6 +80,11 @@ class SshTransport(Transport):
         """The user's known_hosts file: where accept_new_host_key writes, and the one the messages name."""
         return known_hosts_files(self.host)[0][0]
 
+    @property
+    def server_host_key(self) -> asyncssh.SSHKey | None:
+        """The host key the open connection was made with (None when none is open)."""
+        return self._conn.get_server_host_key() if self._conn is not None and not self._conn.is_closed() else None
+
     def _known_hosts(self) -> asyncssh.SSHKnownHosts:
         """Every known_hosts file ssh would consult for the host, the global ones included: a key handed out in
         /etc/ssh/ssh_known_hosts (or ssh_config's UserKnownHostsFile) was "unknown" where ssh connected."""
