@@ -8,6 +8,7 @@
     zeroband-console profiles/local.toml status | drain NODE | kill NODE | add HOST | stop
     zeroband-console profiles/lab.toml check                # every host, before anything starts (exit 1: a problem)
     zeroband-console profiles/lab.toml sync                 # this checkout (HEAD) and its set-up onto every host
+    zeroband-console profiles/lab.toml hostkeys             # every host's key; new ones recorded after a typed yes
 
 A start (the dashboard, --headless, add) runs the same check first and starts nothing when it finds a problem;
 --no-check skips it. An engine config the engines would refuse (a misspelt override) is exit 2 before that.
@@ -28,6 +29,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence, TextIO
 
+from console import hostkeys
 from console.dependency_warnings import route_dependency_warnings
 from console.fleet import Fleet, Node, NodeState
 from console.preflight import PreflightFailed
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("stop", help="stop training on every node")
     sub.add_parser("check", help="check every host before a start: one line per problem and its fix")
     sub.add_parser("sync", help="put this checkout (HEAD's tracked files) and its set-up on every host")
+    hostkeys.add_arguments(parser, sub)  # --accept-new-host-keys, and `hostkeys`
     return parser
 
 
@@ -317,6 +320,10 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
         profile = load(args.profile)
     except SystemExit as e:
         return int(e.code or 0)
+    if args.accept_new_host_keys:
+        profile = hostkeys.accepting_new_keys(profile)
+    if args.command == "hostkeys":
+        return asyncio.run(hostkeys.run_hostkeys(profile, args.accept_new_host_keys, out))
     if args.command not in ("check", "sync"):  # `check` lists every problem of every host its own way
         refused = _refused(profile, args)
         if refused is not None:

@@ -5,6 +5,10 @@ then the first again, on a fresh folder (configs/ and corpus/ copied; nothing el
                                               profiles load, subcommands exist, named hosts are in the profile
     test_readme_engine_examples_run_in_order_and_again
                                               the one-host lines in order, then the first again: each exits 0
+    test_the_two_commands_come_first          no command before them; the test command's root and minutes said
+    test_the_cluster_section_parses           "From this machine to your cluster": its profile edit applied to a copy
+                                              of profiles/lab.toml loads, and each of its commands parses against it
+                                              (tests/test_readme_lab.py runs them in the namespace lab)
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ def readme_commands(section: str = "## Using it") -> list[tuple[str, list[str]]]
             continue
         pending = ""
         code = line.split("  #")[0].split("   #")[0].strip()
-        if not code or code.startswith("#") or code.startswith("kill "):
+        if not code or code.startswith(("#", "kill ", "source ")):  # `source .venv/bin/activate`: the shell
             continue
         if code.startswith("zeroband-console") and " | " in code:
             head, *alternatives = code.split(" | ")
@@ -69,8 +73,9 @@ def _check_engine(words: list[str], workers: int, environ: dict[str, str]) -> No
     grad_accum_steps(cfg.train, workers, source=config)
 
 
-def check_command(words: list[str]) -> str:
-    """Parse one README command against this checkout; returns what it is, raises on anything that would fail."""
+def check_command(words: list[str], root: Path = ROOT) -> str:
+    """Parse one README command against this checkout (profiles under `root`); returns what it is, raises on anything
+    that would fail."""
     env, words = _without_env(words)
     prog, args = words[0], words[1:]
     if prog == "torchrun":
@@ -106,7 +111,7 @@ def check_command(words: list[str]) -> str:
         from console.profile import load_profile
 
         parsed = cli.parse_args(args)
-        profile = load_profile(ROOT / parsed.profile)
+        profile = load_profile(root / parsed.profile)
         target = getattr(parsed, "node", None) or getattr(parsed, "host", None)
         if target is not None:
             assert target in profile.hosts, f"{target} is not a host of {parsed.profile}"
@@ -116,11 +121,100 @@ def check_command(words: list[str]) -> str:
     raise AssertionError(f"no check for {prog}")
 
 
+CLUSTER = "## From this machine to your cluster"
+PLACEHOLDERS = ("HOST-A", "HOST-B", "USER")  # the section's words for what only the reader knows
+
+
+def section_blocks(heading: str) -> list[tuple[str, str]]:
+    """(language, text) of every fenced block of the README's section, in order."""
+    text = README.read_text()
+    body = text[text.index(heading) + len(heading):]
+    body = body[: body.index("\n## ")] if "\n## " in body else body
+    return re.findall(r"^```(\w+)\n(.*?)^```$", body, re.S | re.M)
+
+
+def block_lines(block: str) -> list[str]:
+    """The commands of a bash block as typed: comments dropped (a line ending in `\\` joined with the next)."""
+    out, pending = [], ""
+    for raw in block.splitlines():
+        line = pending + raw
+        if line.rstrip().endswith("\\"):
+            pending = line.rstrip()[:-1] + " "
+            continue
+        pending = ""
+        code = line.split("  #")[0].strip()
+        if code and not code.startswith("#"):
+            out.append(code)
+    return out
+
+
+def cluster_section() -> tuple[list[list[str]], str]:
+    """The cluster section: its bash blocks (each a list of commands) and its profile edit (the toml block)."""
+    blocks = section_blocks(CLUSTER)
+    toml = [text for lang, text in blocks if lang == "toml"]
+    assert len(toml) == 1, "the section shows one profile edit"
+    return [block_lines(text) for lang, text in blocks if lang == "bash"], toml[0]
+
+
+def edit_profile(path: Path, edit: str, values: dict[str, str]) -> None:
+    """The edit as the section says it: the example's [hosts.…] tables replaced by the edit's, the edit's other keys
+    set in their tables, everything else left as it is. values: what the reader types for each placeholder."""
+    import tomlkit
+
+    for word, value in values.items():
+        edit = re.sub(rf"(?<![\w-]){re.escape(word)}(?![\w-])", value, edit)
+    doc, wanted = tomlkit.parse(path.read_text()), tomlkit.parse(edit)
+    doc["hosts"] = wanted["hosts"]
+    for name, table in wanted.items():
+        if name != "hosts":
+            for key, value in table.items():
+                doc[name][key] = value
+    path.write_text(tomlkit.dumps(doc))
+
+
 def test_every_readme_command_parses():
     commands = readme_commands()
     kinds = [check_command(list(words)) for _, words in commands]
     # every kind of command the README shows was checked, not skipped
     assert {"engine", "store", "simulate", "console", "recipe"} <= set(kinds) and kinds.count("console") >= 9
+
+
+def test_the_two_commands_come_first():
+    """Defect: "The two commands" came after two other commands (in the introduction); which pair was meant was
+    unclear. Now no command, inline or in a block, comes before them, and the section says what the tests need."""
+    text = README.read_text()
+    before, section = text.split("## The two commands", 1)
+    assert "`" not in before and "```" not in before
+    first_block = section[section.index("```bash\n") + 8:]
+    assert block_lines(first_block[: first_block.index("```")]) == ["scripts/run.sh", "scripts/test.sh"]
+    said = " ".join(section[: section.index("\n## ")].split())
+    for words in ("needs root", "useradd", "network namespaces", "apt", "about 17 minutes on 2 cores", ".ci/run"):
+        assert words in said, words
+
+
+def test_the_cluster_section_parses(tmp_path):
+    """The section's commands against a copy of profiles/lab.toml edited as it says (its placeholders filled), as
+    check_command parses the other sections'. Every console subcommand of a cluster's life is there, in order."""
+    blocks, edit = cluster_section()
+    lines = [line for block in blocks for line in block]
+    assert lines[:2] == ["source .venv/bin/activate", "cp profiles/lab.toml profiles/mine.toml"]
+    (tmp_path / "profiles").mkdir()
+    shutil.copy(ROOT / "profiles" / "lab.toml", tmp_path / "profiles" / "mine.toml")
+    assert all(word in edit for word in PLACEHOLDERS)
+    edit_profile(tmp_path / "profiles" / "mine.toml", edit, {"HOST-A": "10.0.0.1", "HOST-B": "10.0.0.2",
+                                                              "USER": "trainer"})
+    from console.profile import load_profile
+
+    profile = load_profile(tmp_path / "profiles" / "mine.toml")
+    assert list(profile.hosts) == ["node-a", "node-b"] and profile.store_address == "10.0.0.1"
+    assert {h.user for h in profile.hosts.values()} == {"trainer"}
+    steps = []
+    for line in lines[2:]:
+        words = shlex.split(line)
+        assert check_command(words, root=tmp_path) == "console", line
+        assert words[1] == "profiles/mine.toml", line
+        steps.append(next((w for w in words[2:] if not w.startswith("-")), None) or " ".join(words[2:]))
+    assert steps == ["hostkeys", "sync", "check", "--headless", "status", "--readonly", "drain", "stop"], steps
 
 
 def test_the_checker_refuses_what_used_to_be_in_the_readme():

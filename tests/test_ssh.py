@@ -195,7 +195,8 @@ async def test_changed_host_key_is_refused_clearly(sshd):
 async def test_unknown_host_key_strict_by_default_and_opt_in(sshd):
     empty = sshd.root / "empty_known_hosts"
     strict = make_transport(sshd.host_spec("n", known_hosts=str(empty)))
-    with pytest.raises(TransportError, match=r"host key of .* is unknown: not in .*accept_new_host_key = true"):
+    with pytest.raises(TransportError,
+                       match=r"host key of .* is unknown \(ssh-ed25519 SHA256:.*\): not in .*--accept-new-host-keys"):
         await strict.connect()
     assert not empty.exists()
     trusting = make_transport(sshd.host_spec("n", known_hosts=str(empty), accept_new_host_key=True))

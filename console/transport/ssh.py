@@ -3,8 +3,10 @@
 * connect timeout and keepalive (1 s x 3): asyncssh has neither by default, and without them an unreachable host
   hangs ~130 s and a dead link is never noticed;
 * reconnect on demand with exponential backoff: between failed attempts, calls fail fast with the last reason;
-* host keys checked strictly against known_hosts; `accept_new_host_key` (an explicit profile opt-in) trusts and
-  records the key of a host that has no entry yet. A CHANGED key is always refused;
+* host keys checked strictly against known_hosts; `accept_new_host_key` (an explicit profile opt-in, or the
+  command line's --accept-new-host-keys) trusts and records the key of a host that has no entry yet, and the
+  `hostkeys` command records the keys it showed after an explicit yes (console/hostkeys.py). A CHANGED key is
+  always refused;
 * ~/.ssh/config honoured (aliases, HostName, Port, User, IdentityFile, ProxyJump); jump hosts like `ssh -J`;
 * signals are `kill` commands (OpenSSH delivers channel signals only to non-root sessions).
 
@@ -66,6 +68,10 @@ class SshTransport(Transport):
         self._last_error: str | None = None
         self.lost_reason: str | None = None  # why the last link went down
         self.accepted_key: str | None = None  # the known_hosts line written under accept_new_host_key
+        # the last host key offered that known_hosts does not trust: (name, port, key) as ssh checks it, and
+        # "new" (no key at all for that name) or "changed" (another key is recorded for it)
+        self.offered: tuple[str, int, asyncssh.SSHKey] | None = None
+        self.offered_verdict: str | None = None
         self._encrypted_key: str | None = None  # an identity file with a passphrase: only ssh-agent can use it
 
     # ---- the connection ------------------------------------------------------------------------------------
@@ -73,6 +79,11 @@ class SshTransport(Transport):
     def known_hosts_path(self) -> str:
         """The user's known_hosts file: where accept_new_host_key writes, and the one the messages name."""
         return known_hosts_files(self.host)[0][0]
+
+    @property
+    def server_host_key(self) -> asyncssh.SSHKey | None:
+        """The host key the open connection was made with (None when none is open)."""
+        return self._conn.get_server_host_key() if self._conn is not None and not self._conn.is_closed() else None
 
     def _known_hosts(self) -> asyncssh.SSHKnownHosts:
         """Every known_hosts file ssh would consult for the host, the global ones included: a key handed out in
@@ -168,25 +179,34 @@ class SshTransport(Transport):
         self.lost_reason = f"link lost: {exc}" if exc else "link closed"
 
     def _accept_new_key(self, host: str, addr: str, port: int, key: asyncssh.SSHKey) -> bool:
-        """Opt-in trust on first use: only for a host with no key at all in known_hosts."""
-        if not self.host.accept_new_host_key or self._has_known_key(host, addr, port):
+        """Called by asyncssh for every key known_hosts does not trust. Opt-in trust on first use: only for a host
+        with no key at all in known_hosts (a CHANGED key is refused whatever the profile or the command line say)."""
+        self.offered = (host, port, key)
+        self.offered_verdict = "changed" if self._known_keys(host, addr, port) else "new"
+        if not self.host.accept_new_host_key or self.offered_verdict == "changed":
             return False
+        self.accepted_key = self.record_key(host, port, key)
+        return True
+
+    def record_key(self, host: str, port: int, key: asyncssh.SSHKey) -> str:
+        """Append the key to the user's known_hosts as ssh writes it (`name` on port 22, else `[name]:port`); the
+        line written. Called only for a host known_hosts has no key for (accept-new, or `hostkeys` after a yes)."""
         pattern = host if port == 22 else f"[{host}]:{port}"
         algorithm, blob = key.export_public_key("openssh").decode().split()[:2]  # drop the key's comment
         line = f"{pattern} {algorithm} {blob}\n"
         os.makedirs(os.path.dirname(self.known_hosts_path) or ".", exist_ok=True)
         with open(self.known_hosts_path, "a") as f:
             f.write(line)
-        self.accepted_key = line.strip()
-        return True
+        return line.strip()
 
-    def _has_known_key(self, host: str, addr: str | None, port: int | None) -> bool:
+    def _known_keys(self, host: str, addr: str | None, port: int | None) -> list[asyncssh.SSHKey]:
+        """The keys (and CA keys) known_hosts records for the name and port."""
         try:
             trusted = asyncssh.match_known_hosts(self._known_hosts(), host, addr or "",
                                                  None if port in (None, 22) else port)
         except (OSError, ValueError):
-            return False
-        return bool(trusted[0] or trusted[1])
+            return []
+        return [*trusted[0], *trusted[1]]
 
     def _check_key(self, path: str, key: str) -> None:
         """One line for an identity file that is no private key (a .pub named by mistake); a key with a passphrase
@@ -213,11 +233,16 @@ class SshTransport(Transport):
             key_name, key_port = ssh_hostname(jump) or target, port or ssh_port(jump)
         where = f"{user + '@' if user else ''}{target}{':' + str(port) if port else ''}"
         if isinstance(e, asyncssh.HostKeyNotVerifiable):
-            if self._has_known_key(key_name, None, key_port):
-                return (f"host key CHANGED for {where}: it does not match {self.known_hosts_path}; refusing to "
-                        "connect (if the host was reinstalled, remove its old line from known_hosts)")
-            return (f"host key of {where} is unknown: not in {self.known_hosts_path}; add it (ssh-keyscan) or set "
-                    "accept_new_host_key = true in the profile")
+            offered = fingerprint(self.offered[2]) if self.offered else "a key"
+            recorded = self._known_keys(key_name, None, key_port)
+            if recorded:
+                pattern = key_name if key_port in (None, 22) else f"[{key_name}]:{key_port}"
+                return (f"host key CHANGED for {where}: it offers {offered}, known_hosts has "
+                        f"{', '.join(fingerprint(k) for k in recorded)}: refused; if the host was reinstalled, check "
+                        f"its new key, then remove the old one (ssh-keygen -R '{pattern}' -f {self.known_hosts_path})")
+            return (f"host key of {where} is unknown ({offered}): not in {self.known_hosts_path}; compare it with the "
+                    "host's own, then accept it: zeroband-console PROFILE hostkeys (asks yes), or add "
+                    "--accept-new-host-keys (or accept_new_host_key = true in the profile)")
         if isinstance(e, asyncssh.PermissionDenied):
             hint = (f"; {self._encrypted_key} has a passphrase: add it to ssh-agent (ssh-add)"
                     if self._encrypted_key else "")
@@ -376,6 +401,11 @@ class SshTail(Tail):
             if self._held:
                 self._held = False
                 self.transport._channels.release()
+
+
+def fingerprint(key: asyncssh.SSHKey) -> str:
+    """`ssh-ed25519 SHA256:...`: the key's type and the fingerprint ssh-keygen -l prints for it."""
+    return f"{key.get_algorithm()} {key.get_fingerprint()}"
 
 
 def parse_jump(text: str) -> tuple[str | None, str, int | None]:
