@@ -5,7 +5,8 @@
     zeroband-console profiles/local.toml --readonly         # watch only (it attaches): no start, add, drain, kill,
                                                             # restart or stop
     zeroband-console profiles/local.toml --headless         # no screen: a status line per interval, exit = outcome
-    zeroband-console profiles/local.toml status | drain NODE | kill NODE | add HOST | stop
+    zeroband-console profiles/local.toml status             # one line per node
+    zeroband-console profiles/local.toml drain NODE         # also: kill NODE, add HOST, stop
     zeroband-console profiles/lab.toml check                # every host, before anything starts (exit 1: a problem)
     zeroband-console profiles/lab.toml sync                 # this checkout (HEAD) and its set-up onto every host
     zeroband-console profiles/lab.toml hostkeys             # every host's key; new ones recorded after a typed yes
