@@ -1,13 +1,18 @@
 """The sparse codec with error feedback (engine/outer/sparse.py): settings, layout, wire format, top-k, quantizer,
-the accumulator's stage/commit/abort/reset, and the gathered mean's bytes. Pure torch on the CPU, fast."""
+the accumulator's stage/commit/abort/reset, and the gathered mean's bytes. Pure torch on the CPU, fast; and
+bench/sparse_codec.py's plumbing (a debug-preset round, a bad argument)."""
 
 from __future__ import annotations
 
 import math
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
+
+from procs import ROOT
 
 from engine.outer.sparse import (ChunkLayout, ErrorFeedback, NothingGathered, RankOrderedSum, SparseCodec, SparseSpec,
                                  bytes_ratio, gathered_mean, message_bytes, pack_bits, unpack_bits)
@@ -32,7 +37,8 @@ def _buf(codec, seed=0):
     (dict(chunk=True), "diloco.sparse_chunk"),
     (dict(density=0), "diloco.density"), (dict(density=1.0001), "diloco.density"),
     (dict(density=float("nan")), "diloco.density"), (dict(density="0.01"), "diloco.density"),
-    (dict(bits=3), "diloco.sparse_bits"), (dict(bits=16), "diloco.sparse_bits"), (dict(bits=True), "diloco.sparse_bits"),
+    (dict(bits=3), "diloco.sparse_bits"), (dict(bits=16), "diloco.sparse_bits"),
+    (dict(bits=True), "diloco.sparse_bits"),
     (dict(beta=-0.01), "diloco.sparse_beta"), (dict(beta=1.01), "diloco.sparse_beta"),
     (dict(beta=float("inf")), "diloco.sparse_beta"),
 ])
@@ -269,7 +275,6 @@ def _members(n, seed=0, **kw):
     codec = _codec([(4, 64), (100,), (1,)], chunk=64, density=0.2, **kw)  # dense enough that supports overlap
     msgs = []
     for r in range(n):
-        _, _ = None, None
         msg, _ = codec.encode(_buf(codec, seed + r))
         msgs.append(msg)
     return codec, msgs
@@ -330,3 +335,20 @@ def test_own_message_in_the_mean_equals_what_was_sent():
     out = torch.empty(codec.layout.padded)
     gathered_mean(codec, msgs, [123456.0], out)
     assert torch.equal(_bits(out), _bits(codec.decode(msgs[0])))
+
+
+# ---- bench/sparse_codec.py ----
+
+def test_bench_runs_a_round_and_prints_its_last_line():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--preset", "debug", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    last = r.stdout.strip().splitlines()[-1]
+    assert last.startswith("sparse codec debug 2x: encode ") and "per outer step (goal 0.05 s: C/G " in last
+
+
+def test_bench_bad_setting_is_one_line_naming_the_key():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--chunk", "1000"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith("sparse_codec.py: error: diloco.sparse_chunk: 1000 is not")
