@@ -351,4 +351,4 @@ def test_bench_bad_setting_is_one_line_naming_the_key():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--chunk", "1000"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines()[-1].startswith("sparse_codec.py: error: diloco.sparse_chunk: 1000 is not")
+    assert r.stderr.strip().splitlines()[-1].startswith("sparse_codec.py: error: diloco.sparse_chunk: 1000 is not an integer power of two")

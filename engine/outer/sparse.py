@@ -119,7 +119,7 @@ class SparseSpec:
     def __post_init__(self) -> None:
         chunk = _number("diloco.sparse_chunk", self.chunk)
         if not isinstance(chunk, int) or chunk < MIN_CHUNK or chunk > MAX_CHUNK or chunk & (chunk - 1):
-            raise ValueError(f"diloco.sparse_chunk: {self.chunk!r} is not a power of two from {MIN_CHUNK} to "
+            raise ValueError(f"diloco.sparse_chunk: {self.chunk!r} is not an integer power of two from {MIN_CHUNK} to "
                              f"{MAX_CHUNK} (the indices are packed at log2(chunk) bits; e.g. 4096)")
         density = _number("diloco.density", self.density)
         if not 0 < density <= 1:
@@ -183,7 +183,7 @@ class ChunkLayout:
         if out is None:
             dev = tensors.device if isinstance(tensors, torch.Tensor) else tensors[0].device
             out = torch.zeros(self.padded, dtype=torch.float32, device=dev)
-        for v, t in zip(self.views(out), self._split(tensors)):
+        for v, t in zip(self.views(out), self.split(tensors)):
             v.copy_(t.view(v.shape))
         return out
 
@@ -191,7 +191,8 @@ class ChunkLayout:
         """The values of a buffer of this layout as one flat tensor, pads dropped (a copy)."""
         return torch.cat([v.reshape(-1) for v in self.views(buf)]) if self.shapes else buf[:0].clone()
 
-    def _split(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    def split(self, tensors: Sequence[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's values, flat: from a list shaped as the layout, or from one flat tensor of them in order."""
         if isinstance(tensors, torch.Tensor):
             assert tensors.numel() == self.numel, "a flat tensor of another size than the layout's"
             flat = tensors.reshape(-1)
@@ -494,7 +495,7 @@ class ErrorFeedback:
         one pass per tensor. False: e' is not finite; e is then reset to 0 and nothing is staged (the node sits the
         step out and takes the run's weights)."""
         assert not self.staged, "stage() twice in one outer step: e' is computed once per step"
-        for e, d in zip(self._flat, self.layout._split(delta)):
+        for e, d in zip(self._flat, self.layout.split(delta)):
             torch.add(d, e, alpha=self.spec.beta, out=e)
         if not math.isfinite(self.norm()):
             self.reset()
