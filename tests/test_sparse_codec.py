@@ -351,4 +351,15 @@ def test_bench_bad_setting_is_one_line_naming_the_key():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--chunk", "1000"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines()[-1].startswith("sparse_codec.py: error: diloco.sparse_chunk: 1000 is not an integer power of two")
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "sparse_codec.py: error: diloco.sparse_chunk: 1000 is not an integer power of two")
+
+
+def test_own_message_as_its_sent_gives_the_same_bytes():
+    codec = _codec([(4, 64), (100,)], chunk=64, density=0.2)
+    (m0, s0), (m1, _), (m2, _) = (codec.encode(_buf(codec, 40 + r)) for r in range(3))
+    weights = [2.5, 3.0, 5.0]
+    a, b = torch.empty(codec.layout.padded), torch.empty(codec.layout.padded)
+    gathered_mean(codec, [m0, m1, m2], weights, a)
+    gathered_mean(codec, [s0, m1, m2], weights, b)
+    assert torch.equal(_bits(a), _bits(b))

@@ -407,10 +407,12 @@ class SparseCodec:
         return Sent(self._base + idx, self._dequantize(codes, scale))
 
     @torch.no_grad()
-    def decode_add(self, msg: torch.Tensor, out: torch.Tensor, scale_by: float | torch.Tensor = 1.0) -> torch.Tensor:
+    def decode_add(self, msg: torch.Tensor | Sent, out: torch.Tensor, scale_by: float | torch.Tensor = 1.0
+                   ) -> torch.Tensor:
         """out += scale_by * decode(msg), in fp32, each position once (a message's positions are distinct).
+        A node's own message may come as the Sent its encode returned: the same values, bit for bit, unread.
         Returns the positions it added to."""
-        sent = self.read(msg.to(out.device))
+        sent = msg if isinstance(msg, Sent) else self.read(msg.to(out.device))
         w = torch.as_tensor(scale_by, dtype=torch.float32, device=out.device)
         out.index_add_(0, sent.pos, sent.val * w)
         return sent.pos
@@ -434,12 +436,12 @@ class RankOrderedSum:
 
     def __init__(self, codec: SparseCodec, weights: Sequence[float], out: torch.Tensor):
         self.codec, self.weights, self.out = codec, [float(w) for w in weights], out
-        self._waiting: dict[int, torch.Tensor | None] = {}
+        self._waiting: dict[int, torch.Tensor | Sent | None] = {}
         self._next = 0
         out.zero_()
 
-    def arrive(self, rank: int, msg: torch.Tensor | None) -> None:
-        """Rank's message (None: it sent none; it must then have weight 0)."""
+    def arrive(self, rank: int, msg: torch.Tensor | Sent | None) -> None:
+        """Rank's message (None: it sent none; it must then have weight 0). This node's own may be its Sent."""
         assert 0 <= rank < len(self.weights) and rank not in self._waiting and rank >= self._next, f"rank {rank}"
         self._waiting[rank] = msg
         while self._next in self._waiting:
@@ -460,7 +462,7 @@ class RankOrderedSum:
         return total
 
 
-def gathered_mean(codec: SparseCodec, messages: Sequence[torch.Tensor | None], weights: Sequence[float],
+def gathered_mean(codec: SparseCodec, messages: Sequence[torch.Tensor | Sent | None], weights: Sequence[float],
                   out: torch.Tensor) -> float:
     """out = sum_i(w_i * decode(m_i)) / sum_i(w_i) over the members in rank order (weight 0 or less: not counted);
     the same bytes on every rank. Returns the total weight."""
@@ -507,7 +509,8 @@ class ErrorFeedback:
         assert self.staged, "encode() before stage()"
         return self.codec.encode(self.e)
 
-    def mean_into(self, messages: Sequence[torch.Tensor | None], weights: Sequence[float], out: torch.Tensor) -> float:
+    def mean_into(self, messages: Sequence[torch.Tensor | Sent | None], weights: Sequence[float],
+                  out: torch.Tensor) -> float:
         return gathered_mean(self.codec, messages, weights, out)
 
     @torch.no_grad()
