@@ -278,13 +278,14 @@ async def run_sync(profile: Any, out: TextIO) -> int:
 
 
 def _refused(profile: Any, args: argparse.Namespace) -> str | None:
-    """What makes the command wrong before any host is reached: a missing identity file, or `add` of a name that
-    is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
+    """What makes the command wrong before any host is reached: a missing identity file or ssh_config, or `add` of a
+    name that is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
     from console.hosts import UnknownHost, new_host_target
-    from console.profile import ProfileError, check_identity_files
+    from console.profile import ProfileError, check_identity_files, check_ssh_configs
 
     try:
         check_identity_files(profile)
+        check_ssh_configs(profile)
         if args.command == "add" and args.host not in profile.hosts:
             new_host_target(profile, args.host)
     except (ProfileError, UnknownHost) as e:

@@ -200,3 +200,70 @@ def test_recipes_never_write_a_variable_named_like_a_credential():
     for doc in (ROOT / "docs" / "strategies.md", ROOT / "console" / "recipes.py"):
         flat = re.sub(r"\s+", " ", doc.read_text())
         assert f"whose name contains {words} (in any case" in flat, doc
+
+
+# ---- issue 41: etcd endpoints, a missing ssh_config ------------------------------------------------------------
+ETCD_ENDPOINTS = """\
+[run]
+name = "e"
+dir = "runs/e"
+
+[store]
+backend = "etcd"
+etcd_endpoints = [{endpoints}]
+etcd_ca = "ca.crt"
+etcd_cert = "client.crt"
+etcd_key = "client.key"
+
+[engine]
+config = "configs/fake.toml"
+
+[hosts.node-a]
+transport = "local"
+"""
+
+
+@pytest.mark.parametrize("endpoints, said", [
+    ('"notaport"', "'notaport' is not host:port (e.g. 10.0.0.1:2379, [fd00::1]:2379)"),
+    ('"10.0.0.1:2379", "10.0.0.2:99999"', "'10.0.0.2:99999': port 99999 is not in 1..65535"),
+    ('"10.0.0.1:0"', "'10.0.0.1:0': port 0 is not in 1..65535"),
+    ('"http://10.0.0.1:2379"', "'http://10.0.0.1:2379': etcd here is reached over TLS (https://host:port, or "
+                               "host:port), not http://"),
+])
+def test_a_bad_etcd_endpoint_is_one_line_at_its_profile_line(tmp_path, capsys, endpoints, said):
+    """Defect: `check` raised ValueError from preflight/runner.py ("notaport"); port 99999 failed later as a
+    connection error. Both are the profile's line now, exit 2, and no host is asked."""
+    path = tmp_path / "e.toml"
+    path.write_text(ETCD_ENDPOINTS.format(endpoints=endpoints))
+    for command in ("check", "status"):
+        code, out = _cli([str(path), command])
+        err = capsys.readouterr().err
+        assert (code, out) == (cli.EXIT_USAGE, ""), err
+        assert err == f"zeroband-console: {path}:7: store.etcd_endpoints: {said}\n"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_good_etcd_endpoints_are_read_as_written(tmp_path):
+    from console.profile import etcd_endpoint
+
+    eps = '"10.0.0.1:2379", "[fd00::1]:2381", "https://etcd.example.org:65535/", "h:1"'
+    path = tmp_path / "e.toml"
+    path.write_text(ETCD_ENDPOINTS.format(endpoints=eps))
+    assert load_profile(path).store.etcd_endpoints == ["10.0.0.1:2379", "[fd00::1]:2381",
+                                                       "https://etcd.example.org:65535/", "h:1"]
+    assert [etcd_endpoint(e) for e in load_profile(path).store.etcd_endpoints] == [
+        ("10.0.0.1", 2379), ("fd00::1", 2381), ("etcd.example.org", 65535), ("h", 1)]
+
+
+@pytest.mark.parametrize("command", ["status", "stop", "kill node-a", "add node-b"])
+def test_a_missing_ssh_config_is_one_line_naming_it_and_exit_2(tmp_path, capsys, command):
+    """Defect: `status` showed every node "unreachable (hosts.node-a.ssh_config: ... does not exist)" and exited 0."""
+    path = tmp_path / "keys.toml"
+    path.write_text(SSH_PROFILE.format(port=free_port(), defaults=f'ssh_config = "{tmp_path}/no_config"',
+                                       node_a="") + "standby = true\n")
+    code, out = _cli([str(path), *command.split()])
+    err = capsys.readouterr().err
+    assert (code, out) == (cli.EXIT_USAGE, "")
+    assert err == (f"zeroband-console: {path}:16: hosts.node-a.ssh_config: {tmp_path}/no_config does not exist on "
+                   "this machine (the ssh config this console reaches node-a with)\n")
+    assert not (tmp_path / "runs").exists()
