@@ -155,8 +155,9 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
         except PreflightFailed as e:  # one line per problem, each naming its host; nothing was started
             for line in e.lines:
                 print(f"zeroband-console: {line}", file=sys.stderr)
-            print("zeroband-console: nothing started (zeroband-console PROFILE check; --no-check skips it)",
-                  file=sys.stderr)
+            hint = getattr(e, "hint", "nothing started (zeroband-console PROFILE check; --no-check skips it)")
+            if hint:  # a start refused before its checks (console/cluster.py StartRefused): its lines say it all
+                print(f"zeroband-console: {hint}", file=sys.stderr)
             return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",

@@ -43,6 +43,7 @@ from typing import Any, Callable
 from console import etcd as E
 from console.attach import Attacher
 from console.fleet import Fleet, NodeState
+from console.preflight import PreflightFailed
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
@@ -58,6 +59,17 @@ from engine.telemetry import BadEvent, parse_line
 # the command builders and the store's folder are still offered here, where they were before the parts moved out
 # (tests/lab/lab.py and the tests import them from console.cluster)
 __all__ = ["STORE", "Cluster", "Outcome", "engine_argv", "engine_env", "store_argv"]
+
+
+class StartRefused(PreflightFailed):
+    """A start refused before anything was moved or started, by what no start can get past (--no-check skips the
+    preflight, not this): one `FILE:LINE: KEY: ...` line each."""
+
+    hint = ""  # no "nothing started (... check ...)" after the lines: no check would say more
+
+    def __init__(self, lines: list[str]):
+        Exception.__init__(self, " | ".join(lines))
+        self.problems, self.lines = [], list(lines)
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,13 @@ class Cluster:
         starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
             await self._check_before("start", hosts=[h.name for h in starting])
+        # what would end the start at once (the store's port taken, a certificate file missing): before a previous
+        # run's checkpoints are moved to _archive/ or anything starts, whether or not the preflight ran
+        refused = await self._store.unstartable([h.name for h in starting])
+        if refused:
+            for host in starting:
+                self.fleet.set_state(host.name, NodeState.FAILED, refused[0])
+            raise StartRefused(refused)
         blocked = set() if self.resume else await self._archive_previous()
         active = [h for h in starting if h.name not in blocked]
         if not active:

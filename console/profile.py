@@ -549,6 +549,16 @@ def check_ssh_configs(profile: Profile) -> None:
                                f"exist on this machine (the ssh config this console reaches {host.name} with)")
 
 
+def key_where(profile: Profile, *keys: tuple[str, ...]) -> str:
+    """`FILE:LINE: KEY` for the first of keys, at the line of the first of them written in the file (a default has
+    no line of its own: the next key's, [store]'s), for lines that refuse a value found wrong after reading."""
+    try:
+        lines = key_lines(Path(profile.path).read_text())
+    except OSError:
+        lines = {}
+    return f"{profile.path}:{next((lines[k] for k in keys if k in lines), 0)}: {'.'.join(keys[0])}"
+
+
 def dial_address(host: HostSpec) -> str:
     """The address other machines dial for a host: an ~/.ssh/config alias exists only on this machine, so its
     HostName (as ssh resolves it) is dialled instead of the alias."""

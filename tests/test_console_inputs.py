@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -267,3 +268,209 @@ def test_a_missing_ssh_config_is_one_line_naming_it_and_exit_2(tmp_path, capsys,
     assert err == (f"zeroband-console: {path}:16: hosts.node-a.ssh_config: {tmp_path}/no_config does not exist on "
                    "this machine (the ssh config this console reaches node-a with)\n")
     assert not (tmp_path / "runs").exists()
+
+
+# ---- issue 41: a start moves nothing before what can be checked has been -------------------------------------
+def _previous_run(workdir: Path) -> dict[str, bytes]:
+    """A previous run's folders, a checkpoint among them; what the tree holds, to compare after."""
+    ckpt = workdir / "runs" / "t" / "node-a" / "ckpt" / "step_5"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text('{"step": 5}')
+    (workdir / "runs" / "t" / "node-b").mkdir()
+    (workdir / "runs" / "t" / "node-b" / "events.jsonl").write_text("")
+    return _tree(workdir / "runs")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else b"/" for p in sorted(root.rglob("*"))}
+
+
+def test_a_start_with_the_store_port_taken_moves_nothing_and_names_the_port(workdir, capsys, cleanup):  # noqa: F811
+    """Defect: `--headless --no-check` with the store's port taken moved the previous run's checkpoints into
+    _archive/, started the engines, then failed them all with "store exited ... engines keep their state"."""
+    path = workdir / "p.toml"
+    port = free_port()
+    path.write_text(PROFILE.format(port=port, python=sys.executable, workdir=workdir, b_extra=""))
+    before = _previous_run(workdir)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        code, out = _cli([str(path), "--headless", "--no-check", "--interval", "0.2"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED and out == ""
+    assert err == (f"zeroband-console: {path}:7: store.port: {port} is taken on node-a (the store cannot listen on "
+                   f"127.0.0.1:{port}: EADDRINUSE: Address already in use); end what listens there (ss -ltnp "
+                   f"'sport = :{port}') or choose another store.port\n")
+    assert _tree(workdir / "runs") == before  # nothing archived, no engine or store folder made
+
+
+async def test_with_the_port_free_the_same_start_archives_and_starts(workdir, cleanup):  # noqa: F811
+    """The other side: the port free, the previous run moves to _archive/ and the run starts."""
+    from console.cluster import Cluster
+
+    profile = make_profile(workdir)
+    _previous_run(workdir)
+    cluster = Cluster(profile, Fleet(run="t"))
+    try:
+        await cluster.start()
+        assert (next((workdir / "runs/t/_archive").iterdir()) / "node-a/ckpt/step_5/meta.json").is_file()
+        assert sorted(cluster.running()) == ["node-a", "node-b"]
+        assert await cluster.stop()
+    finally:
+        await cluster.close()
+
+
+async def test_an_address_the_store_host_does_not_have_is_its_profile_line(workdir, cleanup):  # noqa: F811
+    from console.cluster import Cluster, StartRefused
+
+    path = workdir / "p.toml"
+    path.write_text(PROFILE.format(port=free_port(), python=sys.executable, workdir=workdir, b_extra="")
+                    .replace("[store]\n", '[store]\nbind = "192.0.2.1"\n'))  # TEST-NET-1: no host has it
+    before = _previous_run(workdir)
+    fleet = Fleet(run="t")
+    cluster = Cluster(load_profile(path), fleet)
+    try:
+        with pytest.raises(StartRefused) as refused:
+            await cluster.start()
+    finally:
+        await cluster.close()
+    assert refused.value.lines == [f"{path}:7: store.bind: 192.0.2.1 is not an address of node-a (the store cannot "
+                                   "listen on it: EADDRNOTAVAIL: Cannot assign requested address)"]
+    assert {n.name: (n.state.value, n.reason) for n in fleet.nodes.values()} == {
+        "node-a": ("failed", refused.value.lines[0]), "node-b": ("failed", refused.value.lines[0]),
+        "node-c": ("standby", None)}
+    assert _tree(workdir / "runs") == before
+
+
+ETCD_RUNNING = """\
+[run]
+name = "t"
+dir = "runs/t"
+
+[store]
+backend = "etcd"
+etcd_endpoints = ["127.0.0.1:{port}"]
+etcd_ca = "{pki}/ca.crt"
+etcd_cert = "{pki}/client.crt"
+etcd_key = "{pki}/client.key"
+
+[engine]
+config = "configs/fake.toml"
+
+[defaults]
+transport = "local"
+python = "{python}"
+workdir = "{workdir}"
+
+[hosts.node-a]
+
+[hosts.node-b]
+workdir = "{workdir}/b"
+"""
+
+
+def _etcd_running_profile(workdir: Path, pki: str) -> Path:
+    path = workdir / "e.toml"
+    path.write_text(ETCD_RUNNING.format(port=free_port(), pki=pki, python=sys.executable, workdir=workdir))
+    (workdir / "b" / "configs").mkdir(parents=True, exist_ok=True)
+    (workdir / "b" / "configs" / "fake.toml").write_text((workdir / "configs" / "fake.toml").read_text())
+    return path
+
+
+def test_a_missing_etcd_client_file_moves_nothing_and_names_file_and_key(workdir, capsys, cleanup):  # noqa: F811
+    """Defect: the previous run was archived first, then every node failed with "etcd is not usable: [Errno 2] No
+    such file or directory", naming no file and no key."""
+    from console.etcd_pki import make_pki
+
+    make_pki(workdir / "pki", ["127.0.0.1"])
+    (workdir / "pki" / "client.key").unlink()
+    path = _etcd_running_profile(workdir, str(workdir / "pki"))
+    before = _previous_run(workdir)
+    code, out = _cli([str(path), "--headless", "--no-check", "--interval", "0.2"])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_FAILED and out == ""
+    assert err == (f"zeroband-console: {path}:10: store.etcd_key: {workdir}/pki/client.key is not a readable file on "
+                   "this machine (the console reaches etcd with it)\n")
+    assert _tree(workdir / "runs") == before
+    code, out = _cli([str(path), "check"])  # `check` names it too (it said nothing: the table, exit 0)
+    assert code == cli.EXIT_FAILED and out.splitlines()[0] == (
+        f"profile: {path}:10: store.etcd_key: {workdir}/pki/client.key is not a readable file on this machine (the "
+        "console reaches etcd with it); fix: copy the file there, or fix the path in [store]")
+
+
+async def test_etcd_client_files_relative_to_a_hosts_workdir_are_looked_for_there(workdir, cleanup):  # noqa: F811
+    """Relative paths are each host's workdir's: a file node-b's workdir lacks is named on node-b; the files all
+    there, nothing is said (the other side)."""
+    from console.etcd import tls_unreadable
+    from console.etcd_pki import make_pki
+    from console.hosts import Hosts
+    from console.transport import make_transport
+
+    make_pki(workdir / "pki", ["127.0.0.1"])
+    make_pki(workdir / "b" / "pki", ["127.0.0.1"])
+    profile = load_profile(_etcd_running_profile(workdir, "pki"))
+    hosts = Hosts(profile, Fleet(), make_transport)
+    try:
+        import os
+        here = os.getcwd()
+        os.chdir(workdir)  # the console's own relative paths are its working folder's
+        try:
+            assert await tls_unreadable(profile, hosts.transport, ["node-a", "node-b"]) == []
+            (workdir / "b" / "pki" / "ca.crt").unlink()
+            assert await tls_unreadable(profile, hosts.transport, ["node-a", "node-b"]) == [
+                f"{profile.path}:8: store.etcd_ca: pki/ca.crt is not a readable file on node-b (relative paths are "
+                "from each host's workdir)"]
+        finally:
+            os.chdir(here)
+    finally:
+        await hosts.close()
+
+
+ETCD_HOSTS = """\
+[run]
+name = "t"
+dir = "runs/t"
+
+[store]
+backend = "etcd"
+etcd_hosts = ["node-a", "node-b", "node-c"]
+etcd_client_port = {client}
+etcd_peer_port = {peer}
+
+[engine]
+config = "configs/fake.toml"
+
+[defaults]
+transport = "local"
+python = "{python}"
+workdir = "{workdir}"
+
+[hosts.node-a]
+
+[hosts.node-b]
+
+[hosts.node-c]
+"""
+
+
+async def test_an_etcd_members_port_taken_moves_nothing_and_names_it(workdir, cleanup):  # noqa: F811
+    from console.cluster import Cluster, StartRefused
+
+    client = free_port()
+    path = workdir / "h.toml"
+    path.write_text(ETCD_HOSTS.format(client=client, peer=client + 1, python=sys.executable, workdir=workdir))
+    before = _previous_run(workdir)
+    cluster = Cluster(load_profile(path), Fleet(run="t"))
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", client + 2))  # member node-b's client port
+            taken.listen()
+            with pytest.raises(StartRefused) as refused:
+                await cluster.start()
+    finally:
+        await cluster.close()
+    assert refused.value.lines == [
+        f"{path}:8: store.etcd_client_port: {client + 2} is taken on node-b (etcd member node-b (etcd_client_port + "
+        f"2) cannot listen on 127.0.0.1:{client + 2}: EADDRINUSE: Address already in use); end what listens there "
+        f"(ss -ltnp 'sport = :{client + 2}') or choose another store.etcd_client_port"]
+    assert _tree(workdir / "runs") == before

@@ -368,6 +368,14 @@ async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport])
         return transports[name]
     try:
         report = await preflight(profile, transport_of, mode="check")
+        if profile.store.backend == "etcd" and profile.store.etcd_endpoints:  # the etcd client files a start needs
+            try:
+                tls = await E.tls_unreadable(profile, transport_of, [p.name for p in report.plans if p.engine
+                                                                     and report.results[p.name].facts is not None])
+            except TransportError as e:
+                tls = [f"the etcd client files could not be looked for: {e}"]
+            report.problems[:0] = [Problem("profile", "tls", line, "copy the file there, or fix the path in [store]")
+                                   for line in tls]
     finally:
         await asyncio.gather(*(t.close() for t in transports.values()), return_exceptions=True)
     try:
