@@ -163,6 +163,8 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
+        for warning in getattr(cluster, "warnings", []):  # the start's preflight: a port open beyond a private net
+            print(f"zeroband-console: {warning}", file=sys.stderr)
         said = _nothing_runs(cluster) if attach else None
         if said:  # nothing to follow: it would print "off" for ever
             print(f"zeroband-console: {said}: nothing to attach to (start it without --attach)", file=sys.stderr)
@@ -266,6 +268,8 @@ async def run_check(profile: Any, out: TextIO) -> int:
         print(line, file=out, flush=True)
     for note in report.notes:
         print(f"({note})", file=out)
+    for warning in report.warnings:
+        print(warning, file=out)
     return EXIT_FAILED if report.problems else EXIT_OK
 
 

@@ -96,6 +96,7 @@ class Cluster:
         self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._stop_under_way = False  # stop() runs: an add or restart now would start what it is ending
         self._store_started_for: str | None = None  # the node an add started the run's store for
+        self.warnings: list[str] = []  # what the preflight warned of (rules.exposure_warning), once each
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
@@ -194,6 +195,10 @@ class Cluster:
         from console.preflight.runner import PreflightFailed, mark_refused, preflight
 
         report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else hosts)
+        for warning in report.warnings:  # listeners beyond a private network: said once, in the first host's log
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                self.fleet.note(report.plans[0].name, warning)
         if report.problems:
             mark_refused(self.fleet, report)
             raise PreflightFailed(report.problems)
