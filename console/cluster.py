@@ -47,6 +47,7 @@ from console.preflight import PreflightFailed
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
+from console.outcome import run_outcome
 from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
@@ -428,11 +429,23 @@ class Cluster:
         after "added")."""
         if self._stop_under_way:
             return Outcome(False, f"{name}: the run is being stopped")
+        completed = self._completed()
+        if completed:  # a node started now would resume at train.max_steps and end at once, after "added"
+            return Outcome(False, f"{name}: not started: run {self.profile.run.name} completed ({completed} reached "
+                                  f"train.max_steps); start a new run (zeroband-console {self.profile.path}), or "
+                                  f"raise train.max_steps and start it with --resume")
         try:
             check_engine_config(self.profile)
         except ProfileError as e:
             return Outcome(False, f"{name}: not started: {e}")
         return None
+
+    def _completed(self) -> str | None:
+        """The nodes that completed the run, when no node of it runs any more (else None): the run is over."""
+        if run_outcome(self.fleet) is None or any(not r.done() for r in self._attacher.retries.values()):
+            return None
+        done = [n.name for n in self.fleet.nodes.values() if n.state is NodeState.LEFT and n.reason == "completed"]
+        return ", ".join(done) or None
 
     def _add_to_profile(self, target: str) -> tuple[str, bool]:
         """The host's name, and whether it was written into the profile file now."""
@@ -491,9 +504,15 @@ class Cluster:
             self._stop_under_way = False
 
     async def _stop(self) -> Outcome:
+        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
+        asking = any(not retry.done() for retry in self._attacher.retries.values())  # a host that did not answer
+        if not running and not asking and not await self._store.runs():
+            # a profile mistyped, a run already over: "stopped 0 node(s)" read as a success; nothing is written
+            hosts = ", ".join(self.profile.hosts)
+            return Outcome(False, f"nothing to stop: no engine or store of {self.profile.path} runs (run "
+                                  f"{self.profile.run.name}; looked in {self.profile.run.dir} on {hosts})")
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
         await self._store.mark_stopped()  # before the engines end: another console watching them reads it
-        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
         for proc in running.values():
             proc.stopping = True
         await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM")  # type: ignore[arg-type]

@@ -177,6 +177,15 @@ class EtcdCluster:
         results = await asyncio.gather(*(one(m) for m in self.members))
         return [r for r in results if r]
 
+    async def running(self) -> list[str]:
+        """The members whose pid file names a live process (TransportError when a host cannot be asked)."""
+        async def one(member: Member) -> bool:
+            t = self.transport(member.host)
+            text = await t.read_text(C.join(self.member_dir(member), C.PID))
+            return bool(text and text.strip().isdigit() and await t.alive(int(text), C.TAG))
+        alive = await asyncio.gather(*(one(m) for m in self.members))
+        return [m.name for m, up in zip(self.members, alive) if up]
+
     async def exited(self) -> list[str]:
         """"member NAME exited: LAST LOG LINE" for each member started here that no longer runs."""
         out = []

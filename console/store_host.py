@@ -374,6 +374,18 @@ class StoreHost:
         self.error = reason
         self._on_failed(reason)
 
+    async def runs(self) -> bool:
+        """Whether anything of the run's store runs: the store or its probe (tcp), a member this console runs (etcd);
+        a host that cannot be asked may run it (True)."""
+        try:
+            if self.profile.store.backend == "tcp":
+                host = self.profile.store_host.name
+                return (await self.hosts.running_pid(STORE, host) is not None
+                        or await self.hosts.running_pid(PROBE, host) is not None)
+            return self.etcd is not None and bool(await self.etcd.running())
+        except TransportError:
+            return True
+
     async def mark_stopped(self) -> None:
         """The run's stop, said in the store's folder until a store starts again: a console watching the store does
         not restart it, and one watching a node that a stop ends settles it "stopped", whatever its exit status."""

@@ -4,7 +4,9 @@ what is wrong, in one line, with a non-zero exit."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import os
 import re
 import socket
 import sys
@@ -13,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from console import cli
-from console.fleet import Fleet
+from console.fleet import Fleet, NodeState
 from console.profile import load_profile
 from procs import free_port
-from test_cluster import PROFILE, cleanup, make_profile, workdir  # noqa: F401 -- fixtures
+from test_cluster import PROFILE, cleanup, make_profile, until, workdir  # noqa: F401 -- fixtures
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -411,7 +413,6 @@ async def test_etcd_client_files_relative_to_a_hosts_workdir_are_looked_for_ther
     profile = load_profile(_etcd_running_profile(workdir, "pki"))
     hosts = Hosts(profile, Fleet(), make_transport)
     try:
-        import os
         here = os.getcwd()
         os.chdir(workdir)  # the console's own relative paths are its working folder's
         try:
@@ -474,3 +475,86 @@ async def test_an_etcd_members_port_taken_moves_nothing_and_names_it(workdir, cl
         f"2) cannot listen on 127.0.0.1:{client + 2}: EADDRINUSE: Address already in use); end what listens there "
         f"(ss -ltnp 'sport = :{client + 2}') or choose another store.etcd_client_port"]
     assert _tree(workdir / "runs") == before
+
+
+# ---- issue 41: stop with nothing running, add on a completed run -----------------------------------------------
+def test_stop_with_nothing_running_says_so_names_the_run_folder_and_exits_1(workdir, capsys, cleanup):  # noqa: F811
+    """Defect: `stop` of a profile with nothing running (mistyped, or a run long over) said "stopped 0 node(s)" and
+    exited 0; it also wrote RUN_DIR/_store/stopped, making the folder. The other side: a running cluster's stop."""
+    profile = make_profile(workdir)
+    code, out = _cli([profile.path, "stop"])
+    err = capsys.readouterr().err
+    nothing = (f"zeroband-console: nothing to stop: no engine or store of {profile.path} runs (run t; looked in "
+               "runs/t on node-a, node-b, node-c)\n")
+    assert (code, out, err) == (cli.EXIT_FAILED, "", nothing)
+    assert not (workdir / "runs").exists()  # nothing written
+    asyncio.run(_start_and_leave(profile))
+    code, out = _cli([profile.path, "stop"])
+    assert (code, out) == (cli.EXIT_OK, "stopped 2 node(s)\n"), capsys.readouterr().err
+    code, out = _cli([profile.path, "stop"])  # again: nothing left
+    assert (code, out, capsys.readouterr().err) == (cli.EXIT_FAILED, "", nothing)
+
+
+async def _start_and_leave(profile) -> None:
+    """Start the cluster and leave it running, as a console that ends leaves it."""
+    from console.cluster import Cluster
+
+    fleet = Fleet(run="t")
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.start()
+        await until(lambda: fleet.store.state == "up" and all(
+            fleet.nodes[n].state is NodeState.TRAINING for n in ("node-a", "node-b")), what="training")
+    finally:
+        await cluster.close()
+
+
+def _completed_run(workdir: Path, status: str = "completed") -> None:
+    """The folders a run leaves when its engines ended with run_end `status` (the store ended with it)."""
+    from engine.telemetry import encode, make_event
+
+    for node in ("node-a", "node-b"):
+        folder = workdir / "runs" / "t" / node
+        folder.mkdir(parents=True)
+        events = [make_event("run_start", node, 0, pid=1, host="h", world_size=1, config_digest="d",
+                             strategy="ddp", max_steps=10),
+                  make_event("step", node, 0, step=10, loss=1.0, lr=1e-3, tokens_per_s=1.0, grad_norm=None),
+                  make_event("run_end", node, 0, status=status, step=10)]
+        (folder / "events.jsonl").write_text("".join(encode(e) + "\n" for e in events))
+        (folder / "pid").write_text("999999999\n")  # long gone
+        (folder / "rc").write_text("0\n")
+
+
+@pytest.mark.parametrize("target", ["node-a", "node-c"])
+def test_add_on_a_completed_run_is_refused_and_starts_no_store(workdir, capsys, cleanup, target):  # noqa: F811
+    """Defect: `add node-a` on a completed run said "added", exit 0; the engine resumed at train.max_steps and ended
+    at once, and the store the add had started for it ran on. A run that completed is over: refused, nothing
+    started (a stopped run's add starts the node, as before: tests/test_cluster.py)."""
+    profile = make_profile(workdir)
+    _completed_run(workdir)
+    before, text = _tree(workdir / "runs"), Path(profile.path).read_bytes()
+    code, out = _cli([profile.path, "--no-check", "add", target])
+    err = capsys.readouterr().err
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert err == (f"zeroband-console: {target}: not started: run t completed (node-a, node-b reached "
+                   f"train.max_steps); start a new run (zeroband-console {profile.path}), or raise train.max_steps "
+                   "and start it with --resume\n")
+    assert _tree(workdir / "runs") == before and Path(profile.path).read_bytes() == text  # no store, no folder
+
+
+async def test_a_run_that_was_stopped_takes_an_add(workdir, cleanup):  # noqa: F811
+    """The other side: the same folders with run_end "stopped": add starts the node (and the store it dials)."""
+    from console.cluster import Cluster
+
+    profile = make_profile(workdir)
+    _completed_run(workdir, status="stopped")
+    fleet = Fleet(run="t")
+    cluster = Cluster(profile, fleet)
+    try:
+        await cluster.attach(steer_store=False)
+        added = await cluster.add("node-c")
+        assert added and added.message == "node-c: added", added.message
+        assert (workdir / "runs/t/_store/pid").is_file()
+        assert await cluster.stop()
+    finally:
+        await cluster.close()
