@@ -156,7 +156,7 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             for line in e.lines:
                 print(f"zeroband-console: {line}", file=sys.stderr)
             hint = getattr(e, "hint", "nothing started (zeroband-console PROFILE check; --no-check skips it)")
-            if hint:  # a start refused before its checks (console/cluster.py StartRefused): its lines say it all
+            if hint:  # none after a start's own refusal (console/cluster.py StartRefused): its lines say it all
                 print(f"zeroband-console: {hint}", file=sys.stderr)
             return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1

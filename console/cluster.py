@@ -43,11 +43,11 @@ from typing import Any, Callable
 from console import etcd as E
 from console.attach import Attacher
 from console.fleet import Fleet, NodeState
-from console.preflight import PreflightFailed
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
 from console.outcome import run_outcome
+from console.preflight import PreflightFailed
 from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
@@ -59,7 +59,7 @@ from engine.telemetry import BadEvent, parse_line
 
 # the command builders and the store's folder are still offered here, where they were before the parts moved out
 # (tests/lab/lab.py and the tests import them from console.cluster)
-__all__ = ["STORE", "Cluster", "Outcome", "engine_argv", "engine_env", "store_argv"]
+__all__ = ["STORE", "Cluster", "Outcome", "StartRefused", "engine_argv", "engine_env", "store_argv"]
 
 
 class StartRefused(PreflightFailed):
@@ -424,9 +424,10 @@ class Cluster:
 
     def _refused(self, name: str) -> Outcome | None:
         """Why an add or restart of name must not start anything, or None. While stop() runs: a node started then
-        could start the store again after the stop ended it, and outlive it. An engine config the engines would
-        refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at once,
-        after "added")."""
+        could start the store again after the stop ended it, and outlive it. A run that completed: the node would
+        resume at train.max_steps and end at once, leaving the store it needed running. An engine config the engines
+        would refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at
+        once, after "added")."""
         if self._stop_under_way:
             return Outcome(False, f"{name}: the run is being stopped")
         completed = self._completed()
@@ -496,7 +497,9 @@ class Cluster:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and
         its probe the same way. Returns when no process of the run is left on any host that answers: every process
         group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
-        wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
+        wrapper's end); a group a host did not answer for is named and the outcome is a failure. With nothing of the
+        run running (no engine, no store, every host answered) the outcome is a failure that says so, and nothing is
+        written."""
         self._stop_under_way = True
         try:
             return await self._stop()
