@@ -141,9 +141,10 @@ class StoreHost:
                 binds = [(m.host, m.address, port, key, f"etcd member {m.name}" + (f" ({key} + {2 * i})" if i else ""))
                          for i, m in enumerate(members)
                          for port, key in ((m.client_port, "etcd_client_port"), (m.peer_port, "etcd_peer_port"))]
+                names = list(dict.fromkeys(m.host for m in members))
                 found = await asyncio.gather(*(self._bind_errors(host, [(a, p, k, n) for h, a, p, k, n in binds
-                                                                        if h == host])
-                                               for host in dict.fromkeys(m.host for m in members)))
+                                                                        if h == host]) for host in names),
+                                             *(self._etcd_missing(host) for host in names))
                 return [line for lines in found for line in lines]
             return await E.tls_unreadable(self.profile, self.hosts.transport, hosts)
         except TransportError as e:  # the host does not answer: nothing of the run can start there
@@ -157,6 +158,17 @@ class StoreHost:
             at = key_where(self.profile, ("store", "host"), ("store",))
             return [f"{at}: the store's host {host.name} cannot run it: {reason}"]
         return await self._bind_errors(host.name, [(await self.bind(), self.profile.store.port, "port", "the store")])
+
+    async def _etcd_missing(self, name: str) -> list[str]:
+        """The etcd binary runs on member host `name` (its workdir's PATH, as the member will start there)."""
+        binary, host = self.profile.store.etcd_binary, self.profile.hosts[name]
+        rc, _, _ = await self.hosts.transport(name).run(f"cd {C.qpath(host.workdir)} 2>/dev/null; "
+                                                        f"command -v {C.qpath(binary)} >/dev/null")
+        if rc == 0:
+            return []
+        at = key_where(self.profile, ("store", "etcd_binary"), ("store", "etcd_hosts"))
+        return [f"{at}: {binary} is not found on {name} (an etcd member runs there; Debian: apt install etcd-server, "
+                f"or set store.etcd_binary to its path)"]
 
     async def _bind_errors(self, name: str, binds: Sequence[tuple[str, int, str, str]]) -> list[str]:
         """Whether host `name` can listen on each (address, port) now, as the store and etcd will; a line per one

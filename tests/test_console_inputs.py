@@ -475,6 +475,17 @@ async def test_an_etcd_members_port_taken_moves_nothing_and_names_it(workdir, cl
         f"2) cannot listen on 127.0.0.1:{client + 2}: EADDRINUSE: Address already in use); end what listens there "
         f"(ss -ltnp 'sport = :{client + 2}') or choose another store.etcd_client_port"]
     assert _tree(workdir / "runs") == before
+    (workdir / "h.toml").write_text(path.read_text().replace("[engine]", 'etcd_binary = "no-such-etcd"\n\n[engine]'))
+    cluster = Cluster(load_profile(path), Fleet(run="t"))
+    try:
+        with pytest.raises(StartRefused) as refused:
+            await cluster.start()
+    finally:
+        await cluster.close()
+    assert refused.value.lines == [  # once per member host, in the profile's order
+        f"{path}:11: store.etcd_binary: no-such-etcd is not found on {host} (an etcd member runs there; Debian: apt "
+        "install etcd-server, or set store.etcd_binary to its path)" for host in ("node-a", "node-b", "node-c")]
+    assert _tree(workdir / "runs") == before
 
 
 # ---- issue 41: stop with nothing running, add on a completed run -----------------------------------------------
