@@ -160,13 +160,16 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
         except PreflightFailed as e:  # one line per problem, each naming its host; nothing was started
             for line in e.lines:
                 print(f"zeroband-console: {line}", file=sys.stderr)
-            print("zeroband-console: nothing started (zeroband-console PROFILE check; --no-check skips it)",
-                  file=sys.stderr)
+            hint = getattr(e, "hint", "nothing started (zeroband-console PROFILE check; --no-check skips it)")
+            if hint:  # none after a start's own refusal (console/cluster.py StartRefused): its lines say it all
+                print(f"zeroband-console: {hint}", file=sys.stderr)
             return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
+        for warning in getattr(cluster, "warnings", []):  # the start's preflight: a port open beyond a private net
+            print(f"zeroband-console: {warning}", file=sys.stderr)
         said = _nothing_runs(cluster) if attach else None
         if said:  # nothing to follow: it would print "off" for ever
             print(f"zeroband-console: {said}: nothing to attach to (start it without --attach)", file=sys.stderr)
@@ -270,6 +273,8 @@ async def run_check(profile: Any, out: TextIO) -> int:
         print(line, file=out, flush=True)
     for note in report.notes:
         print(f"({note})", file=out)
+    for warning in report.warnings:
+        print(warning, file=out)
     return EXIT_FAILED if report.problems else EXIT_OK
 
 
@@ -283,13 +288,14 @@ async def run_sync(profile: Any, out: TextIO) -> int:
 
 
 def _refused(profile: Any, args: argparse.Namespace) -> str | None:
-    """What makes the command wrong before any host is reached: a missing identity file, or `add` of a name that
-    is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
+    """What makes the command wrong before any host is reached: a missing identity file or ssh_config, or `add` of a
+    name that is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
     from console.hosts import UnknownHost, new_host_target
-    from console.profile import ProfileError, check_identity_files
+    from console.profile import ProfileError, check_identity_files, check_ssh_configs
 
     try:
         check_identity_files(profile)
+        check_ssh_configs(profile)
         if args.command == "add" and args.host not in profile.hosts:
             new_host_target(profile, args.host)
     except (ProfileError, UnknownHost) as e:

@@ -46,6 +46,8 @@ from console.fleet import Fleet, NodeState
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
+from console.outcome import run_outcome
+from console.preflight import PreflightFailed
 from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
@@ -57,7 +59,18 @@ from engine.telemetry import BadEvent, parse_line
 
 # the command builders and the store's folder are still offered here, where they were before the parts moved out
 # (tests/lab/lab.py and the tests import them from console.cluster)
-__all__ = ["STORE", "Cluster", "Outcome", "engine_argv", "engine_env", "store_argv"]
+__all__ = ["STORE", "Cluster", "Outcome", "StartRefused", "engine_argv", "engine_env", "store_argv"]
+
+
+class StartRefused(PreflightFailed):
+    """A start refused before anything was moved or started, by what no start can get past (--no-check skips the
+    preflight, not this): one `FILE:LINE: KEY: ...` line each."""
+
+    hint = ""  # no "nothing started (... check ...)" after the lines: no check would say more
+
+    def __init__(self, lines: list[str]):
+        Exception.__init__(self, " | ".join(lines))
+        self.problems, self.lines = [], list(lines)
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class Cluster:
         self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._stop_under_way = False  # stop() runs: an add or restart now would start what it is ending
         self._store_started_for: str | None = None  # the node an add started the run's store for
+        self.warnings: list[str] = []  # what the preflight warned of (rules.exposure_warning), once each
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
@@ -127,6 +141,13 @@ class Cluster:
         starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
             await self._check_before("start", hosts=[h.name for h in starting])
+        # what would end the start at once (the store's port taken, a certificate file missing): before a previous
+        # run's checkpoints are moved to _archive/ or anything starts, whether or not the preflight ran
+        refused = await self._store.unstartable([h.name for h in starting])
+        if refused:
+            for host in starting:
+                self.fleet.set_state(host.name, NodeState.FAILED, refused[0])
+            raise StartRefused(refused)
         blocked = set() if self.resume else await self._archive_previous()
         active = [h for h in starting if h.name not in blocked]
         if not active:
@@ -175,6 +196,10 @@ class Cluster:
         from console.preflight.runner import PreflightFailed, mark_refused, preflight
 
         report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else hosts)
+        for warning in report.warnings:  # listeners beyond a private network: said once, in the first host's log
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                self.fleet.note(report.plans[0].name, warning)
         if report.problems:
             mark_refused(self.fleet, report)
             raise PreflightFailed(report.problems)
@@ -399,16 +424,29 @@ class Cluster:
 
     def _refused(self, name: str) -> Outcome | None:
         """Why an add or restart of name must not start anything, or None. While stop() runs: a node started then
-        could start the store again after the stop ended it, and outlive it. An engine config the engines would
-        refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at once,
-        after "added")."""
+        could start the store again after the stop ended it, and outlive it. A run that completed: the node would
+        resume at train.max_steps and end at once, leaving the store it needed running. An engine config the engines
+        would refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at
+        once, after "added")."""
         if self._stop_under_way:
             return Outcome(False, f"{name}: the run is being stopped")
+        completed = self._completed()
+        if completed:  # a node started now would resume at train.max_steps and end at once, after "added"
+            return Outcome(False, f"{name}: not started: run {self.profile.run.name} completed ({completed} reached "
+                                  f"train.max_steps); start a new run (zeroband-console {self.profile.path}), or "
+                                  f"raise train.max_steps and start it with --resume")
         try:
             check_engine_config(self.profile)
         except ProfileError as e:
             return Outcome(False, f"{name}: not started: {e}")
         return None
+
+    def _completed(self) -> str | None:
+        """The nodes that completed the run, when no node of it runs any more (else None): the run is over."""
+        if run_outcome(self.fleet) is None or any(not r.done() for r in self._attacher.retries.values()):
+            return None
+        done = [n.name for n in self.fleet.nodes.values() if n.state is NodeState.LEFT and n.reason == "completed"]
+        return ", ".join(done) or None
 
     def _add_to_profile(self, target: str) -> tuple[str, bool]:
         """The host's name, and whether it was written into the profile file now."""
@@ -459,7 +497,9 @@ class Cluster:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and
         its probe the same way. Returns when no process of the run is left on any host that answers: every process
         group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
-        wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
+        wrapper's end); a group a host did not answer for is named and the outcome is a failure. With nothing of the
+        run running (no engine, no store, every host answered) the outcome is a failure that says so, and nothing is
+        written."""
         self._stop_under_way = True
         try:
             return await self._stop()
@@ -467,9 +507,15 @@ class Cluster:
             self._stop_under_way = False
 
     async def _stop(self) -> Outcome:
+        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
+        asking = any(not retry.done() for retry in self._attacher.retries.values())  # a host that did not answer
+        if not running and not asking and not await self._store.runs():
+            # a profile mistyped, a run already over: "stopped 0 node(s)" read as a success; nothing is written
+            hosts = ", ".join(self.profile.hosts)
+            return Outcome(False, f"nothing to stop: no engine or store of {self.profile.path} runs (run "
+                                  f"{self.profile.run.name}; looked in {self.profile.run.dir} on {hosts})")
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
         await self._store.mark_stopped()  # before the engines end: another console watching them reads it
-        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
         for proc in running.values():
             proc.stopping = True
         await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM")  # type: ignore[arg-type]

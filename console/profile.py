@@ -69,6 +69,28 @@ class StoreSpec(_Spec):
     etcd_key: str | None = None
     etcd_prefix: str | None = None  # the run's key prefix; None: zeroband/<run.name>/
 
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            etcd_endpoint(endpoint)
+        return value
+
+
+def etcd_endpoint(text: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `https://host:port` -> (host, port); ValueError naming the value when it is not
+    one: without a port it failed later, as a DNS or connection error (the engine reads the same forms)."""
+    scheme, sep, rest = text.strip().rstrip("/").rpartition("://")
+    host, _, port = rest.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if sep and scheme != "https":
+        raise ValueError(f"{text!r}: etcd here is reached over TLS (https://host:port, or host:port), not {scheme}://")
+    if not host or "/" in host or not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port (e.g. 10.0.0.1:2379, [fd00::1]:2379)")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r}: port {port} is not in 1..65535")
+    return host, int(port)
+
 
 # engine keys the console sets on every engine's command line or environment (console/launch.py): an override of
 # one was silently dropped (run.dir) or beat the console's own value (mesh.store_port: every engine dialled a port
@@ -516,6 +538,27 @@ def check_identity_files(profile: Profile) -> None:
                 lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
             line = _line_of(("hosts", host.name, "identity_file"), lines, {})
             raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.identity_file: {missing_key(host)}")
+
+
+def check_ssh_configs(profile: Profile) -> None:
+    """Every ssh host's ssh_config exists on this machine (the console reads it to reach the host); a ProfileError
+    at its line if not. `status` showed every node "unreachable" with the file named, and exited 0."""
+    for host in profile.hosts.values():
+        if host.transport == "ssh" and host.ssh_config and not os.path.isfile(os.path.expanduser(host.ssh_config)):
+            lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
+            line = _line_of(("hosts", host.name, "ssh_config"), lines, {})
+            raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.ssh_config: {host.ssh_config} does not "
+                               f"exist on this machine (the ssh config this console reaches {host.name} with)")
+
+
+def key_where(profile: Profile, *keys: tuple[str, ...]) -> str:
+    """`FILE:LINE: KEY` for the first of keys, at the line of the first of them written in the file (a default has
+    no line of its own: the next key's, [store]'s), for lines that refuse a value found wrong after reading."""
+    try:
+        lines = key_lines(Path(profile.path).read_text())
+    except OSError:
+        lines = {}
+    return f"{profile.path}:{next((lines[k] for k in keys if k in lines), 0)}: {'.'.join(keys[0])}"
 
 
 def dial_address(host: HostSpec) -> str:

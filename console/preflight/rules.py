@@ -8,6 +8,7 @@ the console expects, to one Problem per thing to fix. No I/O here; tests/test_pr
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -302,6 +303,35 @@ def judge_manifests(plans: Sequence[HostPlan], results: dict[str, HostResult]) -
                                    "copy one prepared folder to every host (python -m engine.data verify DIR "
                                    "checks a copy)"))
     return out
+
+
+# ---- over the internet ------------------------------------------------------------------------------------------
+CGNAT = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT (Tailscale's addresses): not private to Python
+
+
+def exposed(address: str) -> bool | None:
+    """Whether a listener on address may be reached from the internet: every interface (0.0.0.0, ::), or an
+    address that is not private (RFC 1918, loopback, link-local, CGNAT 100.64/10, ULA fc00::/7; Python counts the
+    documentation ranges as private too). None: not an address (a name resolved nowhere)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    return ip.is_unspecified or not (ip.is_private or ip in CGNAT)
+
+
+def exposure_warning(listeners: Sequence[tuple[str, str]]) -> str | None:
+    """One warning for the run (or None) naming each (what, address) that listens beyond a private network: the
+    TCP store and gloo's connections carry no authentication and no encryption. The ways to close it."""
+    open_ = [f"{what} on {address}" + (" (every interface)" if address.strip("[]") in ("0.0.0.0", "::") else "")
+             for what, address in listeners if exposed(address)]
+    if not open_:
+        return None
+    return (f"warning: listening on an address that is not private, with no authentication and no encryption (the "
+            f"TCP store, gloo): {'; '.join(open_)}. Whoever reaches them can join or steer the run and read its "
+            "updates. Close it: etcd with TLS for the store (store.backend = \"etcd\"), a VPN between the hosts such "
+            "as WireGuard (their VPN addresses in the profile), or the store bound to a private address (store.bind); "
+            "docs/operations.md, \"Over the internet\"")
 
 
 # ---- small pure pieces ----------------------------------------------------------------------------------------

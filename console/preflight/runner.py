@@ -28,7 +28,7 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Callable, Sequence
@@ -40,7 +40,8 @@ from console.fleet import Fleet, NodeState
 from console.hosts import STORE
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
-from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, judge, summary)
+from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
+                                     exposure_warning, judge, summary)
 from console.profile import HostSpec, Profile, engine_overrides
 from console.transport import Transport, TransportError
 from console.transport import commands as C
@@ -57,6 +58,7 @@ class Report:
     expect: Expect
     problems: list[Problem]
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)  # not problems: the run may start (exposure_warning)
 
     @property
     def ok(self) -> bool:
@@ -82,7 +84,8 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
                        await asyncio.gather(*(_ask(profile, p, profile.hosts[p.name], transport_of(p.name))
                                               for p in plans))))
     notes += await _link_test(profile, plans, results, transport_of, listen=not store_running, peers=mode != "add")
-    return Report(plans, results, expect, judge(plans, results, expect), notes)
+    warning = exposure_warning(await listeners(profile, plans, results))
+    return Report(plans, results, expect, judge(plans, results, expect), notes, [warning] if warning else [])
 
 
 # ---- what to ask of each host ---------------------------------------------------------------------------------
@@ -147,6 +150,36 @@ def engine_settings(profile: Profile, host: HostSpec,
     data = [] if cfg.data.fake else [("data.path", p) for p in [cfg.data.path] if p]
     data += [("data.tokenizer", cfg.data.tokenizer)] if cfg.data.tokenizer else []
     return cfg.inner.device, tuple(data)
+
+
+async def listeners(profile: Profile, plans: Sequence[HostPlan],
+                    results: dict[str, HostResult]) -> list[tuple[str, str]]:
+    """(what, address) for each listener of the run that carries no authentication: the TCP store (its bind address;
+    a name as this machine resolves it) and each engine host's collectives (gloo listens on the host's address on
+    its route to the store, as the probe found it). etcd members take only clients with the run's certificate."""
+    out = []
+    store = next((p for p in plans if "store" in p.roles), None)
+    if store is not None and profile.store.backend == "tcp":
+        address = _store_bind(profile)
+        for ip in await _resolved(address):
+            name = "" if ip == address else f", {address}"
+            out.append((f"the store ({store.name}, port {profile.store.port}{name})", ip))
+    for plan in plans:
+        peer = (results[plan.name].facts or {}).get("peer") if plan.engine and plan.name in results else None
+        if peer:
+            out.append((f"{plan.name}'s collectives (gloo)", peer[0]))
+    return out
+
+
+async def _resolved(address: str, timeout: float = 2.0) -> list[str]:
+    """An address as is; a name as this machine resolves it (nothing when it does not, within timeout)."""
+    if exposed(address) is not None:
+        return [address]
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(address, None), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def link_targets(profile: Profile) -> list[Target]:
@@ -369,6 +402,14 @@ async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport])
         return transports[name]
     try:
         report = await preflight(profile, transport_of, mode="check")
+        if profile.store.backend == "etcd" and profile.store.etcd_endpoints:  # the etcd client files a start needs
+            try:
+                tls = await E.tls_unreadable(profile, transport_of, [p.name for p in report.plans if p.engine
+                                                                     and report.results[p.name].facts is not None])
+            except TransportError as e:
+                tls = [f"the etcd client files could not be looked for: {e}"]
+            report.problems[:0] = [Problem("profile", "tls", line, "copy the file there, or fix the path in [store]")
+                                   for line in tls]
     finally:
         await asyncio.gather(*(t.close() for t in transports.values()), return_exceptions=True)
     try:
