@@ -33,6 +33,8 @@ import tomlkit
 import tomlkit.exceptions
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.store.endpoints import parse_endpoint  # the standard library only: no torch here
+
 DEFAULT_STORE_PORT = 29600
 
 
@@ -79,17 +81,12 @@ class StoreSpec(_Spec):
 
 def etcd_endpoint(text: str) -> tuple[str, int]:
     """`host:port`, `[v6]:port` or `https://host:port` -> (host, port); ValueError naming the value when it is not
-    one: without a port it failed later, as a DNS or connection error (the engine reads the same forms)."""
-    scheme, sep, rest = text.strip().rstrip("/").rpartition("://")
-    host, _, port = rest.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if sep and scheme != "https":
-        raise ValueError(f"{text!r}: etcd here is reached over TLS (https://host:port, or host:port), not {scheme}://")
-    if not host or "/" in host or not port.isdigit():
-        raise ValueError(f"{text!r} is not host:port (e.g. 10.0.0.1:2379, [fd00::1]:2379)")
-    if not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r}: port {port} is not in 1..65535")
-    return host, int(port)
+    one: without a port it failed later, as a DNS or connection error. The engine's parser (the same forms as
+    --mesh.etcd_endpoints), and one rule of the console's own: the etcd a profile names is reached over TLS."""
+    endpoint = parse_endpoint(text)
+    if endpoint.scheme == "http":
+        raise ValueError(f"{text!r}: etcd here is reached over TLS (https://host:port, or host:port), not http://")
+    return endpoint.host, endpoint.port
 
 
 # engine keys the console sets on every engine's command line or environment (console/launch.py): an override of

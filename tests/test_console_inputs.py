@@ -227,9 +227,9 @@ transport = "local"
 
 
 @pytest.mark.parametrize("endpoints, said", [
-    ('"notaport"', "'notaport' is not host:port (e.g. 10.0.0.1:2379, [fd00::1]:2379)"),
-    ('"10.0.0.1:2379", "10.0.0.2:99999"', "'10.0.0.2:99999': port 99999 is not in 1..65535"),
-    ('"10.0.0.1:0"', "'10.0.0.1:0': port 0 is not in 1..65535"),
+    ('"notaport"', "'notaport' has no port (host:port, e.g. 10.0.0.1:2379)"),
+    ('"10.0.0.1:2379", "10.0.0.2:99999"', "'10.0.0.2:99999': port 99999 is outside 1-65535"),
+    ('"10.0.0.1:0"', "'10.0.0.1:0': port 0 is outside 1-65535"),
     ('"http://10.0.0.1:2379"', "'http://10.0.0.1:2379': etcd here is reached over TLS (https://host:port, or "
                                "host:port), not http://"),
 ])

@@ -42,7 +42,7 @@ from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
 from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
                                      exposure_warning, judge, summary)
-from console.profile import HostSpec, Profile, engine_overrides
+from console.profile import HostSpec, Profile, engine_overrides, etcd_endpoint
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -186,12 +186,7 @@ def link_targets(profile: Profile) -> list[Target]:
     """Where every engine host must be able to open a TCP connection before anything starts."""
     if profile.store.backend == "tcp":
         return [Target(profile.store_address, profile.store.port, "the store")]
-    return [Target(*_split(ep), "etcd") for ep in E.endpoints(profile)]
-
-
-def _split(endpoint: str) -> tuple[str, int]:
-    address, _, port = endpoint.rstrip("/").rpartition("//")[-1].rpartition(":")
-    return address.strip("[]"), int(port)
+    return [Target(*etcd_endpoint(ep), "etcd") for ep in E.endpoints(profile)]
 
 
 def _store_bind(profile: Profile) -> str:
