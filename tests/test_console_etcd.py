@@ -16,7 +16,7 @@ import pytest
 
 from console.cluster import Cluster
 from console.etcd import engine_store_overrides, member_argv, plan_members
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.profile import ProfileError, load_profile, parse_profile
 from console.transport import TransportError
 from console.widgets.cells import summary_text
@@ -205,7 +205,7 @@ async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_pa
     try:
         await asyncio.wait_for(cluster.start(), 30)  # at once, not after the quorum wait
         for node in ("node-a", "node-b"):
-            assert fleet.nodes[node].state is NodeState.FAILED
+            assert fleet.nodes[node].state is HostState.FAILED
             assert fleet.nodes[node].reason.startswith("etcd could not start: member node-"), fleet.nodes[node].reason
             assert "/nonexistent/etcd" in fleet.nodes[node].reason
         assert not list((tmp_path / "run").glob("node-*/pid"))  # no engine started
