@@ -46,5 +46,3 @@ STORED_STATES = frozenset(s for s in NodeState if s is not NodeState.DEAD)
 # what a node's `state` event says (the session's lifecycle; the mesh's standby goes out as a warning)
 EVENT_STATES = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
                           NodeState.LEFT})
-# a member of the run now: its heartbeat counts for the leader's lease, its round for the mean
-MEMBER_STATES = frozenset({NodeState.TRAINING, NodeState.DRAINING})

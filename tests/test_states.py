@@ -48,7 +48,7 @@ def test_the_mesh_stores_the_node_states_and_refuses_any_other_word():
         assert back is not None and back.state is state
     with pytest.raises(ValueError, match="spare"):
         StateRecord("spare").to_json()  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="stand-by"):
+    with pytest.raises(protocol.MeshError, match="'stand-by', not one of starting, joining"):
         StateRecord.from_json('{"s":"stand-by","t":""}')
 
 

@@ -166,6 +166,9 @@ class StateRecord:
         if not text:
             return None
         d = json.loads(text)
+        if d["s"] not in NODE_STATES:  # only a node of another protocol writes another word (docs/mesh.md)
+            raise MeshError(f"a node's state key holds state {d['s']!r}, not one of {', '.join(NODE_STATES)}: "
+                            "a node of another wire protocol writes to this store")
         return cls(state=NodeState(d["s"]), token=d.get("t", ""), at=tuple(d["at"]) if d.get("at") else None,
                    contributing=bool(d.get("c", True)), draining=bool(d.get("d", False)), ok=d.get("ok"),
                    group=tuple(d["g"]) if d.get("g") else None, reason=d.get("r", ""))
