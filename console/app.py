@@ -20,7 +20,7 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 
 from console.outcome import DEFAULT_HEARTBEAT_TIMEOUT, EXIT_INTERRUPTED, heartbeat_timeout_of, run_outcome
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.screens.dashboard import DashboardScreen
 from console.screens.detail import NodeDetailScreen
 from console.screens.help import HelpScreen
@@ -32,11 +32,11 @@ AGE_INTERVAL = 1.0  # heartbeat ages move with the clock even when no event arri
 CHART_INTERVAL = 2.0  # the chart is the costliest redraw (plotext rebuilds the whole plot): every 2 s
 
 # which nodes each action makes sense for; the others are skipped with a notice
-ACTION_STATES: dict[str, frozenset[NodeState]] = {
+ACTION_STATES: dict[str, frozenset[NodeState | HostState]] = {
     "drain": frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING}),
     "kill": frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
-                       NodeState.UNREACHABLE}),
-    "restart": frozenset({NodeState.DEAD, NodeState.FAILED, NodeState.LEFT}),
+                       HostState.UNREACHABLE}),
+    "restart": frozenset({NodeState.DEAD, HostState.FAILED, NodeState.LEFT}),
 }
 CONFIRM = {"drain": "Drain", "kill": "Kill"}  # restart brings a node back: no confirmation needed
 
@@ -181,7 +181,7 @@ class ConsoleApp(App[int]):
 
     def standby_hosts(self) -> list[str]:
         """Standby nodes the fleet knows, then any the profile lists that the fleet does not show yet."""
-        names = [n.name for n in self.fleet.nodes.values() if n.state in (NodeState.STANDBY, NodeState.OFF)]
+        names = [n.name for n in self.fleet.nodes.values() if n.state in (HostState.SPARE, HostState.OFF)]
         return names + [h for h in self._standby() if h not in names and h not in self.fleet.nodes]
 
     def show_logs(self, name: str) -> None:
@@ -243,7 +243,7 @@ class ConsoleApp(App[int]):
             return
         dash = self.dashboard
         if not self.readonly:
-            yield SystemCommand("Add node", "Start a standby host or a new address and join it",
+            yield SystemCommand("Add node", "Start a spare host or a new address and join it",
                                 self.request_add)
             yield SystemCommand("Drain node", "Finish the outer round and leave (marked or selected)",
                                 lambda: self.request("drain", dash.targets()))

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from console import hostkeys
 from console.dependency_warnings import route_dependency_warnings
-from console.fleet import Fleet, Node, NodeState
+from console.fleet import Fleet, HostState, Node
 from console.preflight import PreflightFailed
 from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                              EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
@@ -53,7 +53,7 @@ def state_counts(nodes: Sequence[Node]) -> str:
 def status_line(fleet: Fleet, now: float | None = None) -> str:
     """One line for logs and shells: time, the header figures, then how many nodes are in each state."""
     stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
-    nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
+    nodes = [n for n in fleet.nodes.values() if n.state is not HostState.SPARE]
     store = cells.store_text(fleet.store).plain
     parts = [f"{stamp} {summary_text(fleet.summary())}", store, state_counts(nodes) or "no nodes"]
     return " | ".join(p for p in parts if p)
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="print every node of the running cluster")
     for name, what in (("drain", "finish the outer round and leave"), ("kill", "end the node's processes now")):
         sub.add_parser(name, help=what).add_argument("node")
-    sub.add_parser("add", help="start a standby host (or a new address) and join it").add_argument("host")
+    sub.add_parser("add", help="start a spare host (or a new address) and join it").add_argument("host")
     sub.add_parser("stop", help="stop training on every node")
     sub.add_parser("check", help="check every host before a start: one line per problem and its fix")
     sub.add_parser("sync", help="put this checkout (HEAD's tracked files) and its set-up on every host")

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 from console import etcd as E
 from console.attach import Attacher
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
@@ -127,7 +127,7 @@ class Cluster:
             check_engine_config(self.profile)  # the whole profile is valid before anything starts
         except ProfileError as e:
             for host in self.profile.active_hosts():
-                self.fleet.set_state(host.name, NodeState.FAILED, str(e))
+                self.fleet.set_state(host.name, HostState.FAILED, str(e))
             return
         self._hosts.stopping = False
         if await self._attacher.engines_running():
@@ -136,7 +136,7 @@ class Cluster:
         reason = await self._store.end_stale()
         if reason is not None:  # another profile's run: nothing of this one starts, nothing of that one is touched
             for host in self.profile.active_hosts():
-                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+                self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
         starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
@@ -155,7 +155,7 @@ class Cluster:
         reason = await self._store.start()
         if reason is not None:  # no store, no mesh: say so on every node and start none
             for host in active:
-                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+                self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
         await self._hosts.gather(*(self._launch(h, fresh=not self.resume) for h in active))
         self._watchers.watch_others(self._attacher.retries)
@@ -226,7 +226,7 @@ class Cluster:
                 continue
             hit = [h.name for h in self.profile.active_hosts()] if name in (STORE, PROBE) else [name]
             for node in hit:
-                self.fleet.set_state(node, NodeState.FAILED, f"previous run not archived: {result}")
+                self.fleet.set_state(node, HostState.FAILED, f"previous run not archived: {result}")
             blocked.update(hit)
         return blocked
 
@@ -242,7 +242,7 @@ class Cluster:
         not answer is still being asked again), else None."""
         if self.running() or any(not t.done() for t in self._attacher.retries.values()):
             return None
-        if any(n.state not in (NodeState.OFF, NodeState.STANDBY) for n in self.fleet.nodes.values()):
+        if any(n.state not in (HostState.OFF, HostState.SPARE) for n in self.fleet.nodes.values()):
             return None  # a run that ended: the attach found its nodes' ends, the outcome says how it went
         return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
 
@@ -260,7 +260,7 @@ class Cluster:
         try:
             reason = await t.preflight(self.profile.engine.config)
             if reason is not None:
-                self.fleet.set_state(name, NodeState.FAILED, reason)
+                self.fleet.set_state(name, HostState.FAILED, reason)
                 self._watchers.await_others(name)
                 return False
             for stale in (C.DRAIN, KILLED):  # a drain file left from before would drain it at once
@@ -271,13 +271,13 @@ class Cluster:
             pid = await t.start_detached(argv, self.node_dir(name),
                                          env=engine_env(self.profile, host, rank, world_size), append=append)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE if e.link else NodeState.FAILED, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE if e.link else HostState.FAILED, str(e))
             self._watchers.await_others(name)
             return False
         offset = old.offset if append and old is not None else 0  # else a fresh file, read from its start
         self._procs[name] = Proc(pid=pid, offset=offset, killed=self._store.error is not None)
         if self._store.error is not None:  # the store died while this one was starting
-            self.fleet.set_state(name, NodeState.FAILED, self._store.error)
+            self.fleet.set_state(name, HostState.FAILED, self._store.error)
             await self._hosts.signal_quietly(name, pid, "KILL")
         node = self.fleet.nodes[name]
         node.command, node.overrides = shlex.join(argv), engine_overrides(self.profile, host)  # the detail view
@@ -297,7 +297,7 @@ class Cluster:
                 return Outcome(False, f"{name}: not running (nothing to drain)")
             await self.transport(name).touch(self._hosts.path(name, C.DRAIN))
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             return Outcome(False, f"{name}: drain failed: {e}")
         self.fleet.note(name, "drain requested")
         return Outcome(True, f"{name}: drain requested")
@@ -379,8 +379,8 @@ class Cluster:
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
             except (ProfileError, ValueError, OSError) as e:
-                self.fleet.add_node(target, target, NodeState.FAILED)
-                self.fleet.set_state(target, NodeState.FAILED, f"cannot add: {e}")
+                self.fleet.add_node(target, target, HostState.FAILED)
+                self.fleet.set_state(target, HostState.FAILED, f"cannot add: {e}")
                 return Outcome(False, f"{target}: cannot add: {e}")
         if self._procs.get(target) and not self._procs[target].done.is_set():
             return Outcome(False, f"{target}: already running")
@@ -399,7 +399,7 @@ class Cluster:
                 message = "\n".join([f"{target}: not added: the preflight found {len(e.lines)} problem(s)",
                                      *e.lines])
                 if written:
-                    self.fleet.set_state(target, NodeState.FAILED, message.splitlines()[0])
+                    self.fleet.set_state(target, HostState.FAILED, message.splitlines()[0])
                 return await self._not_added(target, written, message)
             finally:
                 self._starting.discard(target)
@@ -456,7 +456,7 @@ class Cluster:
         # a new address is another machine: reached over SSH, whatever [defaults] says for the others
         fields = {"transport": "ssh", "address": name, "user": user, "port": port}
         self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
-        self.fleet.add_node(name, host_label(self.profile.hosts[name]), NodeState.STANDBY)
+        self.fleet.add_node(name, host_label(self.profile.hosts[name]), HostState.SPARE)
         self.fleet.note(name, f"added to {self.profile.path}")
         return name, True
 
@@ -477,7 +477,7 @@ class Cluster:
             except (ProfileError, OSError) as e:
                 return Outcome(False, f"{message}\n{name}: could not take it out of {self.profile.path} again: {e}")
             self.fleet.note(name, f"taken out of {self.profile.path} again")
-            self.fleet.set_state(name, NodeState.OFF, f"not added: {why.splitlines()[0]}")
+            self.fleet.set_state(name, HostState.OFF, f"not added: {why.splitlines()[0]}")
             message += f"\n{name}: taken out of {self.profile.path} again"
         return Outcome(False, message)
 
@@ -541,7 +541,7 @@ class Cluster:
         message = f"stopped {len(running)} node(s)" + (f"; {'; '.join(late)}" if late else "")
         message += f"; etcd: {'; '.join(etcd_said)}" if etcd_said else ""
         if spares:
-            message += f"; standby hosts not reached: {'; '.join(spares)}"
+            message += f"; spare hosts not reached: {'; '.join(spares)}"
         if running_still:
             return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
         return Outcome(True, message)

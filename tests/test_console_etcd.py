@@ -16,7 +16,7 @@ import pytest
 
 from console.cluster import Cluster, StartRefused
 from console.etcd import engine_store_overrides, member_argv, plan_members
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.profile import ProfileError, load_profile, parse_profile
 from console.transport import TransportError
 from console.widgets.cells import summary_text
@@ -208,7 +208,7 @@ async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_pa
         said = f"{path}:11: store.etcd_binary: /nonexistent/etcd is not found on node-a"
         assert refused.value.lines[0].startswith(said) and len(refused.value.lines) == 3  # one per member host
         for node in ("node-a", "node-b"):
-            assert fleet.nodes[node].state is NodeState.FAILED
+            assert fleet.nodes[node].state is HostState.FAILED
             assert fleet.nodes[node].reason == refused.value.lines[0]
         assert not (tmp_path / "run").exists()  # nothing started, nothing written
     finally:

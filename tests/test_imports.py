@@ -105,8 +105,9 @@ FORBIDDEN = {
 }
 
 # the console starts engines and reads their events: it imports only these torch-free engine modules (the config
-# rules, the event schema, errors, the preset shapes and the DeepSpeed config its recipes write, etcd's gateway)
-CONSOLE_MAY_IMPORT = {"engine.config", "engine.telemetry", "engine.errors", "engine.presets",
+# rules, the event schema and the node states, errors, the preset shapes and the DeepSpeed config its recipes
+# write, etcd's gateway and its endpoints' parser)
+CONSOLE_MAY_IMPORT = {"engine.config", "engine.telemetry", "engine.states", "engine.errors", "engine.presets",
                       "engine.inner.deepspeed_config", "engine.store.etcd_gateway", "engine.store.endpoints"}
 
 

@@ -29,7 +29,7 @@ import pytest
 
 from console import cli
 from console.checkout import Checkout
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState
 from console.preflight import PreflightFailed, probe
 from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, exposed, ifname_matches, judge
 from console.profile import ProfileError, load_profile, parse_profile
@@ -449,7 +449,7 @@ async def test_a_refused_start_shows_on_each_nodes_row(tmp_path):
     app = make_app(profile, cluster, fleet=fleet)
     async with app.run_test(size=(160, 40)) as pilot:
         deadline = time.monotonic() + 60
-        while fleet.nodes["node-b"].state is not NodeState.FAILED:
+        while fleet.nodes["node-b"].state is not HostState.FAILED:
             assert time.monotonic() < deadline, {n.name: n.state for n in fleet.nodes.values()}
             await pilot.pause(0.2)
         await pilot.pause(1.0)  # a redraw
@@ -458,7 +458,7 @@ async def test_a_refused_start_shows_on_each_nodes_row(tmp_path):
         b, a = fleet.nodes["node-b"], fleet.nodes["node-a"]
         assert b.reason.startswith("preflight: data.path no/such/data does not exist on the host")
         assert any("preflight: data.path no/such/data" in str(line) for line in b.log)
-        assert a.state is NodeState.OFF and any("the preflight found problems on node-b" in str(line)
+        assert a.state is HostState.OFF and any("the preflight found problems on node-b" in str(line)
                                                 for line in a.log)
         await cluster.close()
     assert not list((tmp_path / "runs").glob("*/pid"))
@@ -477,7 +477,7 @@ async def test_a_cluster_start_raises_with_every_line(tmp_path):
     await cluster.close()
     assert [line.split(";")[0] for line in info.value.lines] == [
         f"node-a: cannot listen on 127.0.0.1:{port} for the store: EADDRINUSE: Address already in use"]
-    assert fleet.nodes["node-a"].state is NodeState.FAILED and fleet.nodes["node-b"].state is NodeState.OFF
+    assert fleet.nodes["node-a"].state is HostState.FAILED and fleet.nodes["node-b"].state is HostState.OFF
 
 
 def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_path):

@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from console import etcd as E
 from console.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState
 from console.hosts import STORE
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
@@ -379,7 +379,7 @@ def mark_refused(fleet: Fleet, report: Report, started: Sequence[str] = ()) -> N
             fleet.note(name, f"preflight: {problem.what}; fix: {problem.fix}")
         if mine:
             more = f" (+{len(mine) - 1} more in the log)" if len(mine) > 1 else ""
-            fleet.set_state(name, NodeState.FAILED, f"preflight: {mine[0].what}; fix: {mine[0].fix}{more}")
+            fleet.set_state(name, HostState.FAILED, f"preflight: {mine[0].what}; fix: {mine[0].fix}{more}")
         elif name in started or "engine" in plan.roles:
             fleet.note(name, "not started: the preflight found problems on " + ", ".join(by_host))
 
