@@ -146,7 +146,7 @@ class Cluster:
         refused = await self._store.unstartable([h.name for h in starting])
         if refused:
             for host in starting:
-                self.fleet.set_state(host.name, NodeState.FAILED, refused[0])
+                self.fleet.set_state(host.name, HostState.FAILED, refused[0])
             raise StartRefused(refused)
         blocked = set() if self.resume else await self._archive_previous()
         active = [h for h in starting if h.name not in blocked]

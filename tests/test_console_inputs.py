@@ -340,7 +340,7 @@ async def test_an_address_the_store_host_does_not_have_is_its_profile_line(workd
                                    "listen on it: EADDRNOTAVAIL: Cannot assign requested address)"]
     assert {n.name: (n.state.value, n.reason) for n in fleet.nodes.values()} == {
         "node-a": ("failed", refused.value.lines[0]), "node-b": ("failed", refused.value.lines[0]),
-        "node-c": ("standby", None)}
+        "node-c": ("spare", None)}
     assert _tree(workdir / "runs") == before
 
 
