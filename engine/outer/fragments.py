@@ -85,9 +85,8 @@ class FragmentedDiloco(DilocoOuter):
         self._anchors: list[int] | None = None
         self._rebased = False
         self._max_steps = 1 << 62  # train.max_steps, as finished() is told it
-        if self.opt.keeps_momentum and self.opt.momentum is None:
-            # momentum = beta * 0 + g at a fragment's first step is torch's first step (buf = g), per fragment
-            self.opt.momentum = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        # a whole state now (zeros): each fragment's outer step updates its slice of it (opt.slice)
+        self.opt.materialize(self.bufs.numel, self.bufs.device)
         # diloco.fragment_delay: the fragment in flight (its thread, what it raised, its progress), when it lands,
         # and what it left to write into the parameters there ("fragment" or "all", the fragment, reset the
         # optimizer's moments)
@@ -249,21 +248,15 @@ class FragmentedDiloco(DilocoOuter):
 
     @torch.no_grad()
     def _apply(self) -> None:
-        """The committed update of fragment f: its snapshot and momentum from the mean, then its parameters mixed
-        (fragment_alpha) from the agreed weights and the node's own."""
+        """The committed update of fragment f: its snapshot and its slice of the outer optimizer's state from the
+        mean, then its parameters mixed (fragment_alpha) from the agreed weights and the node's own."""
         f = self._frag
         lo, hi = self.spans[f]
         snap, mean = self.bufs.snapshot[lo:hi], self.bufs.mean[lo:hi]
         with self.watch.phase("optimizer"):
             if self._in_flight():  # the node's weights of f as of the boundary, for the landing (snapshot - pgrad)
                 torch.sub(snap, self.bufs.pgrad[lo:hi], out=self.bufs.pgrad[lo:hi])
-            full = self.opt.momentum
-            try:
-                if full is not None:
-                    self.opt.momentum = full[lo:hi]  # updated in place: a view of the whole buffer
-                self.opt.step_(snap, mean)
-            finally:
-                self.opt.momentum = full
+            self.opt.slice(lo, hi).step_(snap, mean)  # the state of f, updated in place
         if self._in_flight():
             self._pending = self._pending or ("fragment", f, False)  # lands on the training thread (flush)
             return
@@ -368,5 +361,4 @@ class FragmentedDiloco(DilocoOuter):
         anchors = sd.get("fragment_tokens0")
         if anchors and sd.get("fragments") == self.parts:
             self._anchors = [int(a) for a in anchors]
-        if self.opt.keeps_momentum and self.opt.momentum is None:
-            self.opt.momentum = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        self.opt.materialize(self.bufs.numel, self.bufs.device)
