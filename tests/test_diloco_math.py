@@ -193,14 +193,15 @@ class TinyInner:
         self.updates += 1
 
 
-def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, **diloco):
+def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, **diloco):
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
     loop = OverlappedDiloco if diloco.get("overlap") else FragmentedDiloco if diloco.get("fragments", 1) > 1 \
         else DilocoOuter
     return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
-                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
+                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
+                **({} if clock is None else {"clock": clock}))
 
 
 class _Null:

@@ -57,7 +57,7 @@ from engine.outer.optimizer import OuterOptimizer, build_outer_optimizer
 from engine.outer.progress import Progress
 from engine.outer.sentinel import Sentinel
 from engine.outer.timing import Stopwatch
-from engine.outer.rounds import RoundClock
+from engine.outer.schedule import Schedule
 
 
 class DilocoOuter:
@@ -69,9 +69,9 @@ class DilocoOuter:
                  settings: dict[str, Any] | None = None, local_group: dist.ProcessGroup | None = None,
                  mesh_factory: Callable[..., Any] | None = None,
                  group_factory: Callable[..., dist.ProcessGroup] | None = None,
-                 outer_optimizer: OuterOptimizer | None = None):
+                 outer_optimizer: OuterOptimizer | None = None, clock: Callable[[], float] = time.time):
         # mesh_factory / group_factory replace engine.mesh in unit tests; outer_optimizer: a part other than the
-        # config's (tests)
+        # config's (tests); clock: the round clock's wall clock (tests and the golden table inject a virtual one)
         if cfg.overlap != self.overlapped:
             raise ValueError(f"diloco.overlap = {cfg.overlap}: build the outer loop with engine.outer.build_outer")
         self.cfg, self.world, self.inner, self.telemetry = cfg, world, inner, telemetry
@@ -96,7 +96,10 @@ class DilocoOuter:
             mesh_factory=None if mesh_factory is None else lambda: mesh_factory(self), group_factory=group_factory)
         self.handoff = StateHandoff(self.bufs, self.opt, self.links, telemetry.emit)
         self.sentinel = Sentinel(cfg.sentinel_ratio, cfg.sentinel_min_cosine, self.local, self._emit)
-        self.rounds = RoundClock(cfg)  # when a round ends (steps or time) and its tokens (the node's weight)
+        # when an outer step is due and what it covers (schedule.py); the round under way, when it ends (steps or
+        # time) and its tokens (the node's weight), on the clock given here and never replaced (rounds.py)
+        self.schedule = Schedule(cfg)
+        self.rounds = self.schedule.round_clock(clock)
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
         self._said_shards = False  # the warning of a node started without GLOBAL_RANK / GLOBAL_WORLD_SIZE
         self.watch = Stopwatch(self.bufs.device)  # the outer step's seconds, by phase

@@ -42,7 +42,6 @@ import torch
 
 from engine.outer.diloco import DilocoOuter
 from engine.outer.progress import Progress
-from engine.outer.rounds import RoundClock
 
 
 def spans(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -71,12 +70,10 @@ class FragmentBuffers:
 class FragmentedDiloco(DilocoOuter):
     def __init__(self, cfg, mesh_cfg, world, inner, telemetry, **kwargs: Any):
         super().__init__(cfg, mesh_cfg, world, inner, telemetry, **kwargs)
-        self.parts = cfg.fragments
+        self.parts = self.schedule.parts  # an outer step every inner_steps / parts steps (the schedule's rounds)
         if self.bufs.numel < self.parts:
             raise ValueError(f"diloco.fragments ({self.parts}): this rank holds only {self.bufs.numel} values")
         self.alpha = cfg.fragment_alpha
-        # a round is the steps between two outer steps: inner_steps / fragments
-        self.rounds = RoundClock(cfg.model_copy(update={"inner_steps": cfg.inner_steps // cfg.fragments}))
         self.spans = spans(self.bufs.numel, self.parts)
         self.frag_bufs = [FragmentBuffers(self.bufs, lo, hi) for lo, hi in self.spans]
         self._frag = 0  # the fragment of the outer step under way
@@ -104,7 +101,7 @@ class FragmentedDiloco(DilocoOuter):
 
     def fragment_of(self, outer_step: int) -> int:
         """The fragment outer step `outer_step` (1, 2, ...) syncs: the same on every member."""
-        return (outer_step - 1) % self.parts
+        return self.schedule.fragment_of(outer_step)
 
     def _param_slices(self, f: int) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
         """The pieces of the parameters that fragment f covers (flat views), and where each lies: (its first and
