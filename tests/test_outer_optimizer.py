@@ -4,6 +4,7 @@ so an optimizer with other state (two buffers here) runs the fragments' loop, it
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -124,7 +125,6 @@ class TwoBuffers:
 def _fragments(opt: TwoBuffers, plans: list) -> tuple[FragmentedDiloco, TinyInner]:
     inner = TinyInner(0)
     tele = Telemetry("a", 0, json_out=_Null(), extra_sinks=[])
-    from types import SimpleNamespace
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     outer = FragmentedDiloco(DilocoConfig(enabled=True, inner_steps=4, fragments=2), MeshConfig(node_id="a"), world,
                              inner, tele, config_digest="d", mesh_factory=lambda _: FakeMesh(plans, [True] * 4),
