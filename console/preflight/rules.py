@@ -82,7 +82,7 @@ class HostResult:
 class Expect:
     """The console's side: its checkout's version, its torch, the profile's limits."""
     profile: str
-    engine: str | None  # the engine digest every host must have (console/checkout.py)
+    engine: str | None  # the engine digest every host must have (console/preflight/checkout.py)
     label: str  # "commit 1a2b3c4d5e" for the lines
     torch: str | None  # the console's installed torch (metadata), None if it has none: then the hosts' majority
     min_free_gb: float = 2.0

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from console import etcd as E
-from console.checkout import Checkout
+from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, NodeState
 from console.hosts import STORE
