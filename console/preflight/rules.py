@@ -201,7 +201,7 @@ def _edited_checkout(plans: Sequence[HostPlan], results: dict[str, HostResult], 
     """Engines in the console's own checkout run its files as they are on disk; `sync` sends the other hosts its
     commit. Edits to engine/**/*.py not committed (or new files) would have this machine's nodes run other code
     than the others' (a new module: the others fail at import), so they are a problem where there are others."""
-    facts = {p.name: results[p.name].facts for p in plans if p.engine and results[p.name].facts}
+    facts = {p.name: f for p in plans if p.engine and (f := results[p.name].facts)}
     own = [n for n, f in facts.items() if _own(f, expect)]
     if not own or len(own) == len(facts) or expect.engine is None:
         return []

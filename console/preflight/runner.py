@@ -280,8 +280,8 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
     if not dialers:
         return []
     waits = []
-    ends = [(p, Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)"))
-            for p in dialers if peers and results[p.name].facts.get("peer")]
+    ends = [(p, Target(peer[0], peer[1], f"{p.name}'s outer-step collectives (gloo)"))
+            for p in dialers if peers and (peer := (results[p.name].facts or {}).get("peer"))]
     if len(ends) >= 2:
         for p, end in ends:
             others = [d for d in dialers if d is not p]
@@ -300,13 +300,13 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
         waits.append(_listen(profile.hosts[p.name], free, transport_of(p.name), seconds + 3,
                              len(dialers) * len(dialled), results[p.name], p))
     dials = [_dial(p, transport_of(p.name), seconds, results[p.name], profile) for p in dialers]
-    unheld = (await asyncio.gather(*waits, *dials))[:len(waits)]
+    unheld, _ = await asyncio.gather(asyncio.gather(*waits), asyncio.gather(*dials))
     notes = []
     for host, lost in unheld:
-        for end in lost:
+        for bind in lost:
             for d in dialers:
-                results[d.name].listening.discard(end)
-            notes.append(f"{host}: {end} was taken before the check's listener started there: that link was not "
+                results[d.name].listening.discard(bind)
+            notes.append(f"{host}: {bind} was taken before the check's listener started there: that link was not "
                          f"tested (run the check again)")
     return notes
 
