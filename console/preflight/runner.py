@@ -33,15 +33,14 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from console import etcd as E
 from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, NodeState
-from console.hosts import STORE
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
 from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, judge, summary)
 from console.profile import HostSpec, Profile, engine_overrides
+from console.store_backend import store_backend
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -73,7 +72,7 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
                     hosts: Sequence[str] | None = None, checkout: Checkout | None = None) -> Report:
     checkout = checkout or Checkout.find()
     notes: list[str] = []
-    store_running = mode == "add" or (mode == "check" and await _store_runs(profile, transport_of))
+    store_running = mode == "add" or (mode == "check" and await store_backend(profile).runs(transport_of))
     if store_running and mode == "check":
         notes.append("the run's store is running: the engine hosts dialled it instead of a listener of the check")
     plans = build_plans(profile, mode, hosts, checkout, bind=not store_running)
@@ -88,31 +87,27 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
 # ---- what to ask of each host ---------------------------------------------------------------------------------
 def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checkout: Checkout | None,
                 bind: bool = True) -> list[HostPlan]:
-    store_host = profile.store_host.name if profile.store.backend == "tcp" else None
-    members = E.plan_members(profile) if profile.store.backend == "etcd" and profile.store.etcd_hosts else []
+    backend = store_backend(profile)
+    servers = backend.servers()  # the TCP store's host, or each etcd member's
     if mode == "check":
         names = list(profile.hosts)
     elif mode == "add":
         names = list(hosts or [])
     else:  # a start: its nodes (the active hosts; --resume: the nodes the run had), the store's and etcd's hosts
         names = [h.name for h in profile.active_hosts()] if hosts is None else list(hosts)
-        names += [n for n in [store_host, *(m.host for m in members)] if n and n not in names]
-    links = tuple(link_targets(profile))
+        names += [s.host for s in servers if s.host not in names]
+    links = tuple(Target(*e) for e in backend.links())
     plans = []
     for name in names:
         host = profile.hosts[name]
+        here = [s for s in servers if s.host == name]
         roles = set()
-        if (not host.standby or mode == "add") or (mode == "check" and name != store_host):
+        if (not host.standby or mode == "add") or (mode == "check" and all(s.role != "store" for s in here)):
             roles.add("engine")
         binds: list[Target] = []
-        if name == store_host and mode != "add":
-            roles.add("store")
-            binds.append(Target(_store_bind(profile), profile.store.port, "the store"))
-        for m in members:
-            if m.host == name and mode != "add":
-                roles.add("etcd")
-                binds += [Target(m.address, m.client_port, f"etcd member {m.name} (clients)"),
-                          Target(m.address, m.peer_port, f"etcd member {m.name} (peers)")]
+        for s in here if mode != "add" else []:
+            roles.add(s.role)
+            binds += [Target(*e) for e in s.binds]
         plans.append(_plan(profile, host, frozenset(roles), tuple(binds) if bind else (),
                            links if "engine" in roles else (), checkout))
     return plans
@@ -147,27 +142,6 @@ def engine_settings(profile: Profile, host: HostSpec,
     data = [] if cfg.data.fake else [("data.path", p) for p in [cfg.data.path] if p]
     data += [("data.tokenizer", cfg.data.tokenizer)] if cfg.data.tokenizer else []
     return cfg.inner.device, tuple(data)
-
-
-def link_targets(profile: Profile) -> list[Target]:
-    """Where every engine host must be able to open a TCP connection before anything starts."""
-    if profile.store.backend == "tcp":
-        return [Target(profile.store_address, profile.store.port, "the store")]
-    return [Target(*_split(ep), "etcd") for ep in E.endpoints(profile)]
-
-
-def _split(endpoint: str) -> tuple[str, int]:
-    address, _, port = endpoint.rstrip("/").rpartition("//")[-1].rpartition(":")
-    return address.strip("[]"), int(port)
-
-
-def _store_bind(profile: Profile) -> str:
-    """What the store will listen on (console/store_host.py bind()): an ssh_config alias's HostName may not be an
-    address of the host itself, and then the store listens on every interface."""
-    host = profile.store_host
-    if profile.store.bind or profile.store.address or host.address or host.transport == "local":
-        return profile.store_bind
-    return "0.0.0.0"
 
 
 def console_torch() -> str | None:
@@ -253,20 +227,6 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
 @cache
 def _probe_source() -> str:
     return Path(P.__file__).read_text()
-
-
-async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]) -> bool:
-    """Whether this profile's store runs now (its pid file names a live process of ours)."""
-    if profile.store.backend != "tcp":
-        return False
-    t = transport_of(profile.store_host.name)
-    try:
-        text = await asyncio.wait_for(t.read_text(C.join(profile.run.dir, STORE, C.PID)),
-                                      profile.store_host.connect_timeout * 2 + 1)
-        pid = int(text.strip()) if text and text.strip().isdigit() else None
-        return pid is not None and pid > 1 and await t.alive(pid, C.TAG)
-    except (TransportError, asyncio.TimeoutError):
-        return False
 
 
 # ---- the link test ------------------------------------------------------------------------------------------------
