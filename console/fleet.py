@@ -418,12 +418,12 @@ class Fleet:
     # ---- the header ----------------------------------------------------------------------------------------
     def summary(self) -> Summary:
         active = [n for n in self.nodes.values() if n.state in _ACTIVE]
-        ended = ENDED.get(run_outcome(self))  # type: ignore[arg-type]
+        ended = ENDED.get(run_outcome(self))
         last = _at_the_end(self.nodes.values()) if ended and not active else active
         losses = [n.loss for n in last if n.loss is not None]
         outer = [n.outer_step for n in self.nodes.values() if n.outer_step is not None]
         steps = [n for n in self.nodes.values() if n.step is not None]
-        lead = max(steps, key=lambda n: n.step) if steps else None  # type: ignore[arg-type, return-value]
+        lead = max(steps, key=lambda n: n.step or 0) if steps else None  # each has a step
         max_steps = max((n.max_steps for n in self.nodes.values() if n.max_steps), default=None)
         if self.members is None:
             members = len(active)
@@ -432,7 +432,7 @@ class Fleet:
         rounds = max((n.run_info.get("rounds") or 0 for n in self.nodes.values()), default=0) or None
         if rounds:  # time rounds: the run lasts `rounds` outer steps, whatever each node's own step count
             ahead = max((n for n in self.nodes.values() if n.outer_step is not None),
-                        key=lambda n: n.outer_step, default=None)  # type: ignore[arg-type, return-value]
+                        key=lambda n: n.outer_step or 0, default=None)
             eta = _eta(ahead._outer_steps if ahead else None, rounds)
         else:
             eta = _eta(lead._steps if lead else None, max_steps)
@@ -454,8 +454,8 @@ def _at_the_end(nodes: Iterable[Node]) -> list[Node]:
     if any(n.outer_step is not None for n in left):  # time rounds too: each node counts its own steps
         top = max(n.outer_step for n in left if n.outer_step is not None)
         return [n for n in left if n.outer_step == top]
-    top = max((n.step for n in left if n.step is not None), default=None)
-    return [n for n in left if n.step == top]
+    last = max((n.step for n in left if n.step is not None), default=None)
+    return [n for n in left if n.step == last]
 
 
 def _num(value: Any) -> float | None:

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator, MutableSequence, SupportsIndex, overload
 
 from engine.states import NodeState
 from engine.telemetry import format_human
@@ -61,13 +61,21 @@ class LazyLine:
         return format_human(self.event) or ""
 
 
-class LogBuffer(deque):
+class LogBuffer(deque[Any]):
     """A bounded deque of log lines that hands out plain strings (engine events are formatted on read)."""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return (str(line) for line in deque.__iter__(self))
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> MutableSequence[Any]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> str | MutableSequence[Any]:
+        if isinstance(index, slice):  # as a deque: Sequence's signature allows a slice, a deque does not
+            raise TypeError("sequence index must be integer, not 'slice'")
         return str(deque.__getitem__(self, index))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from console.nodes import HostState, NodeState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-ENDED = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
+ENDED: dict[int | None, str] = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
 DEFAULT_HEARTBEAT_TIMEOUT = 6.0
 RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
                      HostState.UNREACHABLE})  # unreachable: the engine may well still be training

@@ -107,13 +107,14 @@ class Watchers:
     async def _adopted_alive(self, name: str, proc: Proc) -> bool:
         """A process started by another console: read its events from where this console stopped (from the top if
         the file was started anew), and say whether it still runs; one already gone is settled at once."""
+        assert proc.pid is not None  # _next_process read it from the pid file
         t = self.hosts.transport(name)
         self.fleet.set_state(name, NodeState.STARTING, f"started by another console (pid {proc.pid})")
         try:
             size = await t.size(self.hosts.path(name, C.EVENTS))
             if size is not None and size < proc.offset:
                 proc.offset = 0  # a fresh file (a fresh start archived the old one)
-            running = await t.alive(proc.pid, C.TAG)  # type: ignore[arg-type]
+            running = await t.alive(proc.pid, C.TAG)
         except TransportError as e:
             self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             running = True  # it may well run: follow it and let the watcher find out

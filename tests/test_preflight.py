@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from console import cli
-from console.checkout import Checkout
+from console.preflight.checkout import Checkout
 from console.fleet import Fleet, HostState
 from console.preflight import PreflightFailed, probe
 from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, exposed, ifname_matches, judge

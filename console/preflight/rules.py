@@ -83,7 +83,7 @@ class HostResult:
 class Expect:
     """The console's side: its checkout's version, its torch, the profile's limits."""
     profile: str
-    engine: str | None  # the engine digest every host must have (console/checkout.py)
+    engine: str | None  # the engine digest every host must have (console/preflight/checkout.py)
     label: str  # "commit 1a2b3c4d5e" for the lines
     torch: str | None  # the console's installed torch (metadata), None if it has none: then the hosts' majority
     min_free_gb: float = 2.0
@@ -202,7 +202,7 @@ def _edited_checkout(plans: Sequence[HostPlan], results: dict[str, HostResult], 
     """Engines in the console's own checkout run its files as they are on disk; `sync` sends the other hosts its
     commit. Edits to engine/**/*.py not committed (or new files) would have this machine's nodes run other code
     than the others' (a new module: the others fail at import), so they are a problem where there are others."""
-    facts = {p.name: results[p.name].facts for p in plans if p.engine and results[p.name].facts}
+    facts = {p.name: f for p in plans if p.engine and (f := results[p.name].facts)}
     own = [n for n, f in facts.items() if _own(f, expect)]
     if not own or len(own) == len(facts) or expect.engine is None:
         return []

@@ -34,15 +34,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from console import etcd as E
-from console.checkout import Checkout
+from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, HostState
-from console.hosts import STORE
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
 from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
                                      exposure_warning, judge, summary)
-from console.profile import HostSpec, Profile, engine_overrides, etcd_endpoint
+from console.profile import HostSpec, Profile, engine_overrides
+from console.store_backend import TcpStore, store_backend
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -75,7 +75,7 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
                     hosts: Sequence[str] | None = None, checkout: Checkout | None = None) -> Report:
     checkout = checkout or Checkout.find()
     notes: list[str] = []
-    store_running = mode == "add" or (mode == "check" and await _store_runs(profile, transport_of))
+    store_running = mode == "add" or (mode == "check" and await store_backend(profile).runs(transport_of))
     if store_running and mode == "check":
         notes.append("the run's store is running: the engine hosts dialled it instead of a listener of the check")
     plans = build_plans(profile, mode, hosts, checkout, bind=not store_running)
@@ -91,31 +91,27 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
 # ---- what to ask of each host ---------------------------------------------------------------------------------
 def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checkout: Checkout | None,
                 bind: bool = True) -> list[HostPlan]:
-    store_host = profile.store_host.name if profile.store.backend == "tcp" else None
-    members = E.plan_members(profile) if profile.store.backend == "etcd" and profile.store.etcd_hosts else []
+    backend = store_backend(profile)
+    servers = backend.servers()  # the TCP store's host, or each etcd member's
     if mode == "check":
         names = list(profile.hosts)
     elif mode == "add":
         names = list(hosts or [])
     else:  # a start: its nodes (the active hosts; --resume: the nodes the run had), the store's and etcd's hosts
         names = [h.name for h in profile.active_hosts()] if hosts is None else list(hosts)
-        names += [n for n in [store_host, *(m.host for m in members)] if n and n not in names]
-    links = tuple(link_targets(profile))
+        names += [s.host for s in servers if s.host not in names]
+    links = tuple(Target(*e) for e in backend.links())
     plans = []
     for name in names:
         host = profile.hosts[name]
+        here = [s for s in servers if s.host == name]
         roles = set()
-        if (not host.standby or mode == "add") or (mode == "check" and name != store_host):
+        if (not host.standby or mode == "add") or (mode == "check" and all(s.role != "store" for s in here)):
             roles.add("engine")
         binds: list[Target] = []
-        if name == store_host and mode != "add":
-            roles.add("store")
-            binds.append(Target(_store_bind(profile), profile.store.port, "the store"))
-        for m in members:
-            if m.host == name and mode != "add":
-                roles.add("etcd")
-                binds += [Target(m.address, m.client_port, f"etcd member {m.name} (clients)"),
-                          Target(m.address, m.peer_port, f"etcd member {m.name} (peers)")]
+        for s in here if mode != "add" else []:
+            roles.add(s.role)
+            binds += [Target(*e) for e in s.binds]
         plans.append(_plan(profile, host, frozenset(roles), tuple(binds) if bind else (),
                            links if "engine" in roles else (), checkout))
     return plans
@@ -160,7 +156,7 @@ async def listeners(profile: Profile, plans: Sequence[HostPlan],
     out = []
     store = next((p for p in plans if "store" in p.roles), None)
     if store is not None and profile.store.backend == "tcp":
-        address = _store_bind(profile)
+        address = TcpStore(profile).bind()
         for ip in await _resolved(address):
             name = "" if ip == address else f", {address}"
             out.append((f"the store ({store.name}, port {profile.store.port}{name})", ip))
@@ -180,22 +176,6 @@ async def _resolved(address: str, timeout: float = 2.0) -> list[str]:
     except (OSError, asyncio.TimeoutError):
         return []
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
-
-
-def link_targets(profile: Profile) -> list[Target]:
-    """Where every engine host must be able to open a TCP connection before anything starts."""
-    if profile.store.backend == "tcp":
-        return [Target(profile.store_address, profile.store.port, "the store")]
-    return [Target(*etcd_endpoint(ep), "etcd") for ep in E.endpoints(profile)]
-
-
-def _store_bind(profile: Profile) -> str:
-    """What the store will listen on (console/store_host.py bind()): an ssh_config alias's HostName may not be an
-    address of the host itself, and then the store listens on every interface."""
-    host = profile.store_host
-    if profile.store.bind or profile.store.address or host.address or host.transport == "local":
-        return profile.store_bind
-    return "0.0.0.0"
 
 
 def console_torch() -> str | None:
@@ -283,20 +263,6 @@ def _probe_source() -> str:
     return Path(P.__file__).read_text()
 
 
-async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]) -> bool:
-    """Whether this profile's store runs now (its pid file names a live process of ours)."""
-    if profile.store.backend != "tcp":
-        return False
-    t = transport_of(profile.store_host.name)
-    try:
-        text = await asyncio.wait_for(t.read_text(C.join(profile.run.dir, STORE, C.PID)),
-                                      profile.store_host.connect_timeout * 2 + 1)
-        pid = int(text.strip()) if text and text.strip().isdigit() else None
-        return pid is not None and pid > 1 and await t.alive(pid, C.TAG)
-    except (TransportError, asyncio.TimeoutError):
-        return False
-
-
 # ---- the link test ------------------------------------------------------------------------------------------------
 async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str, HostResult],
                      transport_of: Callable[[str], Transport], listen: bool, peers: bool = True) -> list[str]:
@@ -308,8 +274,8 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
     if not dialers:
         return []
     waits = []
-    ends = [(p, Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)"))
-            for p in dialers if peers and results[p.name].facts.get("peer")]
+    ends = [(p, Target(peer[0], peer[1], f"{p.name}'s outer-step collectives (gloo)"))
+            for p in dialers if peers and (peer := (results[p.name].facts or {}).get("peer"))]
     if len(ends) >= 2:
         for p, end in ends:
             others = [d for d in dialers if d is not p]
@@ -328,13 +294,13 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
         waits.append(_listen(profile.hosts[p.name], free, transport_of(p.name), seconds + 3,
                              len(dialers) * len(dialled), results[p.name], p))
     dials = [_dial(p, transport_of(p.name), seconds, results[p.name], profile) for p in dialers]
-    unheld = (await asyncio.gather(*waits, *dials))[:len(waits)]
+    unheld, _ = await asyncio.gather(asyncio.gather(*waits), asyncio.gather(*dials))
     notes = []
     for host, lost in unheld:
-        for end in lost:
+        for bind in lost:
             for d in dialers:
-                results[d.name].listening.discard(end)
-            notes.append(f"{host}: {end} was taken before the check's listener started there: that link was not "
+                results[d.name].listening.discard(bind)
+            notes.append(f"{host}: {bind} was taken before the check's listener started there: that link was not "
                          f"tested (run the check again)")
     return notes
 

@@ -204,7 +204,8 @@ def fit_num(value: float | None, fmt: str = "{:,.0f}", width: int = 7) -> str:
     text = num_cell(value, fmt)
     if len(text) <= width:
         return text
-    v = float(value)  # type: ignore[arg-type]  # num_cell gave a number: value is a finite number
+    assert value is not None  # num_cell gave a number: value is a finite number
+    v = float(value)
     if "." in fmt:
         for decimals in range(int(fmt.split(".")[1][0]) - 1, -1, -1):
             text = f"{v:.{decimals}f}"
@@ -242,9 +243,9 @@ def eta_text(eta_s: float | None) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def _finite(x: object) -> bool:
+def _finite(x: Any) -> bool:
     try:
-        return math.isfinite(float(x))  # type: ignore[arg-type]
+        return math.isfinite(float(x))
     except (TypeError, ValueError):
         return False
 
