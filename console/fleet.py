@@ -50,8 +50,8 @@ _CONSOLE_FACTS = frozenset({NodeState.DEAD, HostState.UNREACHABLE, HostState.FAI
 _ENGINE_STATES = {s.value: s for s in EVENT_STATES}  # what a node's `state` event may say
 _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
 _GONE = frozenset({NodeState.LEFT, NodeState.DEAD, HostState.FAILED, HostState.SPARE, HostState.OFF})
-_RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopped": NodeState.LEFT,
-                  "failed": HostState.FAILED}
+_RUN_END_STATE: dict[str, Shown] = {"completed": NodeState.LEFT, "drained": NodeState.LEFT,
+                                    "stopped": NodeState.LEFT, "failed": HostState.FAILED}
 _NO_SAMPLE = "no new health sample"  # the store's reason while its probe's samples stay old
 # a node's own events that overrule an older mesh "dead" report about it: they show it in the mesh again (so does
 # its own `membership joined`), or are its process's own word on how it ends or that it is new. Not its steps or
@@ -400,7 +400,7 @@ class Fleet:
         if event["rank"] > 0:
             return
         status = event["status"]
-        state = _RUN_END_STATE.get(status, HostState.FAILED)
+        state: Shown = _RUN_END_STATE.get(status, HostState.FAILED)
         reason = node.error if state is HostState.FAILED and node.error else status
         self._engine_says(node, state, reason)
         node.run_ended = True

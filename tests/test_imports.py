@@ -158,8 +158,8 @@ CONSOLE_LAYERS: list[tuple[str, ...]] = [
     # the hosts and what runs on them: the store, etcd, the engines' commands, watchers, attaching
     ("console.hosts", "console.etcd", "console.launch", "console.watchers", "console.store_host", "console.attach",
      "console.recipes", "console.store_backend"),
-    # before anything starts, and bringing the hosts up to the console's checkout
-    ("console.preflight", "console.sync"),
+    # before anything starts: the checks, the hosts' keys, and bringing the hosts up to the console's checkout
+    ("console.preflight", "console.hostkeys", "console.sync"),
     # the controller
     ("console.cluster",),
     # what the app renders
