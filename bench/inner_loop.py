@@ -304,12 +304,24 @@ def cost_worker(args, world: World, device: torch.device) -> None:
     for i in range(args.steps):
         for name in (list(loops) if i % 2 == 0 else list(loops)[::-1]):
             whole[name].append(timed(loops[name].step, 1, device))
-    times = torch.tensor([[whole[n][i], loops[n].optimizer_seconds[i]] for n in loops for i in range(args.steps)])
+    # the gathers alone (FSDP2): every Muon matrix all-gathered from its shards, as each Muon step does
+    matrices = [p for g in loops["muon"].inner.optimizer.muon.param_groups for p in g["params"]]
+    gathers = []
+    for _ in range(args.steps if args.worker == "fsdp" else 0):
+        t0 = time.perf_counter()
+        for p in matrices:
+            p.detach().full_tensor()
+        sync(device)
+        gathers.append(time.perf_counter() - t0)
+    times = torch.tensor([[whole[n][i], loops[n].optimizer_seconds[i], gathers[i] if gathers else 0.0]
+                          for n in loops for i in range(args.steps)])
     torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
     if world.rank == 0:
         per = {n: times[k * args.steps:(k + 1) * args.steps] for k, n in enumerate(loops)}
         print(json.dumps({"strategy": args.worker, **{n: [float(t[:, 0].median()), float(t[:, 1].median())]
-                                                       for n, t in per.items()}}), flush=True)
+                                                       for n, t in per.items()},
+                          "gather": float(per["muon"][:, 2].median()),
+                          "gather_mb": sum(p.numel() * p.element_size() for p in matrices) / 1e6}), flush=True)
     del loops
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -339,6 +351,9 @@ def multi_process_cost(args) -> dict[str, dict[str, list[float]]]:
             w, o = res[name]
             print(f"  {strategy:<5} x{args.nproc} {name:<6} whole step {w * 1e3:8.1f} ms, optimizer step "
                   f"{o * 1e3:7.1f} ms")
+        if strategy == "fsdp":
+            print(f"  fsdp  x{args.nproc} the gathers alone (every Muon matrix, {res['gather_mb']:.1f} MB whole): "
+                  f"{res['gather'] * 1e3:.1f} ms a step")
     return out
 
 

@@ -934,7 +934,7 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
             by = {r.arm.name: r for r in rs}
             if len(args.seeds) > 1:
                 print(f"seed {seed}:")
-            print(table(rs, by.get("ddp"), by.get("single")))
+            print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
     return per_seed
 
 
