@@ -22,11 +22,10 @@ def lr_factor(step: int, cfg: OptimConfig, max_steps: int) -> float:
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """optim.name "adamw": AdamW, no weight decay on vectors (norm scales), as in Llama/nanoGPT. "muon": MuonAdamW,
-    Muon for the 2-D weight matrices of the decoder layers, that AdamW for everything else."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    Muon for the 2-D weight matrices of the decoder layers, this AdamW for everything else."""
     if cfg.name == "muon":
         return MuonAdamW(model, cfg)
-    return _adamw(params, cfg)
+    return _adamw([p for p in model.parameters() if p.requires_grad], cfg)
 
 
 def _adamw(params: list[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
