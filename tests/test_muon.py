@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError, Config, OptimConfig, digest, load_config, run_digest
+from engine.config import ConfigError, OptimConfig, digest, load_config, run_digest
 from engine.inner.optim import MuonAdamW, WholeMatrixMuon, lr_factor, make_optimizer, muon_params
 from engine.model import build_model, decoder_layers
 from procs import PYTHON, ROOT, engine_env
@@ -104,8 +104,8 @@ def test_muon_config_keys_and_refusals(monkeypatch):
     assert load_config(DEBUG, ["--optim.muon_ns_steps=99", "--optim.muon_momentum=0"]).optim.muon_ns_steps == 99
     # a torch without torch.optim.Muon: the loaded class is asked
     monkeypatch.delattr(torch.optim, "Muon")
-    with pytest.raises(ConfigError, match=rf'optim\.name = "muon" needs torch\.optim\.Muon, which torch '
-                                          f'{re.escape(torch.__version__)} lacks .*\\(optim\\.name from --optim\\.name=muon\\)$'):
+    lacks = rf'optim\.name = "muon" needs torch\.optim\.Muon, which torch {re.escape(torch.__version__)} lacks '
+    with pytest.raises(ConfigError, match=lacks + r".*\(optim\.name from --optim\.name=muon\)$"):
         load_config(DEBUG, ["--optim.name=muon"])
     assert load_config(DEBUG).optim.name == "adamw"
 
