@@ -3,12 +3,18 @@ hand-written PyTorch loop over the same model, batch and data, in the same run; 
 
     python bench/inner_loop.py                                   # debug model, small sizes, < 2 min on 2 cores
     python bench/inner_loop.py --preset 150m --seq-len 1024 --micro-batch 8 --steps 30 --nproc 0   # a GPU
+    python bench/inner_loop.py --optimizer muon --preset 15m --seq-len 256 --micro-batch 8   # Muon's cost
 
 Both single-process loops run in this process, one step each in alternation, so that drift in machine load hits
 both alike; each reports tokens/s from its median step time, and the peak memory it adds while running (CUDA:
 max_memory_allocated; CPU: RSS sampled every 2 ms; both above the level when the loop starts). The multi-process
 part launches torchrun and reports per-worker throughput relative to the one-process engine: overhead = 1 - that ratio.
 The last line is the engine/plain ratio (goal >= 0.95).
+
+--optimizer muon measures what Muon costs instead: the engine's step with optim.name "adamw" and with "muon", one
+step each in alternation, each step's optimizer step (clip, step, zero_grad, schedule: Newton-Schulz for Muon)
+timed on its own beside the whole step; then the same on N processes under each of --strategies (FSDP2: the
+all-gather of each matrix Newton-Schulz needs whole). The last line: `muon/adamw: ...` with both times of both.
 
 On CUDA every line also gives MFU: model FLOPs per token (6 x the matmul parameters, lm_head included and the
 input embedding not, + 12 x layers x hidden x seq_len for attention scores and values, PaLM's appendix B count
@@ -48,10 +54,12 @@ from engine.world import World, read_world  # noqa: E402
 VOCAB = 258
 
 
-def configs(args, world_size: int, strategy: str) -> tuple[TrainConfig, OptimConfig, InnerConfig]:
+def configs(args, world_size: int, strategy: str, optimizer: str = "adamw"
+            ) -> tuple[TrainConfig, OptimConfig, InnerConfig]:
     train = TrainConfig(micro_batch_size=args.micro_batch, batch_size=args.micro_batch * args.accum * world_size,
                         max_steps=10_000, precision=args.precision)
-    return train, OptimConfig(lr=1e-3, warmup_steps=0), InnerConfig(strategy=strategy, device=args.device)
+    return (train, OptimConfig(lr=1e-3, warmup_steps=0, name=optimizer),
+            InnerConfig(strategy=strategy, device=args.device))
 
 
 class PeakMemory:
@@ -170,12 +178,27 @@ class PlainLoop:
 class EngineLoop:
     """engine.train's inner loop: train_step over an Inner from build_inner and a TokenStream."""
 
-    def __init__(self, args, device: torch.device, world: World, strategy: str = "ddp"):
-        train, optim, inner_cfg = configs(args, world.world_size, strategy)
+    def __init__(self, args, device: torch.device, world: World, strategy: str = "ddp", optimizer: str = "adamw"):
+        train, optim, inner_cfg = configs(args, world.world_size, strategy, optimizer)
         self.args = args
         model = build_model(ModelConfig(preset=args.preset), VOCAB, args.seq_len, device, seed=0)
         self.inner = build_inner(model, inner_cfg, train, optim, world, device)
         self.stream = TokenStream(FakeSource(VOCAB, args.seq_len, 0), world.rank, world.world_size, seed=0)
+        self.optimizer_seconds: list[float] = []  # each optimizer step's own time, once time_optimizer_steps()
+
+    def time_optimizer_steps(self, device: torch.device) -> None:
+        """Time each optimizer step apart from the whole step (synced before and after: on a GPU, that sync
+        is what the whole step pays anyway at its end)."""
+        step = self.inner.optimizer_step
+
+        def timed_step():
+            sync(device)
+            t0 = time.perf_counter()
+            norm = step()
+            sync(device)
+            self.optimizer_seconds.append(time.perf_counter() - t0)
+            return norm
+        self.inner.optimizer_step = timed_step
 
     def step(self) -> None:
         train_step(self.inner, self.stream, self.args.micro_batch, self.args.accum)
@@ -221,10 +244,39 @@ def single_process(args) -> float:
     return rates["engine"]
 
 
+def optimizer_cost(args) -> dict[str, tuple[float, float]]:
+    """--optimizer muon: the engine's step with AdamW and with Muon, one step each in alternation (ABBA); per
+    optimizer the median whole step and the median optimizer step, in seconds."""
+    world = World(rank=0, world_size=1, local_rank=0, hostname="bench", pid=os.getpid())
+    device = resolve_device(InnerConfig(device=args.device), world)
+    loops = {name: EngineLoop(args, device, world, optimizer=name) for name in ("adamw", "muon")}
+    for loop in loops.values():
+        for _ in range(args.warmup):
+            loop.step()
+        loop.time_optimizer_steps(device)
+    whole: dict[str, list[float]] = {name: [] for name in loops}
+    order = list(loops)
+    for i in range(args.rounds * args.steps):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            whole[name].append(timed(loops[name].step, 1, device))
+    print(f"device {device}, preset {args.preset}, seq_len {args.seq_len}, micro_batch {args.micro_batch} x "
+          f"accum {args.accum} ({args.micro_batch * args.accum * args.seq_len:,} tokens per step), "
+          f"{args.rounds * args.steps} alternating steps each, precision {args.precision}")
+    out = {}
+    for name, loop in loops.items():
+        out[name] = statistics.median(whole[name]), statistics.median(loop.optimizer_seconds)
+        print(f"  {name:<6} whole step {out[name][0] * 1e3:8.1f} ms, optimizer step {out[name][1] * 1e3:7.1f} ms "
+              f"({out[name][1] / out[name][0]:.1%} of the step)")
+    return out
+
+
 def worker(args) -> None:
     """One torchrun rank: the engine loop under DDP or FSDP2; rank 0 prints one JSON line."""
     world = read_world()
     device, group = setup_distributed(InnerConfig(device=args.device), world)
+    if args.optimizer == "muon":
+        cost_worker(args, world, device)
+        return
     loop = EngineLoop(args, device, world, strategy=args.worker)
     seconds, peak = measure(loop, args, device)
     t = torch.tensor([seconds, float(peak)])
@@ -238,6 +290,71 @@ def worker(args) -> None:
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # skip C++ static destructors (gloo's exit-time abort)
+
+
+def cost_worker(args, world: World, device: torch.device) -> None:
+    """--optimizer muon on one torchrun rank: AdamW's and Muon's engine loops in alternation; rank 0 prints the
+    medians (the slowest rank's step each time) as one JSON line."""
+    loops = {name: EngineLoop(args, device, world, strategy=args.worker, optimizer=name) for name in ("adamw", "muon")}
+    for loop in loops.values():
+        for _ in range(args.warmup):
+            loop.step()
+        loop.time_optimizer_steps(device)
+    whole: dict[str, list[float]] = {name: [] for name in loops}
+    for i in range(args.steps):
+        for name in (list(loops) if i % 2 == 0 else list(loops)[::-1]):
+            whole[name].append(timed(loops[name].step, 1, device))
+    # the gathers alone (FSDP2): every Muon matrix all-gathered from its shards, as each Muon step does
+    matrices = [p for g in loops["muon"].inner.optimizer.muon.param_groups for p in g["params"]]
+    gathers = []
+    for _ in range(args.steps if args.worker == "fsdp" else 0):
+        t0 = time.perf_counter()
+        for p in matrices:
+            p.detach().full_tensor()
+        sync(device)
+        gathers.append(time.perf_counter() - t0)
+    times = torch.tensor([[whole[n][i], loops[n].optimizer_seconds[i], gathers[i] if gathers else 0.0]
+                          for n in loops for i in range(args.steps)])
+    torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
+    if world.rank == 0:
+        per = {n: times[k * args.steps:(k + 1) * args.steps] for k, n in enumerate(loops)}
+        print(json.dumps({"strategy": args.worker, **{n: [float(t[:, 0].median()), float(t[:, 1].median())]
+                                                       for n, t in per.items()},
+                          "gather": float(per["muon"][:, 2].median()),
+                          "gather_mb": sum(p.numel() * p.element_size() for p in matrices) / 1e6}), flush=True)
+    del loops
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip C++ static destructors (gloo's exit-time abort)
+
+
+def multi_process_cost(args) -> dict[str, dict[str, list[float]]]:
+    """--optimizer muon on args.nproc processes per strategy: {strategy: {optimizer: [whole, optimizer step]}}."""
+    out = {}
+    for strategy in args.strategies.split(","):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+               __file__, "--worker", strategy, *args._passthrough, "--optimizer=muon"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        try:
+            done = run_torchrun(cmd, args.timeout, env=env, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            print(f"  {strategy}: timed out after {args.timeout:.0f}s")
+            continue
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            print(f"  {strategy}: failed (rc {done.returncode})\n{worker_errors(done.stderr)}")
+            continue
+        res = json.loads(lines[-1])
+        out[strategy] = res
+        for name in ("adamw", "muon"):
+            w, o = res[name]
+            print(f"  {strategy:<5} x{args.nproc} {name:<6} whole step {w * 1e3:8.1f} ms, optimizer step "
+                  f"{o * 1e3:7.1f} ms")
+        if strategy == "fsdp":
+            print(f"  fsdp  x{args.nproc} the gathers alone (every Muon matrix, {res['gather_mb']:.1f} MB whole): "
+                  f"{res['gather'] * 1e3:.1f} ms a step")
+    return out
 
 
 def multi_process(args, single_tps: float) -> None:
@@ -278,11 +395,15 @@ def main() -> None:
     ap.add_argument("--strategies", default="ddp,fsdp",
                     help="comma-separated strategies of the multi-process part (ddp, fsdp, zero1, zero2, zero3)")
     ap.add_argument("--peak-tflops", type=float, help="the GPU's dense peak (default: from the device name)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                    help="muon: what Muon costs against AdamW (optimizer step and whole step), not engine vs plain")
     ap.add_argument("--worker", choices=["ddp", "fsdp", "zero1", "zero2", "zero3"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     bad = [s for s in args.strategies.split(",") if s not in ("ddp", "fsdp", "zero1", "zero2", "zero3")]
     if bad:
         ap.error(f"--strategies: unknown {bad[0]!r} (known: ddp, fsdp, zero1, zero2, zero3)")
+    if args.optimizer == "muon" and any(s.startswith("zero") for s in args.strategies.split(",")):
+        ap.error("--optimizer muon: --strategies takes ddp and fsdp only (Muon is refused under DeepSpeed ZeRO)")
     torch.set_num_threads(args.threads)
     if args.worker:
         worker(args)
@@ -290,6 +411,21 @@ def main() -> None:
     args._passthrough = [f"--preset={args.preset}", f"--seq-len={args.seq_len}", f"--micro-batch={args.micro_batch}",
                          f"--accum={args.accum}", f"--steps={args.steps}", f"--warmup={args.warmup}",
                          f"--precision={args.precision}", f"--device={args.device}", f"--threads={args.threads}"]
+    if args.optimizer == "muon":
+        single = optimizer_cost(args)
+        if args.nproc > 1:
+            print(f"{args.nproc} processes (same micro-batch per worker; medians of the slowest rank's times):")
+            multi = multi_process_cost(args)
+            if "fsdp" in multi and "ddp" in multi:
+                # a DDP rank runs the same Newton-Schulz on the same whole matrices, without gathering them first
+                extra = {s: multi[s]["muon"][1] - multi[s]["adamw"][1] for s in ("ddp", "fsdp")}
+                print(f"  Muon's extra optimizer time x{args.nproc}: fsdp {extra['fsdp'] * 1e3:.1f} ms, ddp "
+                      f"{extra['ddp'] * 1e3:.1f} ms: the gathers cost {(extra['fsdp'] - extra['ddp']) * 1e3:+.1f} ms "
+                      f"a step")
+        (aw, ao), (mw, mo) = single["adamw"], single["muon"]
+        print(f"muon/adamw: optimizer step {mo * 1e3:.1f} ms vs {ao * 1e3:.1f} ms, whole step {mw * 1e3:.1f} ms vs "
+              f"{aw * 1e3:.1f} ms ({mw / aw - 1:+.1%})")
+        return
     single_tps = single_process(args)
     if args.nproc > 1:
         print(f"{args.nproc} processes (same micro-batch per worker; overhead = 1 - per-worker / one-process tok/s):")

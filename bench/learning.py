@@ -8,6 +8,8 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --overlap --seeds 1337,7      # synchronous and overlapped DiLoCo at H = 5 and 20
     python bench/learning.py --fragments --seeds 1337,7    # synchronous and streaming DiLoCo (diloco.fragments)
     python bench/learning.py --poison --seeds 1337,7   # one of 4 nodes sends x100 or sign-flipped pseudo-gradients
+    python bench/learning.py --engine sim --optimizer muon --seeds 1337,7,11,23   # Muon as the inner optimizer
+    python bench/learning.py --engine sim --optimizer muon --tune --seeds 1337,7,11,23   # the same, each arm tuned
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
@@ -36,6 +38,14 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                and working state stay clean). Last line:
                    poisoned/clean eval-loss ratio R with the sentinel; R' without
                R (R'): the worse of x100 and sign flip, the mean over the seeds.
+    --optimizer muon  data-parallel AdamW (ddp-adamw, the baseline), data-parallel Muon (ddp-muon), and at each H of
+               --muon-h (5, 20) DiLoCo with AdamW (diloco-adamw H) and with Muon (diloco-muon H) as the inner
+               optimizer (optim.name), k nodes, the same tokens. At the shipped settings (optim.lr --lr, the shipped
+               outer settings), or with --tune: each arm takes the best of a grid (--tune-lrs; DiLoCo arms also
+               --tune-outer, outer lr/momentum pairs) by its mean eval loss over --tune-seeds, then runs on --seeds
+               (keep them apart from the tuning seeds). Last line:
+                   muon: diloco-muon/ddp-adamw eval-loss ratio R1; ddp-muon/ddp-adamw R2
+               R1: the worse of the H values, each the mean over the seeds of the ratio within a seed.
 Every mesh run counts the contributors the sentinel left out (outer_step events' left_out) in its clean arms
 (goal: 0) and prints `sentinel: N contributors left out of M outer steps in the clean arms`.
 
@@ -111,6 +121,8 @@ class Arm:
     sentinel_ratio: float | None = None  # diloco.sentinel_ratio (None: the engine's default; 0: off)
     poison: Poison | None = None  # one node sends a scaled pseudo-gradient for a stretch of rounds (mesh only)
     baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
+    optimizer: str = "adamw"  # optim.name: the inner optimizer
+    lr: float | None = None  # optim.lr of this arm (None: --lr)
 
     def overrides(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -208,6 +220,45 @@ def poison_arms(args) -> list[Arm]:
     return arms
 
 
+def muon_arms(args) -> list[Arm]:
+    """Muon as the inner optimizer (optim.name): data-parallel AdamW (the baseline), data-parallel Muon, and at each
+    H DiLoCo with AdamW and with Muon, at the shipped settings (--tune: tune_arms picks each arm's)."""
+    ddp = Arm("ddp-adamw", "ddp", k=args.k)
+    arms = [ddp, replace(ddp, name="ddp-muon", optimizer="muon", baseline=ddp.name)]
+    for h in args.muon_h:
+        diloco = Arm(f"diloco-adamw H{h}", "diloco", k=args.k, baseline=ddp.name,
+                     **{**shipped_outer(), **args.outer, "inner_steps": h})
+        arms += [diloco, replace(diloco, name=f"diloco-muon H{h}", optimizer="muon")]
+    return arms
+
+
+def tune_grid(args, arm: Arm) -> list[Arm]:
+    """--tune: the grid of one arm, every point named `<arm> lr<lr>[ outer<lr>/<momentum>]`."""
+    outer = args.tune_outer if arm.kind == "diloco" else [(arm.outer_lr, arm.outer_momentum)]
+    return [replace(arm, name=f"{arm.name} lr{lr:g}" + (f" outer{o_lr:g}/{o_m:g}" if arm.kind == "diloco" else ""),
+                    lr=lr, outer_lr=o_lr, outer_momentum=o_m, baseline="")
+            for lr in args.tune_lrs for o_lr, o_m in outer]
+
+
+def tune_arms(args, arms: list[Arm], save) -> list[Arm]:
+    """--tune: every arm's grid on --tune-seeds; each arm takes the point of lowest mean eval loss. Prints the grid's
+    table and the choices; returns the arms at their chosen settings (names unchanged)."""
+    import statistics
+    grids = {arm.name: tune_grid(args, arm) for arm in arms}
+    tune_args = argparse.Namespace(**{**vars(args), "seeds": args.tune_seeds})
+    print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {sum(map(len, grids.values()))} points")
+    per_seed = run_arms(tune_args, [a for g in grids.values() for a in g], save)
+    mean = {name: statistics.fmean(r.eval_loss for rs in per_seed for r in rs if r.arm.name == name)
+            for g in grids.values() for name in (a.name for a in g)}
+    chosen = []
+    for arm in arms:
+        best = min(grids[arm.name], key=lambda a: mean[a.name])
+        print(f"  {arm.name:<20} best {best.name[len(arm.name) + 1:]:<22} mean eval {mean[best.name]:.4f} (grid: "
+              + ", ".join(f"{a.name[len(arm.name) + 1:]} {mean[a.name]:.4f}" for a in grids[arm.name]) + ")")
+        chosen.append(replace(best, name=arm.name, baseline=arm.baseline))
+    return chosen
+
+
 def sweep_arms(args) -> list[Arm]:
     """The sweep of docs/learning.md: outer lr x momentum at H=20, k=4; then H, k and an outer-lr warm-up."""
     arms = [Arm("single", "single"), Arm("ddp", "ddp", k=4), Arm("ddp k2", "ddp", k=2)]
@@ -246,7 +297,8 @@ def engine_overrides(args, arm: Arm) -> dict[str, object]:
         "train.micro_batch_size": micro, "train.batch_size": batch, "train.max_steps": args.steps,
         "train.eval_interval": args.eval_interval, "train.eval_batches": args.eval_batches,
         "train.log_interval": max(1, args.steps // 20), "train.seed": args.seed,
-        "optim.lr": args.lr, "optim.warmup_steps": args.warmup, "optim.schedule": "cosine",
+        "optim.lr": arm.lr or args.lr, "optim.warmup_steps": args.warmup, "optim.schedule": "cosine",
+        "optim.name": arm.optimizer,
         "inner.device": args.device, "telemetry.human": False, "telemetry.resource_interval": 60.0,
     }
     if arm.kind == "diloco":
@@ -296,7 +348,7 @@ def run_sim(args, arm: Arm) -> Result:
 
     k = arm.k if arm.kind == "diloco" else 1
     accum = arm.k if arm.kind == "ddp" else 1
-    ocfg = OptimConfig(lr=args.lr, warmup_steps=args.warmup, schedule="cosine")
+    ocfg = OptimConfig(lr=arm.lr or args.lr, warmup_steps=args.warmup, schedule="cosine", name=arm.optimizer)
 
     def worker(shard: int):
         world = World(rank=0, world_size=1, local_rank=0, hostname="sim", pid=0, global_rank=shard,
@@ -791,6 +843,16 @@ def parse_args(argv=None):
     ap.add_argument("--fragment-delay", type=int, default=0, help="--fragments: diloco.fragment_delay (at most H / P)")
     ap.add_argument("--poison-node", type=int, default=1, help="--poison: the node that sends the poison")
     ap.add_argument("--poison-rounds", help="--poison: its rounds FIRST-LAST (default: the middle half of the run)")
+    ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                    help="muon: the study of Muon as the inner optimizer (DDP and DiLoCo, AdamW and Muon)")
+    ap.add_argument("--muon-h", default="5,20", help="--optimizer muon: the H values of the DiLoCo arms")
+    ap.add_argument("--tune", action="store_true",
+                    help="--optimizer muon: tune every arm on --tune-seeds first (--tune-lrs, --tune-outer)")
+    ap.add_argument("--tune-seeds", default="101,102", help="--tune: the tuning seeds (apart from --seeds)")
+    # 3e-2: at 20 steps Muon's best of 3e-3 and 1e-2 was the top one (docs/learning.md, "Muon")
+    ap.add_argument("--tune-lrs", default="1e-3,3e-3,1e-2,3e-2", help="--tune: optim.lr values")
+    ap.add_argument("--tune-outer", default="1.0/0,0.7/0.9,0.7/0.5",
+                    help="--tune: the DiLoCo arms' outer lr/momentum pairs (nesterov)")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "learning")
     args = ap.parse_args(argv)
     args.data = args.data or CORPORA[args.corpus]
@@ -824,6 +886,24 @@ def parse_args(argv=None):
     except ValueError:
         ap.error(f"--overlap-h {args.overlap_h!r} / --fragments-h / --fragments-p / --poison-rounds "
                  f"{args.poison_rounds!r}: expected integers (5,20 and FIRST-LAST)")
+    if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):
+        ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
+    if args.tune and args.optimizer != "muon":
+        ap.error("--tune needs --optimizer muon")
+    try:
+        args.muon_h = [int(x) for x in args.muon_h.split(",") if x.strip()]
+        args.tune_seeds = [int(x) for x in args.tune_seeds.split(",") if x.strip()]
+        args.tune_lrs = [float(x) for x in args.tune_lrs.split(",") if x.strip()]
+        args.tune_outer = [tuple(float(v) for v in pair.split("/")) for pair in args.tune_outer.split(",")
+                           if pair.strip()]
+    except ValueError:
+        ap.error(f"--muon-h {args.muon_h!r} / --tune-seeds / --tune-lrs / --tune-outer {args.tune_outer!r}: expected "
+                 f"comma-separated numbers (outer pairs as LR/MOMENTUM)")
+    if args.tune and (set(args.tune_seeds) & set(args.seeds) or not args.tune_seeds):
+        ap.error(f"--tune-seeds {','.join(map(str, args.tune_seeds))}: give tuning seeds apart from --seeds "
+                 f"{','.join(map(str, args.seeds))} (a setting picked on a seed flatters it there)")
+    if any(len(pair) != 2 for pair in args.tune_outer):
+        ap.error(f"--tune-outer: expected LR/MOMENTUM pairs, got {args.tune_outer}")
     bad = [(h, p) for h in args.fragments_h for p in args.fragments_p if p < 2 or h % p]
     if args.fragments and bad:
         ap.error(f"--fragments-p: each fragment count must be at least 2 and divide every H of --fragments-h "
@@ -855,7 +935,7 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
             by = {r.arm.name: r for r in rs}
             if len(args.seeds) > 1:
                 print(f"seed {seed}:")
-            print(table(rs, by.get("ddp"), by.get("single")))
+            print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
     return per_seed
 
 
@@ -871,12 +951,13 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
     by = {r.arm.name: r for r in per_seed[-1]}
     results = [r for rs in per_seed for r in rs]
     ratios = None
-    if len(args.seeds) > 1 and not (args.overlap or args.poison or args.fragments):
+    paired_study = args.overlap or args.poison or args.fragments or args.optimizer == "muon"
+    if len(args.seeds) > 1 and not paired_study:
         text, ratios = spread(per_seed)
         print(f"over {len(args.seeds)} seeds ({', '.join(map(str, args.seeds))}):")
         print(text)
     means: dict[str, float] = {}
-    if args.overlap or args.poison or args.fragments:
+    if paired_study:
         text, means = paired(per_seed)
         print(f"each arm's eval loss / its baseline's, same seed ({', '.join(map(str, args.seeds))}):")
         print(text)
@@ -892,6 +973,15 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
         late = worst(means, [f"round-late H{h}" for h in args.overlap_h])
         print(f"overlap/sync eval-loss ratio {ovl:.4f}; eager {eager:.4f}; a round late {late:.4f}")
+        return
+    if args.optimizer == "muon":
+        nan = float("nan")
+        for h in args.muon_h:
+            print(f"H = {h}: diloco-muon/ddp-adamw {means.get(f'diloco-muon H{h}', nan):.4f}, diloco-adamw/ddp-adamw "
+                  f"{means.get(f'diloco-adamw H{h}', nan):.4f}")
+        r1 = worst(means, [f"diloco-muon H{h}" for h in args.muon_h])
+        print(f"muon: diloco-muon/ddp-adamw eval-loss ratio {r1:.4f}; ddp-muon/ddp-adamw "
+              f"{means.get('ddp-muon', nan):.4f}")
         return
     if args.fragments:
         names = [f"fragments {p} H{h}" for h in args.fragments_h for p in args.fragments_p]
@@ -918,7 +1008,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     study = {"sweep": sweep_arms, "sweep_h": h_sweep_arms, "overlap": overlap_arms, "fragments": fragment_arms,
              "poison": poison_arms}
-    chosen = next((name for name in study if getattr(args, name)), None)
+    if args.optimizer == "muon":
+        study["muon"] = muon_arms
+    chosen = next((name for name in study if name == "muon" or getattr(args, name)), None)
     arms = study[chosen](args) if chosen else default_arms(args)
     if args.arms:
         unknown = sorted(set(args.arms) - {a.name for a in arms})
@@ -931,11 +1023,13 @@ def main(argv=None) -> int:
     kind += "-seeds" if len(args.seeds) > 1 else ""
     stem = f"learning-{args.corpus if args.data == CORPORA[args.corpus] else 'custom'}{kind}"
 
-    def save(results: list[Result]) -> None:
-        (args.out / f"{stem}.json").write_text(json.dumps(
+    def save(results: list[Result], suffix: str = "") -> None:
+        (args.out / f"{stem}{suffix}.json").write_text(json.dumps(
             {"args": {k: str(v) for k, v in vars(args).items()},
              "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
 
+    if args.tune:
+        arms = tune_arms(args, arms, lambda results: save(results, "-tune"))
     per_seed = run_arms(args, arms, save)
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
              f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "

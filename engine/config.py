@@ -14,6 +14,7 @@ import difflib
 import hashlib
 import json
 import re
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -86,6 +87,39 @@ class OptimConfig(_Section):
     beta2: float = Field(default=0.95, ge=0, lt=1)
     eps: float = Field(default=1e-8, gt=0)
     clip_norm: float = Field(default=1.0, ge=0)  # 0: no clipping
+    # "muon": torch.optim.Muon for the 2-D weight matrices of the decoder layers, AdamW (the keys above) for the
+    # embedding, the head, norms and biases; one schedule drives both (docs/config.md, "Muon")
+    name: Literal["adamw", "muon"] = "adamw"
+    # Muon's learning-rate scaling: "match_rms_adamw" (Moonshot) makes Muon's update as large as AdamW's, so that
+    # it reuses optim.lr and optim.weight_decay; "original" (Keller Jordan) needs a learning rate ~50x larger
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    muon_momentum: float = Field(default=0.95, ge=0, lt=1)  # Nesterov momentum of the Muon matrices
+    muon_ns_steps: int = Field(default=5, gt=0, lt=100)  # Newton-Schulz iterations per step (torch allows < 100)
+
+    @model_validator(mode="after")
+    def _muon_needs_torch_muon(self) -> "OptimConfig":
+        missing = torch_without_muon() if self.name == "muon" else None
+        if missing:
+            raise ValueError(f"optim.name = \"muon\" needs torch.optim.Muon, which {missing} lacks (it came with "
+                             f"torch 2.9): use optim.name = \"adamw\" or a newer torch")
+        return self
+
+
+def torch_without_muon() -> str | None:
+    """"torch X" when the torch of this Python has no torch.optim.Muon, else None. Where torch is loaded (the
+    engine's inner strategies, tests) the class itself is asked; else its installed version, so that reading a
+    config imports no torch (the engine reads it first, to refuse bad input in a second; the console never has
+    torch). No torch installed at all (a console host): None, the engine's host decides."""
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "optim"):
+        return None if hasattr(torch.optim, "Muon") else f"torch {torch.__version__}"
+    from importlib import metadata
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    major, minor = (int(x) for x in re.findall(r"\d+", version)[:2])
+    return None if (major, minor) >= (2, 9) else f"torch {version}"
 
 
 class InnerConfig(_Section):
@@ -322,6 +356,9 @@ class Config(_Section):
         if self.inner.offload_params and strategy != "zero3":
             raise ValueError(f"inner.offload_params needs inner.strategy zero3 (parameters are partitioned only "
                              f"there), not {strategy}")
+        if self.optim.name == "muon" and strategy.startswith("zero"):
+            raise ValueError(f"optim.name = \"muon\" is not supported with inner.strategy {strategy} (DeepSpeed owns "
+                             f"its optimizer): use --inner.strategy=fsdp, which shards the same way")
         if self.train.precision == "fp16-mixed" and self.inner.strategy == "fsdp":
             raise ValueError("train.precision fp16-mixed is not supported with inner.strategy fsdp (use bf16-mixed)")
         return self
@@ -548,12 +585,18 @@ DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sen
 # the nodes read one seeded order of the data, the k-th sequence on node k % num_nodes (engine.data.shard_of): nodes
 # of different seeds read overlapping sequences. Not in the checkpoint's digest: every checkpoint would be refused.
 TRAIN_RUN_WIDE = ("seed",)
+# the inner optimizer a checkpoint's state belongs to (its moments are AdamW's or Muon's): a resume may not change
+# it. The Muon keys count only with Muon; AdamW, the only optimizer before optim.name existed, leaves the digest as it
+# was then (a checkpoint of that time resumes), though the settings shown for a refusal name it
+OPTIM_SHARED = ("name",)
+OPTIM_MUON = ("muon_adjust_lr", "muon_momentum", "muon_ns_steps")
 
 
-def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
+def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco", "optim"), *,
                     run_wide: bool = False) -> dict[str, Any]:
-    """The parts of the config a checkpoint is resumed with: the model, data.seq_len and the DILOCO_SHARED
-    settings; with run_wide also the DILOCO_RUN_WIDE ones (what the nodes of a running run must share)."""
+    """The parts of the config a checkpoint is resumed with: the model, data.seq_len, the DILOCO_SHARED settings
+    and the inner optimizer (OPTIM_SHARED, and OPTIM_MUON with Muon); with run_wide also the DILOCO_RUN_WIDE ones
+    (what the nodes of a running run must share)."""
     dumped = cfg.model_dump()
     picked: dict[str, Any] = {}
     for name in sections:
@@ -564,13 +607,24 @@ def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq
         picked["diloco"] = {k: v for k, v in picked["diloco"].items() if k in DILOCO_SHARED or (
             # a run-wide setting at its default leaves the digest as it was before run-wide settings counted
             run_wide and k in DILOCO_RUN_WIDE and v != getattr(defaults, k))}
+    if "optim" in picked:
+        keys = OPTIM_SHARED + (OPTIM_MUON if cfg.optim.name == "muon" else ())
+        picked["optim"] = {k: v for k, v in picked["optim"].items() if k in keys}
     return picked
 
 
-def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco"), *,
+def _hashed(settings: dict[str, Any]) -> dict[str, Any]:
+    """What the digests hash: shared_settings() less optim.name "adamw", the only optimizer before the key existed,
+    so that a checkpoint of that time (and a running node of that version) still agrees."""
+    if settings.get("optim") == {"name": "adamw"}:
+        settings = {k: v for k, v in settings.items() if k != "optim"}
+    return settings
+
+
+def digest(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco", "optim"), *,
            run_wide: bool = False) -> str:
     """A short hash of shared_settings()."""
-    return _hash(shared_settings(cfg, sections, run_wide=run_wide))
+    return _hash(_hashed(shared_settings(cfg, sections, run_wide=run_wide)))
 
 
 def _hash(settings: dict[str, Any]) -> str:
@@ -589,7 +643,7 @@ def _canonical(value: Any) -> Any:
 def run_digest(cfg: Config) -> str:
     """What the mesh compares (with the workers per node and the wire protocol): digest() and the diloco and train
     settings every node of a running run must share."""
-    settings = shared_settings(cfg, run_wide=True)
+    settings = _hashed(shared_settings(cfg, run_wide=True))
     defaults = TrainConfig()
     # at its default a run-wide train setting leaves the digest as it was before it counted, as the diloco ones do
     settings.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_RUN_WIDE

@@ -139,7 +139,9 @@ def test_elastic_store_share_skips_each_nodes_formation():
     ("console_ingest", ["--repeat", "0"]), ("console_ingest", ["--nodes", "0"]), ("mesh_scale", ["--nodes", "0"]),
     ("diloco_comm", ["--hs", "x"]), ("diloco_comm", ["--hs", "0"]), ("diloco_comm", ["--compressions", "zstd"]),
     ("learning", ["--k", "0"]), ("learning", ["--steps", "0"]), ("learning", ["--eval-batches", "0"]),
-    ("learning", ["--inner-steps", "0"]), ("learning", ["--engine", "sim", "--overlap", "--overlap-delay", "0"])])
+    ("learning", ["--inner-steps", "0"]), ("learning", ["--engine", "sim", "--overlap", "--overlap-delay", "0"]),
+    ("learning", ["--engine", "sim", "--optimizer", "muon", "--muon-h", "x"]),
+    ("learning", ["--engine", "sim", "--optimizer", "muon", "--tune", "--seeds", "5,6", "--tune-seeds", "5"])])
 def test_bad_arguments_are_one_line_errors(capsys, script, argv):
     module = __import__(script)
     with pytest.raises(SystemExit) as exit_:

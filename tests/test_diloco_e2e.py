@@ -391,10 +391,13 @@ def test_drain_contributes_last_round_then_exits_zero(leader_drain):
 
 # ------------------------------------------------------------------------------------------ run 3: FSDP
 
-def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path, optimizer):
+    """Muon: each node's ranks orthogonalize whole matrices (gathered from their shards) between outer steps."""
     port = free_port()
     start_store(procs, port)
-    steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4"]
+    steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4",
+             f"--optim.name={optimizer}"]
     # b starts from other weights (another init seed, as after resuming from an older checkpoint): the first outer
     # step of the run's life aligns everyone on the source's state, so checksums agree from step 1 on
     nodes = [start_node(procs, port, "a", tmp_path, *steps, workers=2),
@@ -529,12 +532,13 @@ def test_nodes_sharing_one_export_folder_both_finish_and_leave_one_model(procs, 
 
 # ------------------------------------------------------------------------------------------ run: overlap
 
-@pytest.mark.parametrize("mode", ["overlap", "time-rounds", "fragments"])
+@pytest.mark.parametrize("mode", ["overlap", "time-rounds", "fragments", "muon"])
 def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode):
     """diloco.overlap=true (each outer step runs in the background while the next round trains), rounds by time
-    (diloco.round = "time": each round ends at the plan's deadline), and streaming fragments (diloco.fragments = 3:
+    (diloco.round = "time": each round ends at the plan's deadline), streaming fragments (diloco.fragments = 3:
     an outer step after every inner step, each syncing a third of the model in the background while the next
-    step trains: diloco.fragment_delay = 1): a, b, c form the run; c dies inside
+    step trains: diloco.fragment_delay = 1), and Muon as the inner optimizer (optim.name = "muon": the joiner's
+    Muon momentum starts at zero, as AdamW's moments do): a, b, c form the run; c dies inside
     the all-reduce of outer step 3 (the survivors abort that attempt and redo it without c); d joins; then b drains
     (its last round contributed; with fragments, each of its fragments once more) and a finishes. Every outer
     step's checksum agrees among the nodes that reported it; with time rounds the run still lasts max_steps / H
@@ -543,7 +547,7 @@ def test_join_death_in_allreduce_and_drain_stay_identical(procs, tmp_path, mode)
     start_store(procs, port)
     steps = ["--train.max_steps=36", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=4"]
     steps += {"overlap": ["--diloco.overlap=true"], "time-rounds": ["--diloco.round=time", "--diloco.round_seconds=1"],
-              "fragments": ["--diloco.fragments=3", "--diloco.fragment_delay=1"]}[mode]
+              "fragments": ["--diloco.fragments=3", "--diloco.fragment_delay=1"], "muon": ["--optim.name=muon"]}[mode]
     per_round = 1 if mode == "fragments" else H  # inner steps between two outer steps
     go_c, go_d = run_dir / "go-c", run_dir / "go-d"
     c = start_node(procs, port, "c", run_dir, *steps, go=go_c, die_at_outer_step=3)

@@ -61,12 +61,14 @@ def test_diloco_with_shipped_defaults_beats_single_and_tracks_ddp():
 
 
 @pytest.mark.slow
-def test_in_process_study_engine_reproduces_the_real_mesh(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_in_process_study_engine_reproduces_the_real_mesh(tmp_path, optimizer):
     """The sweep's engine is only worth its numbers if it computes what the engines compute: two real engine
-    processes over the real store and gloo, and the in-process replica, end at the same held-out loss."""
+    processes over the real store and gloo, and the in-process replica, end at the same held-out loss (with either
+    inner optimizer: the Muon study runs in-process)."""
     args = learning.parse_args(["--steps", "12", "--seq-len", "32", "--micro-batch", "4", "--warmup", "2",
                                 "--eval-batches", "4", "--eval-interval", "0", "--arm-timeout", "240"])
-    arm = learning.Arm("diloco", "diloco", k=2, inner_steps=4, outer_lr=0.8, outer_momentum=0.5)
+    arm = learning.Arm("diloco", "diloco", k=2, inner_steps=4, outer_lr=0.8, outer_momentum=0.5, optimizer=optimizer)
     real = learning.run_mesh(args, arm, tmp_path)
     replica = learning.run_sim(args, arm)
     assert real.bytes_sent > 0 and len(real.curve) == 1
