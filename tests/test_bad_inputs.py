@@ -17,8 +17,11 @@ from engine.config import ConfigError, load_config
 from procs import PYTHON, ROOT
 
 ENGINE = [PYTHON, "-m", "engine.train", "configs/debug.toml"]
-TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "engine.train",
-            "configs/debug.toml"]
+# --monitor-interval: torchrun looks at its workers every 0.1 s and ends the others once one has failed; on a loaded
+# machine the second rank was still reading its config then and died of SIGTERM, not of the refusal whose report the
+# tests read (seen in a parallel run). 3 s lets each worker reach its own exit.
+TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=3", "-m",
+            "engine.train", "configs/debug.toml"]
 SMALL = ["--data.seq_len=64", "--train.micro_batch_size=4", "--train.batch_size=8", "--train.eval_interval=0",
          "--optim.warmup_steps=2"]
 
