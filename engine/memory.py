@@ -363,7 +363,7 @@ def estimate(cfg: Any, *, workers: int, device: str = "cuda", optim: str | None 
 # ---- the verdict ------------------------------------------------------------------------------------------
 def budget(gpu_bytes: int) -> int:
     """What the estimate may fill of a GPU of `gpu_bytes`: HEADROOM of it, less the CUDA context."""
-    return int(gpu_bytes * HEADROOM) - CUDA_CONTEXT
+    return max(0, int(gpu_bytes * HEADROOM) - CUDA_CONTEXT)
 
 
 def fitting(cfg: Any, workers: int, gpu_bytes: int, optim: str | None = None) -> str | None:
