@@ -248,3 +248,18 @@ def test_a_config_fits_a_gpu_just_large_enough_and_not_one_just_smaller():
     ac.train.activation_checkpointing = True
     need_ac = estimate(ac, workers=8).per_gpu
     assert fitting(ac, 8, _gpu_for(need_ac) - 2) == f"train.micro_batch_size = {ac.train.micro_batch_size // 2}"
+
+
+# ---- the GPU check's script, on a CPU with tiny settings ----------------------------------------------------------
+def test_memory_check_bench_runs_each_strategy_in_its_own_process_on_a_cpu():
+    done = subprocess.run([PYTHON, "bench/memory_check.py", "--device", "cpu", "--preset", "debug", "--seq-len",
+                           "32", "--micro-batch", "2", "--steps", "1", "--strategies", "single,fsdp"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=engine_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout.splitlines()
+    cfg = load_config(ROOT / "configs/debug.toml", {"data.fake": True, "data.seq_len": 32, "train.micro_batch_size": 2,
+                                                    "train.batch_size": 2, "inner.device": "cpu"})
+    want = estimate(cfg, workers=1, device="cpu").per_gpu / GiB
+    assert [ln.split()[0] for ln in out[1:3]] == ["single", "fsdp"]
+    assert f"estimate {want:8.3f} GiB" in out[1] and "(CPU RSS: not judged)" in out[1]
+    assert out[-1] == "memory estimate: 0 of 0 strategies within 15%"
