@@ -28,6 +28,7 @@ import subprocess
 import sys
 import termios
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,18 @@ def _event_pool(names: list[str], per_node: int) -> dict[str, list[str]]:
                                                lr=1e-3, tokens_per_s=1000.0 + (k * 37 + i) % 200, grad_norm=0.5)))
         pool[name] = lines
     return pool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """An action's answer, as console/cluster.py's Outcome (console/control.py's Answer); the console is imported
+    only in the child."""
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 class SimCluster:
@@ -95,12 +108,35 @@ class SimCluster:
                 os.pwrite(self.count_fd, f"{self.sent:<20d}".encode(), 0)
             await asyncio.sleep(max(0.0, tick - (time.monotonic() - started)))
 
-    async def attach(self) -> None:
+    async def attach(self, *, steer_store: bool = True) -> None:
         await self.start()
 
-    async def stop(self) -> None:
+    def nothing_runs(self) -> str | None:
+        return None
+
+    def running(self) -> list[str]:
+        return list(self.names)
+
+    async def stop(self) -> Outcome:
         if self._task:
             self._task.cancel()
+        return Outcome(True, "")
+
+    async def close(self) -> None:
+        return None
+
+    # the dashboard's keys are not pressed in this benchmark (console/control.py: the seam the app drives)
+    async def add(self, target: str) -> Outcome:
+        return Outcome(False, "the benchmark adds no node")
+
+    async def drain(self, name: str) -> Outcome:
+        return Outcome(False, "the benchmark drains no node")
+
+    async def kill(self, name: str) -> Outcome:
+        return Outcome(False, "the benchmark kills no node")
+
+    async def restart(self, name: str) -> Outcome:
+        return Outcome(False, "the benchmark restarts no node")
 
 
 def child(nodes: int, rate: float, hz: float, count_file: str) -> None:

@@ -8,7 +8,7 @@ N worker processes (one per "node") form a gloo group with engine.mesh.make_grou
 trains the same model on its own random tokens:
     ddp        every step: flat fp32 gradient all-reduce (gloo ring, what DDP sends), mean, AdamW step
     diloco     H local AdamW steps, then engine.outer.allreduce.weighted_mean of the pseudo-gradient and a Nesterov
-               outer step (engine.outer.diloco.OuterOptimizer), repeated --outer-steps times
+               outer step (engine.outer.optimizer.build_outer_optimizer), repeated --outer-steps times
 
 Bytes are measured, not modelled: the kernel's count of bytes this process wrote (wchar in /proc/self/io, which
 counts gloo's socket writev calls) around each collective, so gloo's own framing is included. The algorithm's own
@@ -114,11 +114,11 @@ def run_diloco(pg, rank: int, args, h: int, compression_name: str) -> dict:
     import torch
 
     from engine.outer import allreduce as compression
-    from engine.outer.optimizer import OuterOptimizer
+    from engine.outer.optimizer import build_outer_optimizer
     from engine.outer.buffers import OuterBuffers
     model, opt = _model(args)
     gen = torch.Generator().manual_seed(2000 + rank)
-    outer = OuterOptimizer("nesterov", 0.7, 0.9)
+    outer = build_outer_optimizer("nesterov", 0.7, 0.9)
     params = [p.detach() for p in model.parameters()]
     bufs = OuterBuffers(params)
     bufs.capture(params)

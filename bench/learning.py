@@ -289,7 +289,7 @@ def run_sim(args, arm: Arm) -> Result:
 
     from engine.config import DataConfig, ModelConfig, OptimConfig
     from engine.data import build_data
-    from engine.outer.optimizer import OuterOptimizer
+    from engine.outer.optimizer import build_outer_optimizer
     from engine.model import build_model, causal_lm_loss
     from engine.inner.optim import lr_factor, make_optimizer
     from engine.world import World
@@ -313,7 +313,7 @@ def run_sim(args, arm: Arm) -> Result:
     params = [list(p for p in w[1].parameters()) for w in workers]
     flat = lambda ps: torch.cat([p.detach().reshape(-1) for p in ps])  # noqa: E731
     snapshot = flat(params[0]).clone()
-    outer = OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
+    outer = build_outer_optimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
     overlap = SimOverlap(arm, outer, snapshot, k) if arm.overlap else None
     fragments = SimFragments(arm, snapshot, k) if arm.fragments > 1 else None
     tokens_per_step = args.micro_batch * args.seq_len * accum * k
@@ -413,11 +413,11 @@ class SimFragments:
 
     def __init__(self, arm: Arm, snapshot, k: int):
         from engine.outer.fragments import spans
-        from engine.outer.optimizer import OuterOptimizer
+        from engine.outer.optimizer import build_outer_optimizer
         self.arm, self.snapshot, self.k = arm, snapshot, k
         self.every = arm.inner_steps // arm.fragments
         self.spans = spans(snapshot.numel(), arm.fragments)
-        self.opts = [OuterOptimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) for _ in self.spans]
+        self.opts = [build_outer_optimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) for _ in self.spans]
         self.synced = 0  # outer steps so far: outer step n syncs fragment (n - 1) % P
         self.pending = None  # fragment_delay: (step it lands at, fragment, each worker's weights of it then)
 

@@ -3,6 +3,9 @@
     app = make_app(profile, cluster, readonly=False, attach=False)
     app.run()
 
+The dashboard posts what its keys ask for (`DashboardScreen.Drain(names)`, `.Kill`, `.Restart`, `.AddNode`, ...);
+the app handles each message against the cluster's typed interface (console/control.py).
+
 Rendering is batched: events land in the fleet (no Textual involved); a timer redraws from the fleet only
 when `fleet.version` moved, updating table cells in place. Every cluster call runs in an async worker, one
 worker group per host, and an exception that escapes the cluster becomes a line in that node's log and a
@@ -19,8 +22,9 @@ from textual.app import App, SystemCommand
 from textual.css.query import NoMatches
 from textual.screen import Screen
 
+from console.control import Answer, ClusterControl
 from console.outcome import DEFAULT_HEARTBEAT_TIMEOUT, EXIT_INTERRUPTED, heartbeat_timeout_of, run_outcome
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.screens.dashboard import DashboardScreen
 from console.screens.detail import NodeDetailScreen
 from console.screens.help import HelpScreen
@@ -32,11 +36,11 @@ AGE_INTERVAL = 1.0  # heartbeat ages move with the clock even when no event arri
 CHART_INTERVAL = 2.0  # the chart is the costliest redraw (plotext rebuilds the whole plot): every 2 s
 
 # which nodes each action makes sense for; the others are skipped with a notice
-ACTION_STATES: dict[str, frozenset[NodeState]] = {
+ACTION_STATES: dict[str, frozenset[NodeState | HostState]] = {
     "drain": frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING}),
     "kill": frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
-                       NodeState.UNREACHABLE}),
-    "restart": frozenset({NodeState.DEAD, NodeState.FAILED, NodeState.LEFT}),
+                       HostState.UNREACHABLE}),
+    "restart": frozenset({NodeState.DEAD, HostState.FAILED, NodeState.LEFT}),
 }
 CONFIRM = {"drain": "Drain", "kill": "Kill"}  # restart brings a node back: no confirmation needed
 
@@ -45,8 +49,8 @@ class ConsoleApp(App[int]):
     TITLE = "ZeroBand Console"
     ENABLE_COMMAND_PALETTE = True
 
-    def __init__(self, profile: Any, cluster: Any, fleet: Fleet, *, readonly: bool = False, attach: bool = False,
-                 start: bool = True, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+    def __init__(self, profile: Any, cluster: ClusterControl, fleet: Fleet, *, readonly: bool = False,
+                 attach: bool = False, start: bool = True, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
                  standby: Callable[[], Sequence[str]] | None = None,
                  refresh_interval: float = REFRESH_INTERVAL) -> None:
         super().__init__()
@@ -60,7 +64,7 @@ class ConsoleApp(App[int]):
         self.heartbeat_timeout = heartbeat_timeout
         self._standby = standby or (lambda: ())
         self.refresh_interval = refresh_interval
-        self.dashboard = DashboardScreen(heartbeat_timeout, readonly=readonly)
+        self.dashboard = DashboardScreen(fleet, heartbeat_timeout, readonly=readonly)
         self._drawn_version = -1
         self._ages_drawn = 0.0
         self._chart_version = -1
@@ -72,16 +76,15 @@ class ConsoleApp(App[int]):
         self.push_screen(self.dashboard)
         self.set_interval(self.refresh_interval, self.tick)
         if self.autostart and (self.attach or self.readonly):  # read-only never starts: it watches what runs
-            self.call_cluster("attach", self._attach, group="cluster")
+            self.call_cluster("attach", self._attach_cluster, group="cluster")
         elif self.autostart:
             self.call_cluster("start", self.cluster.start, group="cluster")
 
-    async def _attach(self) -> None:
+    async def _attach_cluster(self) -> None:  # not _attach: Textual's MessagePump has one
         """Attach to what runs; where no engine of the profile does, say so (the watchers still notice a start by
         another console)."""
         await (self.cluster.attach(steer_store=False) if self.readonly else self.cluster.attach())  # watch only
-        nothing_runs = getattr(self.cluster, "nothing_runs", None)
-        said = nothing_runs() if callable(nothing_runs) else None
+        said = self.cluster.nothing_runs()
         if said:
             what = "watching for a start by another console" if self.readonly else "start it without --attach"
             self.notify(f"{said}: {what}", severity="warning", timeout=10, markup=False)
@@ -111,13 +114,14 @@ class ConsoleApp(App[int]):
             self.dashboard.render_chart(self.fleet)
 
     # ---- cluster calls (workers) ---------------------------------------------------------------------
-    def call_cluster(self, what: str, method: Callable[..., Awaitable[Any]], *args: Any, group: str,
+    def call_cluster(self, what: str, method: Callable[..., Awaitable[Answer | None]], *args: str, group: str,
                      node: str | None = None) -> None:
         """Run one cluster coroutine in an async worker of `group` (one group per host)."""
         self.run_worker(self._guarded(what, method, args, node), group=group, name=f"{what} {node or ''}".strip(),
                         exit_on_error=False)
 
-    async def _guarded(self, what: str, method: Callable[..., Awaitable[Any]], args: tuple, node: str | None) -> Any:
+    async def _guarded(self, what: str, method: Callable[..., Awaitable[Answer | None]], args: tuple[str, ...],
+                       node: str | None) -> Answer | None:
         try:
             result = await method(*args)
         except asyncio.CancelledError:
@@ -126,9 +130,8 @@ class ConsoleApp(App[int]):
             self._report(node, f"{what} failed: {type(e).__name__}: {e}", ok=False)
             return None
         # the cluster answers actions with an Outcome(ok, message) instead of raising for a node's trouble
-        message = getattr(result, "message", None)
-        if message:
-            self._report(node, message, ok=bool(result))
+        if result is not None and result.message:
+            self._report(node, result.message, ok=bool(result))
         return result
 
     def _report(self, node: str | None, message: str, ok: bool) -> None:
@@ -141,8 +144,37 @@ class ConsoleApp(App[int]):
         node = self.fleet.nodes.get(name)
         return f"host:{node.host if node else name}"
 
-    def request(self, action: str, names: Iterable[str]) -> None:
-        """drain / kill / restart the given nodes, after a confirmation where the action is destructive."""
+    # ---- the dashboard's messages ----------------------------------------------------------------------
+    def on_dashboard_screen_drain(self, message: DashboardScreen.Drain) -> None:
+        self.request(message.verb, message.names, self.cluster.drain)
+
+    def on_dashboard_screen_kill(self, message: DashboardScreen.Kill) -> None:
+        self.request(message.verb, message.names, self.cluster.kill)
+
+    def on_dashboard_screen_restart(self, message: DashboardScreen.Restart) -> None:
+        self.request(message.verb, message.names, self.cluster.restart)
+
+    def on_dashboard_screen_add_node(self, message: DashboardScreen.AddNode) -> None:
+        self.request_add()
+
+    def on_dashboard_screen_show_logs(self, message: DashboardScreen.ShowLogs) -> None:
+        self.show_logs(message.node)
+
+    def on_dashboard_screen_show_detail(self, message: DashboardScreen.ShowDetail) -> None:
+        self.show_detail(message.node)
+
+    def on_dashboard_screen_show_help(self, message: DashboardScreen.ShowHelp) -> None:
+        self.show_help()
+
+    def on_dashboard_screen_quit(self, message: DashboardScreen.Quit) -> None:
+        self.request_quit()
+
+    def on_dashboard_screen_ready(self, message: DashboardScreen.Ready) -> None:
+        self.tick()
+
+    def request(self, action: str, names: Iterable[str], method: Callable[[str], Awaitable[Answer]]) -> None:
+        """`method` (the cluster's drain / kill / restart) on the given nodes, after a confirmation where `action`
+        is destructive; nodes in a state the action does not fit are skipped with a notice."""
         if self.readonly:
             return
         names = list(names)
@@ -160,8 +192,7 @@ class ConsoleApp(App[int]):
             if not confirmed:
                 return
             for name in ok:
-                self.call_cluster(action, getattr(self.cluster, action), name, group=self._host_group(name),
-                                  node=name)
+                self.call_cluster(action, method, name, group=self._host_group(name), node=name)
             self.dashboard.unmark(ok)
 
         if action in CONFIRM:
@@ -181,7 +212,7 @@ class ConsoleApp(App[int]):
 
     def standby_hosts(self) -> list[str]:
         """Standby nodes the fleet knows, then any the profile lists that the fleet does not show yet."""
-        names = [n.name for n in self.fleet.nodes.values() if n.state in (NodeState.STANDBY, NodeState.OFF)]
+        names = [n.name for n in self.fleet.nodes.values() if n.state in (HostState.SPARE, HostState.OFF)]
         return names + [h for h in self._standby() if h not in names and h not in self.fleet.nodes]
 
     def show_logs(self, name: str) -> None:
@@ -224,17 +255,14 @@ class ConsoleApp(App[int]):
             # asked to, or every engine has ended (as --headless does): the store and its probe would otherwise
             # outlive the run for ever
             await self._guarded("stop", self.cluster.stop, (), None)
-        close = getattr(self.cluster, "close", None)
-        if close is not None:
-            await self._guarded("close", close, (), None)
+        await self._guarded("close", self.cluster.close, (), None)
         outcome = run_outcome(self.fleet)
         code = EXIT_INTERRUPTED if outcome is None else outcome
         self.exit(code, return_code=code)
 
     def _run_over(self) -> bool:
         """Every node this run started has ended, and the cluster follows no live engine process."""
-        running = getattr(self.cluster, "running", None)
-        return run_outcome(self.fleet) is not None and not (callable(running) and running())
+        return run_outcome(self.fleet) is not None and not self.cluster.running()
 
     # ---- command palette ----------------------------------------------------------------------------
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -243,14 +271,14 @@ class ConsoleApp(App[int]):
             return
         dash = self.dashboard
         if not self.readonly:
-            yield SystemCommand("Add node", "Start a standby host or a new address and join it",
+            yield SystemCommand("Add node", "Start a spare host or a new address and join it",
                                 self.request_add)
             yield SystemCommand("Drain node", "Finish the outer round and leave (marked or selected)",
-                                lambda: self.request("drain", dash.targets()))
+                                lambda: self.request("drain", dash.targets(), self.cluster.drain))
             yield SystemCommand("Kill node", "End the process group now (marked or selected)",
-                                lambda: self.request("kill", dash.targets()))
+                                lambda: self.request("kill", dash.targets(), self.cluster.kill))
             yield SystemCommand("Restart node", "Start a dead, failed or left node again",
-                                lambda: self.request("restart", dash.targets()))
+                                lambda: self.request("restart", dash.targets(), self.cluster.restart))
         yield SystemCommand("Node logs", "The selected node's full log", dash.action_logs)
         yield SystemCommand("Node detail", "The selected node in full: GPUs, ranks, command, checkpoints (enter)",
                             lambda: self.show_detail(dash.table.selected_name() or ""))
@@ -260,13 +288,11 @@ class ConsoleApp(App[int]):
         yield SystemCommand("Quit console", "Leave training running, or stop it", self.request_quit)
 
 
-def make_app(profile: Any, cluster: Any, *, fleet: Fleet | None = None, readonly: bool = False,
+def make_app(profile: Any, cluster: ClusterControl, *, fleet: Fleet | None = None, readonly: bool = False,
              attach: bool = False, start: bool = True, heartbeat_timeout: float | None = None,
              refresh_interval: float = REFRESH_INTERVAL) -> ConsoleApp:
     """Build the app with its dependencies injected (posting's make_posting), so tests build the same app."""
-    fleet = fleet if fleet is not None else getattr(cluster, "fleet", None)
-    if fleet is None:
-        raise ValueError("make_app: no fleet given and the cluster has none")
+    fleet = fleet if fleet is not None else cluster.fleet
     if heartbeat_timeout is None:
         heartbeat_timeout = heartbeat_timeout_of(profile)
 

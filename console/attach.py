@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from console.fleet import NodeState
+from console.fleet import HostState, NodeState
 from console.hosts import BACKOFF_S, Hosts, resting_state
 from console.profile import HostSpec, Profile
 from console.store_host import StoreHost
@@ -52,7 +52,7 @@ class Attacher:
             text = await t.read_text(self.hosts.path(name, C.PID))
         except TransportError as e:
             # the host is down as the console comes up: say so, and attach once it answers again
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             if name not in self.retries or self.retries[name].done():
                 self.retries[name] = asyncio.ensure_future(self._attach_later(host))
             return
@@ -66,7 +66,7 @@ class Attacher:
         try:
             running = await t.alive(proc.pid, C.TAG)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             running = True  # it may well run: follow it and let the watcher find out
         if running:
             self.watchers.watch(name)
@@ -81,7 +81,7 @@ class Attacher:
             try:
                 await self.hosts.transport(host.name).connect()
             except TransportError as e:
-                self.fleet.set_state(host.name, NodeState.UNREACHABLE, str(e))
+                self.fleet.set_state(host.name, HostState.UNREACHABLE, str(e))
                 continue
             self.fleet.set_reachable(host.name)
             if self.fleet.nodes[host.name].state is NodeState.STARTING:

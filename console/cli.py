@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, TextIO
 
 from console import hostkeys
 from console.dependency_warnings import route_dependency_warnings
-from console.fleet import Fleet, Node, NodeState
+from console.fleet import Fleet, HostState, Node
 from console.preflight import PreflightFailed
 from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
                              EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
@@ -53,7 +53,7 @@ def state_counts(nodes: Sequence[Node]) -> str:
 def status_line(fleet: Fleet, now: float | None = None) -> str:
     """One line for logs and shells: time, the header figures, then how many nodes are in each state."""
     stamp = time.strftime("%H:%M:%S", time.localtime(time.time() if now is None else now))
-    nodes = [n for n in fleet.nodes.values() if n.state is not NodeState.STANDBY]
+    nodes = [n for n in fleet.nodes.values() if n.state is not HostState.SPARE]
     store = cells.store_text(fleet.store).plain
     parts = [f"{stamp} {summary_text(fleet.summary())}", store, state_counts(nodes) or "no nodes"]
     return " | ".join(p for p in parts if p)
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="print every node of the running cluster")
     for name, what in (("drain", "finish the outer round and leave"), ("kill", "end the node's processes now")):
         sub.add_parser(name, help=what).add_argument("node")
-    sub.add_parser("add", help="start a standby host (or a new address) and join it").add_argument("host")
+    sub.add_parser("add", help="start a spare host (or a new address) and join it").add_argument("host")
     sub.add_parser("stop", help="stop training on every node")
     sub.add_parser("check", help="check every host before a start: one line per problem and its fix")
     sub.add_parser("sync", help="put this checkout (HEAD's tracked files) and its set-up on every host")
@@ -160,13 +160,16 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
         except PreflightFailed as e:  # one line per problem, each naming its host; nothing was started
             for line in e.lines:
                 print(f"zeroband-console: {line}", file=sys.stderr)
-            print("zeroband-console: nothing started (zeroband-console PROFILE check; --no-check skips it)",
-                  file=sys.stderr)
+            hint = getattr(e, "hint", "nothing started (zeroband-console PROFILE check; --no-check skips it)")
+            if hint:  # none after a start's own refusal (console/cluster.py StartRefused): its lines say it all
+                print(f"zeroband-console: {hint}", file=sys.stderr)
             return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 -- the boundary: any failure to begin is one line and exit 1
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
+        for warning in getattr(cluster, "warnings", []):  # the start's preflight: a port open beyond a private net
+            print(f"zeroband-console: {warning}", file=sys.stderr)
         said = _nothing_runs(cluster) if attach else None
         if said:  # nothing to follow: it would print "off" for ever
             print(f"zeroband-console: {said}: nothing to attach to (start it without --attach)", file=sys.stderr)
@@ -270,6 +273,8 @@ async def run_check(profile: Any, out: TextIO) -> int:
         print(line, file=out, flush=True)
     for note in report.notes:
         print(f"({note})", file=out)
+    for warning in report.warnings:
+        print(warning, file=out)
     return EXIT_FAILED if report.problems else EXIT_OK
 
 
@@ -283,13 +288,14 @@ async def run_sync(profile: Any, out: TextIO) -> int:
 
 
 def _refused(profile: Any, args: argparse.Namespace) -> str | None:
-    """What makes the command wrong before any host is reached: a missing identity file, or `add` of a name that
-    is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
+    """What makes the command wrong before any host is reached: a missing identity file or ssh_config, or `add` of a
+    name that is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
     from console.hosts import UnknownHost, new_host_target
-    from console.profile import ProfileError, check_identity_files
+    from console.profile import ProfileError, check_identity_files, check_ssh_configs
 
     try:
         check_identity_files(profile)
+        check_ssh_configs(profile)
         if args.command == "add" and args.host not in profile.hosts:
             new_host_target(profile, args.host)
     except (ProfileError, UnknownHost) as e:

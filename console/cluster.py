@@ -42,10 +42,12 @@ from typing import Any, Callable
 
 from console import etcd as E
 from console.attach import Attacher
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
                            resting_state)
 from console.launch import engine_argv, store_argv
+from console.outcome import run_outcome
+from console.preflight import PreflightFailed
 from console.engine_config import check_engine_config, data_shard, engine_env
 from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
 from console.store_host import StoreHost
@@ -57,7 +59,18 @@ from engine.telemetry import BadEvent, parse_line
 
 # the command builders and the store's folder are still offered here, where they were before the parts moved out
 # (tests/lab/lab.py and the tests import them from console.cluster)
-__all__ = ["STORE", "Cluster", "Outcome", "engine_argv", "engine_env", "store_argv"]
+__all__ = ["STORE", "Cluster", "Outcome", "StartRefused", "engine_argv", "engine_env", "store_argv"]
+
+
+class StartRefused(PreflightFailed):
+    """A start refused before anything was moved or started, by what no start can get past (--no-check skips the
+    preflight, not this): one `FILE:LINE: KEY: ...` line each."""
+
+    hint = ""  # no "nothing started (... check ...)" after the lines: no check would say more
+
+    def __init__(self, lines: list[str]):
+        Exception.__init__(self, " | ".join(lines))
+        self.problems, self.lines = [], list(lines)
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class Cluster:
         self._starting: set[str] = set()  # nodes an add or restart is starting now
         self._stop_under_way = False  # stop() runs: an add or restart now would start what it is ending
         self._store_started_for: str | None = None  # the node an add started the run's store for
+        self.warnings: list[str] = []  # what the preflight warned of (rules.exposure_warning), once each
         self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
         if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
@@ -113,7 +127,7 @@ class Cluster:
             check_engine_config(self.profile)  # the whole profile is valid before anything starts
         except ProfileError as e:
             for host in self.profile.active_hosts():
-                self.fleet.set_state(host.name, NodeState.FAILED, str(e))
+                self.fleet.set_state(host.name, HostState.FAILED, str(e))
             return
         self._hosts.stopping = False
         if await self._attacher.engines_running():
@@ -122,11 +136,18 @@ class Cluster:
         reason = await self._store.end_stale()
         if reason is not None:  # another profile's run: nothing of this one starts, nothing of that one is touched
             for host in self.profile.active_hosts():
-                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+                self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
         starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
             await self._check_before("start", hosts=[h.name for h in starting])
+        # what would end the start at once (the store's port taken, a certificate file missing): before a previous
+        # run's checkpoints are moved to _archive/ or anything starts, whether or not the preflight ran
+        refused = await self._store.unstartable([h.name for h in starting])
+        if refused:
+            for host in starting:
+                self.fleet.set_state(host.name, HostState.FAILED, refused[0])
+            raise StartRefused(refused)
         blocked = set() if self.resume else await self._archive_previous()
         active = [h for h in starting if h.name not in blocked]
         if not active:
@@ -134,7 +155,7 @@ class Cluster:
         reason = await self._store.start()
         if reason is not None:  # no store, no mesh: say so on every node and start none
             for host in active:
-                self.fleet.set_state(host.name, NodeState.FAILED, reason)
+                self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
         await self._hosts.gather(*(self._launch(h, fresh=not self.resume) for h in active))
         self._watchers.watch_others(self._attacher.retries)
@@ -175,6 +196,10 @@ class Cluster:
         from console.preflight.runner import PreflightFailed, mark_refused, preflight
 
         report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else hosts)
+        for warning in report.warnings:  # listeners beyond a private network: said once, in the first host's log
+            if warning not in self.warnings:
+                self.warnings.append(warning)
+                self.fleet.note(report.plans[0].name, warning)
         if report.problems:
             mark_refused(self.fleet, report)
             raise PreflightFailed(report.problems)
@@ -201,7 +226,7 @@ class Cluster:
                 continue
             hit = [h.name for h in self.profile.active_hosts()] if name in (STORE, PROBE) else [name]
             for node in hit:
-                self.fleet.set_state(node, NodeState.FAILED, f"previous run not archived: {result}")
+                self.fleet.set_state(node, HostState.FAILED, f"previous run not archived: {result}")
             blocked.update(hit)
         return blocked
 
@@ -217,7 +242,7 @@ class Cluster:
         not answer is still being asked again), else None."""
         if self.running() or any(not t.done() for t in self._attacher.retries.values()):
             return None
-        if any(n.state not in (NodeState.OFF, NodeState.STANDBY) for n in self.fleet.nodes.values()):
+        if any(n.state not in (HostState.OFF, HostState.SPARE) for n in self.fleet.nodes.values()):
             return None  # a run that ended: the attach found its nodes' ends, the outcome says how it went
         return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
 
@@ -235,7 +260,7 @@ class Cluster:
         try:
             reason = await t.preflight(self.profile.engine.config)
             if reason is not None:
-                self.fleet.set_state(name, NodeState.FAILED, reason)
+                self.fleet.set_state(name, HostState.FAILED, reason)
                 self._watchers.await_others(name)
                 return False
             for stale in (C.DRAIN, KILLED):  # a drain file left from before would drain it at once
@@ -246,13 +271,13 @@ class Cluster:
             pid = await t.start_detached(argv, self.node_dir(name),
                                          env=engine_env(self.profile, host, rank, world_size), append=append)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE if e.link else NodeState.FAILED, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE if e.link else HostState.FAILED, str(e))
             self._watchers.await_others(name)
             return False
         offset = old.offset if append and old is not None else 0  # else a fresh file, read from its start
         self._procs[name] = Proc(pid=pid, offset=offset, killed=self._store.error is not None)
         if self._store.error is not None:  # the store died while this one was starting
-            self.fleet.set_state(name, NodeState.FAILED, self._store.error)
+            self.fleet.set_state(name, HostState.FAILED, self._store.error)
             await self._hosts.signal_quietly(name, pid, "KILL")
         node = self.fleet.nodes[name]
         node.command, node.overrides = shlex.join(argv), engine_overrides(self.profile, host)  # the detail view
@@ -272,7 +297,7 @@ class Cluster:
                 return Outcome(False, f"{name}: not running (nothing to drain)")
             await self.transport(name).touch(self._hosts.path(name, C.DRAIN))
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             return Outcome(False, f"{name}: drain failed: {e}")
         self.fleet.note(name, "drain requested")
         return Outcome(True, f"{name}: drain requested")
@@ -354,8 +379,8 @@ class Cluster:
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
             except (ProfileError, ValueError, OSError) as e:
-                self.fleet.add_node(target, target, NodeState.FAILED)
-                self.fleet.set_state(target, NodeState.FAILED, f"cannot add: {e}")
+                self.fleet.add_node(target, target, HostState.FAILED)
+                self.fleet.set_state(target, HostState.FAILED, f"cannot add: {e}")
                 return Outcome(False, f"{target}: cannot add: {e}")
         if self._procs.get(target) and not self._procs[target].done.is_set():
             return Outcome(False, f"{target}: already running")
@@ -374,7 +399,7 @@ class Cluster:
                 message = "\n".join([f"{target}: not added: the preflight found {len(e.lines)} problem(s)",
                                      *e.lines])
                 if written:
-                    self.fleet.set_state(target, NodeState.FAILED, message.splitlines()[0])
+                    self.fleet.set_state(target, HostState.FAILED, message.splitlines()[0])
                 return await self._not_added(target, written, message)
             finally:
                 self._starting.discard(target)
@@ -399,16 +424,29 @@ class Cluster:
 
     def _refused(self, name: str) -> Outcome | None:
         """Why an add or restart of name must not start anything, or None. While stop() runs: a node started then
-        could start the store again after the stop ended it, and outlive it. An engine config the engines would
-        refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at once,
-        after "added")."""
+        could start the store again after the stop ended it, and outlive it. A run that completed: the node would
+        resume at train.max_steps and end at once, leaving the store it needed running. An engine config the engines
+        would refuse (a misspelt override): one `file:line: key` line, and nothing starts (the engine would die at
+        once, after "added")."""
         if self._stop_under_way:
             return Outcome(False, f"{name}: the run is being stopped")
+        completed = self._completed()
+        if completed:  # a node started now would resume at train.max_steps and end at once, after "added"
+            return Outcome(False, f"{name}: not started: run {self.profile.run.name} completed ({completed} reached "
+                                  f"train.max_steps); start a new run (zeroband-console {self.profile.path}), or "
+                                  f"raise train.max_steps and start it with --resume")
         try:
             check_engine_config(self.profile)
         except ProfileError as e:
             return Outcome(False, f"{name}: not started: {e}")
         return None
+
+    def _completed(self) -> str | None:
+        """The nodes that completed the run, when no node of it runs any more (else None): the run is over."""
+        if run_outcome(self.fleet) is None or any(not r.done() for r in self._attacher.retries.values()):
+            return None
+        done = [n.name for n in self.fleet.nodes.values() if n.state is NodeState.LEFT and n.reason == "completed"]
+        return ", ".join(done) or None
 
     def _add_to_profile(self, target: str) -> tuple[str, bool]:
         """The host's name, and whether it was written into the profile file now."""
@@ -418,7 +456,7 @@ class Cluster:
         # a new address is another machine: reached over SSH, whatever [defaults] says for the others
         fields = {"transport": "ssh", "address": name, "user": user, "port": port}
         self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
-        self.fleet.add_node(name, host_label(self.profile.hosts[name]), NodeState.STANDBY)
+        self.fleet.add_node(name, host_label(self.profile.hosts[name]), HostState.SPARE)
         self.fleet.note(name, f"added to {self.profile.path}")
         return name, True
 
@@ -439,7 +477,7 @@ class Cluster:
             except (ProfileError, OSError) as e:
                 return Outcome(False, f"{message}\n{name}: could not take it out of {self.profile.path} again: {e}")
             self.fleet.note(name, f"taken out of {self.profile.path} again")
-            self.fleet.set_state(name, NodeState.OFF, f"not added: {why.splitlines()[0]}")
+            self.fleet.set_state(name, HostState.OFF, f"not added: {why.splitlines()[0]}")
             message += f"\n{name}: taken out of {self.profile.path} again"
         return Outcome(False, message)
 
@@ -459,7 +497,9 @@ class Cluster:
         """TERM every engine's group (each checkpoints and ends), KILL what outlives stop_timeout, then the store and
         its probe the same way. Returns when no process of the run is left on any host that answers: every process
         group is waited for, the wrappers and whatever an engine forked included (a watcher's "done" is only the
-        wrapper's end); a group a host did not answer for is named and the outcome is a failure."""
+        wrapper's end); a group a host did not answer for is named and the outcome is a failure. With nothing of the
+        run running (no engine, no store, every host answered) the outcome is a failure that says so, and nothing is
+        written."""
         self._stop_under_way = True
         try:
             return await self._stop()
@@ -467,20 +507,26 @@ class Cluster:
             self._stop_under_way = False
 
     async def _stop(self) -> Outcome:
+        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
+        asking = any(not retry.done() for retry in self._attacher.retries.values())  # a host that did not answer
+        if not running and not asking and not await self._store.runs():
+            # a profile mistyped, a run already over: "stopped 0 node(s)" read as a success; nothing is written
+            hosts = ", ".join(self.profile.hosts)
+            return Outcome(False, f"nothing to stop: no engine or store of {self.profile.path} runs (run "
+                                  f"{self.profile.run.name}; looked in {self.profile.run.dir} on {hosts})")
         self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
         await self._store.mark_stopped()  # before the engines end: another console watching them reads it
-        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
         for proc in running.values():
             proc.stopping = True
-        await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM")  # type: ignore[arg-type]
-                                   for n, p in running.items()))
+        await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM") for n, p in running.items()
+                                   if p.pid is not None))  # every one has a pid: the test narrows its type
         timeout = self.profile.console.stop_timeout
         started = time.monotonic()
         try:  # the watchers settle each node ("stopped") as its engine ends
             await asyncio.wait_for(asyncio.gather(*(p.done.wait() for p in running.values())), timeout)
         except asyncio.TimeoutError:
             pass
-        left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items()],  # type: ignore[misc]
+        left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items() if p.pid is not None],
                                                     max(0.0, timeout - (time.monotonic() - started)))
         late = await asyncio.gather(*(self._killed_line(n, timeout) for n, _ in killed))  # one look per host at once
         store_left, etcd_said = await self._store.stop()
@@ -495,7 +541,7 @@ class Cluster:
         message = f"stopped {len(running)} node(s)" + (f"; {'; '.join(late)}" if late else "")
         message += f"; etcd: {'; '.join(etcd_said)}" if etcd_said else ""
         if spares:
-            message += f"; standby hosts not reached: {'; '.join(spares)}"
+            message += f"; spare hosts not reached: {'; '.join(spares)}"
         if running_still:
             return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
         return Outcome(True, message)

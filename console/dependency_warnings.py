@@ -39,6 +39,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from io import TextIOWrapper
 from typing import Any, Iterable
 
 LOGGER = "console.dependencies"
@@ -116,7 +117,7 @@ def without_dependency_warnings(text: str) -> str:
             continue
         m = _WARNING.match(line)
         module = installed_module(m["file"]) if m else None  # None: the workdir's (the project's) or unplaced
-        skipping = module is not None and routed([m["category"].rsplit(".", 1)[-1]], module)
+        skipping = m is not None and module is not None and routed([m["category"].rsplit(".", 1)[-1]], module)
         if not skipping:
             kept.append(line)
     return "\n".join(kept) + ("\n" if kept and text.endswith("\n") else "")
@@ -126,7 +127,7 @@ def without_dependency_warnings(text: str) -> str:
 class _QuietFile(logging.handlers.RotatingFileHandler):
     """The debug log: its folder and file made at the first record (a run with nothing to log leaves nothing)."""
 
-    def _open(self):  # type: ignore[no-untyped-def]
+    def _open(self) -> TextIOWrapper:
         os.makedirs(os.path.dirname(self.baseFilename), exist_ok=True)
         return super()._open()
 

@@ -18,13 +18,14 @@ channel's stdin, never in a command line.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from console.etcd_pki import Pki, fits, make_pki
-from console.profile import dial_address
+from console.profile import dial_address, key_where
 from console.transport import TransportError
 from console.transport import commands as C
 from engine.errors import first_line
@@ -176,6 +177,15 @@ class EtcdCluster:
         results = await asyncio.gather(*(one(m) for m in self.members))
         return [r for r in results if r]
 
+    async def running(self) -> list[str]:
+        """The members whose pid file names a live process (TransportError when a host cannot be asked)."""
+        async def one(member: Member) -> bool:
+            t = self.transport(member.host)
+            text = await t.read_text(C.join(self.member_dir(member), C.PID))
+            return bool(text and text.strip().isdigit() and await t.alive(int(text), C.TAG))
+        alive = await asyncio.gather(*(one(m) for m in self.members))
+        return [m.name for m, up in zip(self.members, alive) if up]
+
     async def exited(self) -> list[str]:
         """"member NAME exited: LAST LOG LINE" for each member started here that no longer runs."""
         out = []
@@ -274,6 +284,38 @@ async def prepare(profile: Any, etcd: EtcdCluster | None, timeout: float = 60.0)
     except (TransportError, RuntimeError, OSError) as e:  # EtcdError is a RuntimeError
         return f"etcd {kind}: {first_line(e)}"
     return None
+
+
+async def tls_unreadable(profile: Any, transport: Callable[[str], Any], hosts: Sequence[str]) -> list[str]:
+    """etcd_endpoints (an etcd that runs already): the files of etcd_ca, etcd_cert and etcd_key are readable here
+    (the console probes etcd with them) and on each of hosts (its engine dials etcd with them); a `FILE:LINE: KEY`
+    line per file that is not, naming where. Asked before a start moves or starts anything, and by `check`."""
+    s = profile.store
+    files = [(key, path) for key, path in (("etcd_ca", s.etcd_ca), ("etcd_cert", s.etcd_cert),
+                                            ("etcd_key", s.etcd_key)) if path]
+    here = {k for k, p in files if not (os.path.isfile(os.path.expanduser(p)) and
+                                       os.access(os.path.expanduser(p), os.R_OK))}
+
+    async def missing_on(name: str) -> set[str]:
+        host = profile.hosts[name]
+        if host.transport == "local" and all(os.path.isabs(os.path.expanduser(p)) for _, p in files):
+            return set()  # the files this machine has (or has not): said once, as this machine's
+        tests = "; ".join(f"test -f {C.qpath(p)} -a -r {C.qpath(p)} || echo {C.q(k)}" for k, p in files)
+        try:  # no workdir, no answer: the node's own start says so, and the other nodes go on
+            _, out, _ = await transport(name).run(f"cd {C.qpath(host.workdir)} 2>/dev/null || exit 0; {tests}")
+        except TransportError:
+            return set()
+        return set(out.split())
+    found = dict(zip(hosts, await asyncio.gather(*(missing_on(n) for n in hosts))))
+    lines = []
+    for key, path in files:
+        on_hosts = [name for name, missing in found.items() if key in missing]
+        places = (["this machine (the console reaches etcd with it)"] if key in here else []) + on_hosts
+        if places:
+            relative = " (relative paths are from each host's workdir)" if on_hosts else ""
+            lines.append(f"{key_where(profile, ('store', key), ('store',))}: {path} is not a readable file on "
+                         f"{', '.join(places)}{relative}")
+    return lines
 
 
 def _clear(eps: Sequence[str], tls: Any, prefix: str, timeout: float) -> None:

@@ -3,7 +3,7 @@
     fleet = Fleet(run="demo")
     fleet.add_node("node-a", "127.0.0.1")
     fleet.ingest("node-a", line)          # one JSON line of the node's events file
-    fleet.set_state("node-b", NodeState.UNREACHABLE, "ssh: connection refused")
+    fleet.set_state("node-b", HostState.UNREACHABLE, "ssh: connection refused")
     fleet.summary()                       # the header: members, outer step, tokens/s, loss, ETA
 
 A node's displayed state has two sources:
@@ -35,9 +35,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from console.nodes import (Device, MembershipEvent, Node, NodeState, OuterRound, RankFigures, StoreHealth, Summary,
-                           LazyLine)
+from console.nodes import (Device, HostState, LazyLine, MembershipEvent, Node, NodeState, OuterRound, RankFigures,
+                           Shown, StoreHealth, Summary, shown)
 from console.outcome import ENDED, run_outcome
+from engine.states import EVENT_STATES
 from engine.telemetry import BadEvent, parse_line
 
 TIMELINE = 500  # membership events kept for the whole cluster
@@ -45,13 +46,12 @@ OUTER_ROUNDS = 240  # outer steps kept for the chart and the headless line
 
 
 # states the console asserts over the engine's own word (see the module docstring)
-_CONSOLE_FACTS = frozenset({NodeState.DEAD, NodeState.UNREACHABLE, NodeState.FAILED})
-_ENGINE_STATES = {s.value: s for s in (NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING,
-                                       NodeState.DRAINING, NodeState.LEFT)}
+_CONSOLE_FACTS = frozenset({NodeState.DEAD, HostState.UNREACHABLE, HostState.FAILED})
+_ENGINE_STATES = {s.value: s for s in EVENT_STATES}  # what a node's `state` event may say
 _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
-_GONE = frozenset({NodeState.LEFT, NodeState.DEAD, NodeState.FAILED, NodeState.STANDBY, NodeState.OFF})
-_RUN_END_STATE = {"completed": NodeState.LEFT, "drained": NodeState.LEFT, "stopped": NodeState.LEFT,
-                  "failed": NodeState.FAILED}
+_GONE = frozenset({NodeState.LEFT, NodeState.DEAD, HostState.FAILED, HostState.SPARE, HostState.OFF})
+_RUN_END_STATE: dict[str, Shown] = {"completed": NodeState.LEFT, "drained": NodeState.LEFT,
+                                    "stopped": NodeState.LEFT, "failed": HostState.FAILED}
 _NO_SAMPLE = "no new health sample"  # the store's reason while its probe's samples stay old
 # a node's own events that overrule an older mesh "dead" report about it: they show it in the mesh again (so does
 # its own `membership joined`), or are its process's own word on how it ends or that it is new. Not its steps or
@@ -81,7 +81,7 @@ class Fleet:
         }
 
     # ---- nodes -------------------------------------------------------------------------------------------
-    def add_node(self, name: str, host: str, state: NodeState = NodeState.STANDBY) -> Node:
+    def add_node(self, name: str, host: str, state: Shown = HostState.SPARE) -> Node:
         """Add (or return) a node; insertion order is the table's order."""
         node = self.nodes.get(name)
         if node is None:
@@ -93,10 +93,10 @@ class Fleet:
         node = self.nodes.get(name)
         return node if node is not None else self.add_node(name, "?", NodeState.STARTING)
 
-    def set_state(self, node_name: str, state: NodeState, reason: str | None = None) -> None:
+    def set_state(self, node_name: str, state: Shown, reason: str | None = None) -> None:
         """A transport-level fact about a node (unreachable, dead, failed to start, starting again)."""
         node = self._node(node_name)
-        state = NodeState(state)
+        state = shown(state)
         # the same fact again (a retry's new wording): no new log or timeline entry; a console fact over the
         # mesh's "dead" is new (it is final)
         if node.state is state and node.mesh_dead_ts is None:
@@ -111,14 +111,14 @@ class Fleet:
             node.engine_state, node.run_ended, node.error = None, False, None
         if reason:
             node.log.append(f"[console] {state.value}: {reason}")
-        if state in _CONSOLE_FACTS or state in (NodeState.STARTING, NodeState.STANDBY, NodeState.OFF):
+        if state in _CONSOLE_FACTS or state in (NodeState.STARTING, HostState.SPARE, HostState.OFF):
             self._record(MembershipEvent(self._clock(), state.value, node_name, None, (), "console", reason))
         self.version += 1
 
     def set_reachable(self, node_name: str) -> None:
         """The link to the node's host is back: an UNREACHABLE node shows the engine's own state again."""
         node = self.nodes.get(node_name)
-        if node is not None and node.state is NodeState.UNREACHABLE:
+        if node is not None and node.state is HostState.UNREACHABLE:
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
             node.log.append("[console] reachable again")
@@ -212,7 +212,7 @@ class Fleet:
                                             and event["subject"] == node.name)
         if proof:
             node._proof_ts = ts if node._proof_ts is None else max(node._proof_ts, ts)
-        if node.state is NodeState.UNREACHABLE:  # a line arrived: the link is back
+        if node.state is HostState.UNREACHABLE:  # a line arrived: the link is back
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
         elif proof and node.mesh_dead_ts is not None and ts > node.mesh_dead_ts:  # heard after the report
@@ -222,7 +222,7 @@ class Fleet:
         self._handlers[kind](node, event)
         self.version += 1
 
-    def _engine_says(self, node: Node, state: NodeState, reason: str | None = None) -> None:
+    def _engine_says(self, node: Node, state: Shown, reason: str | None = None) -> None:
         node.engine_state, node.engine_reason = state, reason
         if node.state not in _CONSOLE_FACTS:
             node.state = state
@@ -401,8 +401,8 @@ class Fleet:
         if event["rank"] > 0:
             return
         status = event["status"]
-        state = _RUN_END_STATE.get(status, NodeState.FAILED)
-        reason = node.error if state is NodeState.FAILED and node.error else status
+        state: Shown = _RUN_END_STATE.get(status, HostState.FAILED)
+        reason = node.error if state is HostState.FAILED and node.error else status
         self._engine_says(node, state, reason)
         node.run_ended = True
         node.step = event["step"]
@@ -419,12 +419,12 @@ class Fleet:
     # ---- the header ----------------------------------------------------------------------------------------
     def summary(self) -> Summary:
         active = [n for n in self.nodes.values() if n.state in _ACTIVE]
-        ended = ENDED.get(run_outcome(self))  # type: ignore[arg-type]
+        ended = ENDED.get(run_outcome(self))
         last = _at_the_end(self.nodes.values()) if ended and not active else active
         losses = [n.loss for n in last if n.loss is not None]
         outer = [n.outer_step for n in self.nodes.values() if n.outer_step is not None]
         steps = [n for n in self.nodes.values() if n.step is not None]
-        lead = max(steps, key=lambda n: n.step) if steps else None  # type: ignore[arg-type, return-value]
+        lead = max(steps, key=lambda n: n.step or 0) if steps else None  # each has a step
         max_steps = max((n.max_steps for n in self.nodes.values() if n.max_steps), default=None)
         if self.members is None:
             members = len(active)
@@ -433,7 +433,7 @@ class Fleet:
         rounds = max((n.run_info.get("rounds") or 0 for n in self.nodes.values()), default=0) or None
         if rounds:  # time rounds: the run lasts `rounds` outer steps, whatever each node's own step count
             ahead = max((n for n in self.nodes.values() if n.outer_step is not None),
-                        key=lambda n: n.outer_step, default=None)  # type: ignore[arg-type, return-value]
+                        key=lambda n: n.outer_step or 0, default=None)
             eta = _eta(ahead._outer_steps if ahead else None, rounds)
         else:
             eta = _eta(lead._steps if lead else None, max_steps)
@@ -455,8 +455,8 @@ def _at_the_end(nodes: Iterable[Node]) -> list[Node]:
     if any(n.outer_step is not None for n in left):  # time rounds too: each node counts its own steps
         top = max(n.outer_step for n in left if n.outer_step is not None)
         return [n for n in left if n.outer_step == top]
-    top = max((n.step for n in left if n.step is not None), default=None)
-    return [n for n in left if n.step == top]
+    last = max((n.step for n in left if n.step is not None), default=None)
+    return [n for n in left if n.step == last]
 
 
 def _num(value: Any) -> float | None:

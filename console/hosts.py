@@ -21,7 +21,7 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState
 from console.profile import HostSpec, Profile
 from console.transport import Transport, TransportError
 from console.transport import commands as C
@@ -38,9 +38,9 @@ KILL_WAIT_S = 5.0  # how long a group KILLed by stop() may take to be gone (a pr
 BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-def resting_state(host: HostSpec) -> NodeState:
-    """A host with nothing running: a standby waits to be added; a host of the run is simply off."""
-    return NodeState.STANDBY if host.standby else NodeState.OFF
+def resting_state(host: HostSpec) -> HostState:
+    """A host with nothing running: a spare (`standby = true`) waits to be added; a host of the run is simply off."""
+    return HostState.SPARE if host.standby else HostState.OFF
 
 
 def host_label(host: HostSpec) -> str:

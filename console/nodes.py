@@ -8,8 +8,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Iterator, MutableSequence, SupportsIndex, overload
 
+from engine.states import NodeState
 from engine.telemetry import format_human
 
 HISTORY = 512  # points per node in the loss / tokens-per-second charts
@@ -19,20 +20,33 @@ CHECKPOINTS = 5  # per node, for the detail view
 STALE_STEP_S = 30.0  # a node's tokens/s is no current figure once no step came for this long (or 4 intervals)
 
 
-class NodeState(str, Enum):
-    STANDBY = "standby"  # in the profile as standby, ready to be added, nothing running
+class HostState(str, Enum):
+    """What the console shows of a host that is no node of the mesh right now: words of the console alone. The
+    node states (the mesh's and the events': starting, joining, training, draining, standby, left, dead) are
+    engine/states.py's NodeState; no word is in both (tests/test_states.py)."""
+
+    SPARE = "spare"  # in the profile with `standby = true`: ready to be added, nothing running
     OFF = "off"  # a host of the run with nothing running: not started (yet), or found so at attach
-    STARTING = "starting"
-    JOINING = "joining"
-    TRAINING = "training"
-    DRAINING = "draining"
-    LEFT = "left"  # finished, drained or stopped: it exited on purpose
-    DEAD = "dead"  # the process is gone (killed, crashed) or the mesh declared it dead
-    UNREACHABLE = "unreachable"  # the host cannot be reached; the engine may well still run
-    FAILED = "failed"  # it could not start or ended with an error
+    UNREACHABLE = "unreachable"  # the console cannot reach the host; the engine may well still run
+    FAILED = "failed"  # its process could not start or ended with an error (run_end failed, a non-zero exit)
 
     def __str__(self) -> str:
         return self.value
+
+
+Shown = NodeState | HostState  # what a node's row says: a node state, or the console's word for its host
+SHOWN_STATES: tuple[Shown, ...] = (*NodeState, *HostState)
+
+
+def shown(value: str) -> Shown:
+    """The state a word names, from either set (ValueError for a word of neither)."""
+    for kind in (NodeState, HostState):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{value!r} is neither a node state ({', '.join(NodeState)}) nor a host state "
+                     f"({', '.join(HostState)})")
 
 
 class LazyLine:
@@ -47,13 +61,21 @@ class LazyLine:
         return format_human(self.event) or ""
 
 
-class LogBuffer(deque):
+class LogBuffer(deque[Any]):
     """A bounded deque of log lines that hands out plain strings (engine events are formatted on read)."""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return (str(line) for line in deque.__iter__(self))
 
-    def __getitem__(self, index):  # type: ignore[override]
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> MutableSequence[Any]: ...
+
+    def __getitem__(self, index: SupportsIndex | slice) -> str | MutableSequence[Any]:
+        if isinstance(index, slice):  # as a deque: Sequence's signature allows a slice, a deque does not
+            raise TypeError("sequence index must be integer, not 'slice'")
         return str(deque.__getitem__(self, index))
 
 
@@ -111,7 +133,7 @@ class OuterRound:
 class Node:
     name: str
     host: str
-    state: NodeState = NodeState.STANDBY
+    state: Shown = HostState.SPARE
     reason: str | None = None
     device: str | None = None  # "gpu" (NVML) or "cpu" (psutil); None until the first resource sample
     util: float | None = None  # percent
@@ -135,7 +157,7 @@ class Node:
     log: LogBuffer = field(default_factory=lambda: LogBuffer(maxlen=LOG_LINES))
     marked: bool = False
     # the engine's own latest word on its state; `state` differs from it while a console fact holds
-    engine_state: NodeState | None = None
+    engine_state: Shown | None = None
     # set while `state` is DEAD only on the mesh's word: the reporter's ts; a later own event that overrules it
     # (_OVERRULES_DEAD) clears it
     mesh_dead_ts: float | None = None

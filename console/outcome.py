@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from console.nodes import NodeState
+from console.nodes import HostState, NodeState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-ENDED = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
+ENDED: dict[int | None, str] = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
 DEFAULT_HEARTBEAT_TIMEOUT = 6.0
 RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
-                     NodeState.UNREACHABLE})  # unreachable: the engine may well still be training
+                     HostState.UNREACHABLE})  # unreachable: the engine may well still be training
 _SUCCESS_REASONS = frozenset({"completed", "drained"})
 
 
 def started(fleet: Any) -> list[Any]:
     """The nodes this run started (a standby or off host is not part of it)."""
-    return [n for n in fleet.nodes.values() if n.state not in (NodeState.STANDBY, NodeState.OFF)]
+    return [n for n in fleet.nodes.values() if n.state not in (HostState.SPARE, HostState.OFF)]
 
 
 def run_outcome(fleet: Any) -> int | None:
@@ -35,7 +35,7 @@ def run_outcome(fleet: Any) -> int | None:
     nodes = started(fleet)
     if not nodes or any(n.state in RUNNING or n.mesh_dead_ts is not None for n in nodes):
         return None
-    if any(n.state in (NodeState.FAILED, NodeState.DEAD) for n in nodes):
+    if any(n.state in (HostState.FAILED, NodeState.DEAD) for n in nodes):
         return EXIT_FAILED
     if all(n.state is NodeState.LEFT and n.reason in _SUCCESS_REASONS for n in nodes):
         return EXIT_OK

@@ -33,6 +33,8 @@ import tomlkit
 import tomlkit.exceptions
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.store.endpoints import parse_endpoint  # the standard library only: no torch here
+
 DEFAULT_STORE_PORT = 29600
 
 
@@ -68,6 +70,23 @@ class StoreSpec(_Spec):
     etcd_cert: str | None = None
     etcd_key: str | None = None
     etcd_prefix: str | None = None  # the run's key prefix; None: zeroband/<run.name>/
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints(cls, value: list[str]) -> list[str]:
+        for endpoint in value:
+            etcd_endpoint(endpoint)
+        return value
+
+
+def etcd_endpoint(text: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `https://host:port` -> (host, port); ValueError naming the value when it is not
+    one: without a port it failed later, as a DNS or connection error. The engine's parser (the same forms as
+    --mesh.etcd_endpoints), and one rule of the console's own: the etcd a profile names is reached over TLS."""
+    endpoint = parse_endpoint(text)
+    if endpoint.scheme == "http":
+        raise ValueError(f"{text!r}: etcd here is reached over TLS (https://host:port, or host:port), not http://")
+    return endpoint.host, endpoint.port
 
 
 # engine keys the console sets on every engine's command line or environment (console/launch.py): an override of
@@ -516,6 +535,27 @@ def check_identity_files(profile: Profile) -> None:
                 lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
             line = _line_of(("hosts", host.name, "identity_file"), lines, {})
             raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.identity_file: {missing_key(host)}")
+
+
+def check_ssh_configs(profile: Profile) -> None:
+    """Every ssh host's ssh_config exists on this machine (the console reads it to reach the host); a ProfileError
+    at its line if not. `status` showed every node "unreachable" with the file named, and exited 0."""
+    for host in profile.hosts.values():
+        if host.transport == "ssh" and host.ssh_config and not os.path.isfile(os.path.expanduser(host.ssh_config)):
+            lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
+            line = _line_of(("hosts", host.name, "ssh_config"), lines, {})
+            raise ProfileError(f"{profile.path}:{line}: hosts.{host.name}.ssh_config: {host.ssh_config} does not "
+                               f"exist on this machine (the ssh config this console reaches {host.name} with)")
+
+
+def key_where(profile: Profile, *keys: tuple[str, ...]) -> str:
+    """`FILE:LINE: KEY` for the first of keys, at the line of the first of them written in the file (a default has
+    no line of its own: the next key's, [store]'s), for lines that refuse a value found wrong after reading."""
+    try:
+        lines = key_lines(Path(profile.path).read_text())
+    except OSError:
+        lines = {}
+    return f"{profile.path}:{next((lines[k] for k in keys if k in lines), 0)}: {'.'.join(keys[0])}"
 
 
 def dial_address(host: HostSpec) -> str:

@@ -18,12 +18,12 @@ import itertools
 import os
 import socket
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Sequence
 
 from console import etcd as E
 from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STOPPED, STORE, Hosts
 from console.launch import probe_argv, store_argv
-from console.profile import Profile
+from console.profile import Profile, key_where
 from console.transport import TransportError, last_said
 from console.transport import commands as C
 
@@ -125,6 +125,76 @@ class StoreHost:
         rc, _, _ = await self.hosts.transport(host.name).run(f"{C.q(host.python_path)} -c {C.q(code)} "
                                                              f"{C.q(address)}")
         return address if rc == 0 else "::" if ":" in address else "0.0.0.0"  # every interface, of its family
+
+    async def unstartable(self, hosts: Sequence[str]) -> list[str]:
+        """What would make the store (or etcd) fail once started, checked before a start moves or starts anything
+        (--no-check skips the preflight, not this): one `FILE:LINE: KEY: ...` line each, naming the value and the
+        host; [] when nothing was found. tcp: the store's host runs its python and can listen on the store's port;
+        etcd run by the console: every member's ports are free; etcd that runs already: the client certificate
+        files are readable here (the console probes etcd with them) and on each host in `hosts` (its engine)."""
+        s = self.profile.store
+        try:
+            if s.backend == "tcp":
+                return await self._tcp_unstartable()
+            if s.etcd_hosts:
+                members = E.plan_members(self.profile)
+                binds = [(m.host, m.address, port, key, f"etcd member {m.name}" + (f" ({key} + {2 * i})" if i else ""))
+                         for i, m in enumerate(members)
+                         for port, key in ((m.client_port, "etcd_client_port"), (m.peer_port, "etcd_peer_port"))]
+                names = list(dict.fromkeys(m.host for m in members))
+                found = await asyncio.gather(*(self._bind_errors(host, [(a, p, k, n) for h, a, p, k, n in binds
+                                                                        if h == host]) for host in names),
+                                             *(self._etcd_missing(host) for host in names))
+                return [line for lines in found for line in lines]
+            return await E.tls_unreadable(self.profile, self.hosts.transport, hosts)
+        except TransportError as e:  # the host does not answer: nothing of the run can start there
+            at = key_where(self.profile, ("store", "host" if s.backend == "tcp" else "backend"), ("store",))
+            return [f"{at}: the store's host cannot be asked before the start: {e}"]
+
+    async def _tcp_unstartable(self) -> list[str]:
+        host = self.profile.store_host
+        reason = await self.hosts.transport(host.name).preflight()
+        if reason is not None:
+            at = key_where(self.profile, ("store", "host"), ("store",))
+            return [f"{at}: the store's host {host.name} cannot run it: {reason}"]
+        return await self._bind_errors(host.name, [(await self.bind(), self.profile.store.port, "port", "the store")])
+
+    async def _etcd_missing(self, name: str) -> list[str]:
+        """The etcd binary runs on member host `name` (its workdir's PATH, as the member will start there)."""
+        binary, host = self.profile.store.etcd_binary, self.profile.hosts[name]
+        rc, _, _ = await self.hosts.transport(name).run(f"cd {C.qpath(host.workdir)} 2>/dev/null; "
+                                                        f"command -v {C.qpath(binary)} >/dev/null")
+        if rc == 0:
+            return []
+        at = key_where(self.profile, ("store", "etcd_binary"), ("store", "etcd_hosts"))
+        return [f"{at}: {binary} is not found on {name} (an etcd member runs there; Debian: apt install etcd-server, "
+                f"or set store.etcd_binary to its path)"]
+
+    async def _bind_errors(self, name: str, binds: Sequence[tuple[str, int, str, str]]) -> list[str]:
+        """Whether host `name` can listen on each (address, port) now, as the store and etcd will; a line per one
+        it cannot, at the profile key that sets it."""
+        host = self.profile.hosts[name]
+        args = " ".join(f"{C.q(a)} {p}" for a, p, _, _ in binds)
+        rc, out, err = await self.hosts.transport(name).run(
+            f"cd {C.qpath(host.workdir)} && {C.qpath(host.python_path)} -c {C.q(BIND_CHECK)} {args}")
+        if rc not in (0, 1):
+            raise TransportError(f"{host.python_path} could not check its ports: {err.strip() or f'status {rc}'}")
+        said = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+        lines = []
+        for address, port, key, what in binds:
+            error = said.get(f"{address}:{port}")
+            if error is None:
+                continue
+            if "EADDRNOTAVAIL" in error:
+                keys = [k for k in ("bind", "address") if getattr(self.profile.store, k)] if key == "port" else []
+                at = key_where(self.profile, ("store", keys[0]) if keys else ("hosts", name, "address"),
+                               ("hosts", name))
+                lines.append(f"{at}: {address} is not an address of {name} ({what} cannot listen on it: {error})")
+            else:
+                at = key_where(self.profile, ("store", key), ("store",))
+                lines.append(f"{at}: {port} is taken on {name} ({what} cannot listen on {address}:{port}: {error}); "
+                             f"end what listens there (ss -ltnp 'sport = :{port}') or choose another store.{key}")
+        return lines
 
     async def ensure(self, engines_running: Callable[[], Awaitable[bool]]) -> tuple[bool, str | None]:
         """Before a node starts alone (restart, add): the store it dials runs. One that does not (the run ended, or
@@ -316,6 +386,18 @@ class StoreHost:
         self.error = reason
         self._on_failed(reason)
 
+    async def runs(self) -> bool:
+        """Whether anything of the run's store runs: the store or its probe (tcp), a member this console runs (etcd);
+        a host that cannot be asked may run it (True)."""
+        try:
+            if self.profile.store.backend == "tcp":
+                host = self.profile.store_host.name
+                return (await self.hosts.running_pid(STORE, host) is not None
+                        or await self.hosts.running_pid(PROBE, host) is not None)
+            return self.etcd is not None and bool(await self.etcd.running())
+        except TransportError:
+            return True
+
     async def mark_stopped(self) -> None:
         """The run's stop, said in the store's folder until a store starts again: a console watching the store does
         not restart it, and one watching a node that a stop ends settles it "stopped", whatever its exit status."""
@@ -357,6 +439,26 @@ class StoreHost:
 
     def tasks(self) -> list[asyncio.Task]:
         return [t for t in (self.task, self.health_task) if t is not None]
+
+
+# run on a host with its python: address port pairs; prints "address:port ERRNAME: why" for each it cannot listen on
+# (SO_REUSEADDR as the store sets it: a port in TIME_WAIT after the last run is free for it)
+BIND_CHECK = """\
+import errno, socket, sys
+bad = 0
+for address, port in zip(sys.argv[1::2], sys.argv[2::2]):
+    s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((address, int(port)))
+        s.listen(1)
+    except OSError as e:
+        bad = 1
+        print("%s:%s %s: %s" % (address, port, errno.errorcode.get(e.errno or 0, "?"), e.strerror or e))
+    finally:
+        s.close()
+sys.exit(bad)
+"""
 
 
 def owner_of(profile: Profile, resolve: Callable[[str], str] = os.path.realpath) -> str:

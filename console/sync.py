@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
-from console.checkout import Checkout, CheckoutError, TrackedFile
+from console.preflight.checkout import Checkout, CheckoutError, TrackedFile
 from console.dependency_warnings import without_dependency_warnings
 from console.preflight.rules import PACKAGES, same_torch
 from console.preflight.runner import FALLBACK_PYTHON, console_torch, identity_missing, run_probe

@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Container
 from dataclasses import dataclass, field
 
-from console.fleet import NodeState
+from console.fleet import HostState, NodeState
 from console.hosts import BACKOFF_S, KILLED, SETTLE_S, Hosts
 from console.profile import Profile
 from console.transport import TransportError, last_said
@@ -107,15 +107,16 @@ class Watchers:
     async def _adopted_alive(self, name: str, proc: Proc) -> bool:
         """A process started by another console: read its events from where this console stopped (from the top if
         the file was started anew), and say whether it still runs; one already gone is settled at once."""
+        assert proc.pid is not None  # _next_process read it from the pid file
         t = self.hosts.transport(name)
         self.fleet.set_state(name, NodeState.STARTING, f"started by another console (pid {proc.pid})")
         try:
             size = await t.size(self.hosts.path(name, C.EVENTS))
             if size is not None and size < proc.offset:
                 proc.offset = 0  # a fresh file (a fresh start archived the old one)
-            running = await t.alive(proc.pid, C.TAG)  # type: ignore[arg-type]
+            running = await t.alive(proc.pid, C.TAG)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             running = True  # it may well run: follow it and let the watcher find out
         if running:
             proc.done.clear()
@@ -124,7 +125,7 @@ class Watchers:
             await self.catch_up(name)
             await self.settle(name)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
         return False
 
     async def _follow_to_end(self, name: str, proc: Proc) -> None:
@@ -140,7 +141,7 @@ class Watchers:
             await self.catch_up(name)
             await self.settle(name)
         except TransportError as e:  # the link went as the process did: say so rather than leave a stale state
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
         finally:
             proc.done.set()
 
@@ -159,7 +160,7 @@ class Watchers:
                     proc.offset = tail.offset
                     self.fleet.ingest(name, line)
             except TransportError as e:
-                self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+                self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
                 failures += 1
             finally:
                 await tail.aclose()
@@ -183,7 +184,7 @@ class Watchers:
             lines, proc.offset = await self.hosts.transport(name).read_from(self.hosts.path(name, C.EVENTS),
                                                                             proc.offset)
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             return
         for line in lines:
             self.fleet.ingest(name, line)
@@ -192,7 +193,7 @@ class Watchers:
         """The process is gone: decide its final state from what is known, most specific first."""
         node, proc, t = self.fleet.nodes[name], self.proc(name), self.hosts.transport(name)
         if proc.killed:
-            if node.state is not NodeState.FAILED:  # a store failure already said why
+            if node.state is not HostState.FAILED:  # a store failure already said why
                 self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
             return
         if node.run_ended and (node.state is not NodeState.DEAD or self.fleet.process_ended(name)):
@@ -202,7 +203,7 @@ class Watchers:
             log = await last_said(t, self.hosts.path(name, C.LOG))
             killed = await t.read_text(self.hosts.path(name, KILLED)) is not None
         except TransportError as e:
-            self.fleet.set_state(name, NodeState.UNREACHABLE, str(e))
+            self.fleet.set_state(name, HostState.UNREACHABLE, str(e))
             return
         if killed and rc is None:
             self.fleet.set_state(name, NodeState.DEAD, "killed by the operator (SIGKILL to its process group)")
@@ -214,7 +215,7 @@ class Watchers:
         elif status == "0":
             # a clean exit after `drained` or `state left` without its run_end line (lost with the pipe): its word
             # stands; a non-zero one after them (killed writing its last checkpoint) did not end as it said
-            if node.engine_state in (NodeState.LEFT, NodeState.FAILED) and (node.state is not NodeState.DEAD
+            if node.engine_state in (NodeState.LEFT, HostState.FAILED) and (node.state is not NodeState.DEAD
                                                                              or self.fleet.process_ended(name)):
                 return
             self.fleet.set_state(name, NodeState.LEFT, "stopped" if proc.stopping else "exited")
@@ -224,7 +225,7 @@ class Watchers:
             self.fleet.note(name, f"exited with status {status} as the run was stopped: {last}")
             self.fleet.set_state(name, NodeState.LEFT, "stopped")
         else:
-            self.fleet.set_state(name, NodeState.FAILED, f"exited with status {status}: {last}")
+            self.fleet.set_state(name, HostState.FAILED, f"exited with status {status}: {last}")
 
     # ---- what the cluster's actions ask ------------------------------------------------------------------------
     def running(self) -> list[str]:
@@ -250,7 +251,7 @@ class Watchers:
         for name, proc in self.procs.items():
             if proc.pid is None or proc.done.is_set():
                 continue
-            self.fleet.set_state(name, NodeState.FAILED, reason)
+            self.fleet.set_state(name, HostState.FAILED, reason)
             proc.killed = True
             asyncio.ensure_future(self.hosts.signal_quietly(name, proc.pid, "KILL"))
 

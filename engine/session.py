@@ -34,6 +34,7 @@ from engine.errors import same_on_every_rank
 from engine.mesh.protocol import Stopped
 from engine.model import build_model, count_params, model_config, tokenizer_note
 from engine.outer import Diverged, Outer, Progress, build_outer
+from engine.outer.schedule import Schedule
 from engine.inner.ddp_fsdp import build_inner, setup_distributed
 from engine.inner.optim import lr_factor
 from engine.inner.transforms import first_step
@@ -205,18 +206,19 @@ def build(cfg: Config, world: World, telemetry: Telemetry, inputs: Inputs) -> Se
 
 def ends_agreed(cfg: Config) -> bool:
     """Whether every node of the run ends on its agreed model: DiLoCo whose last step is a boundary (time rounds
-    end at one; fragments sync every fragment at the run's last step; step rounds when H divides max_steps)."""
-    d = cfg.diloco
-    return d.enabled and (d.round == "time" or d.fragments > 1 or cfg.train.max_steps % d.inner_steps == 0)
+    end at one; fragments sync every fragment at the run's last step; step rounds when H divides max_steps): the
+    schedule's rule (engine/outer/schedule.py)."""
+    return Schedule(cfg.diloco).ends_agreed(cfg.train.max_steps)
 
 
 def unsynced_tail_note(cfg: Config) -> str | None:
     """Step rounds whose last round is cut short: its steps are never averaged."""
-    if not cfg.diloco.enabled or ends_agreed(cfg):
+    schedule, m = Schedule(cfg.diloco), cfg.train.max_steps
+    tail = schedule.unsynced_tail(m)
+    if not tail:
         return None
-    h, m = cfg.diloco.inner_steps, cfg.train.max_steps
-    return (f"train.max_steps ({m}) is not a multiple of diloco.inner_steps ({h}): the last {m % h} steps are never "
-            f"averaged, and each node ends on its own weights (checkpoint, export)")
+    return (f"train.max_steps ({m}) is not a multiple of diloco.inner_steps ({schedule.h}): the last {tail} steps "
+            f"are never averaged, and each node ends on its own weights (checkpoint, export)")
 
 
 def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
@@ -226,9 +228,10 @@ def schedule_note(cfg: Config, meta: dict[str, Any]) -> str | None:
     if before is None or before == cfg.train.max_steps or cfg.optim.schedule == "constant":
         return None
     where = f"step {step}"
-    if cfg.diloco.enabled and cfg.diloco.round == "time":  # the schedule follows the round clock, not the steps
-        step = cfg.diloco.inner_steps * int(meta.get("progress", {}).get("outer_step", 0))
-        where = f"round {step // cfg.diloco.inner_steps}"
+    schedule = Schedule(cfg.diloco)
+    if schedule.enabled and schedule.timed:  # the LR schedule follows the round clock, not the steps
+        rounds = int(meta.get("progress", {}).get("outer_step", 0))
+        step, where = schedule.lr_step(rounds), f"round {rounds}"
     was, now = (cfg.optim.lr * lr_factor(step, cfg.optim, n) for n in (before, cfg.train.max_steps))
     how = "stretched" if cfg.train.max_steps > before else "shortened"
     return (f"train.max_steps is {cfg.train.max_steps}, the checkpoint's run had {before}: the {cfg.optim.schedule} "

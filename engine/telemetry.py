@@ -22,6 +22,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, TextIO
 
+from engine.states import EVENT_STATES, NodeState
+
 SCHEMA_VERSION = 1
 
 _num = (int, float)
@@ -43,7 +45,8 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "export": {"step": (int,), "path": (str,)},
     # resource sample: device is "gpu" (NVML) or "cpu" (psutil); util in percent; memory in bytes
     "resource": {"device": (str,), "util": _num, "mem_used": (int,), "mem_total": (int,)},
-    # node lifecycle as the node itself sees it: starting, joining, training, draining, left
+    # node lifecycle as the node itself sees it: one of NODE_STATES (engine/states.py says what each means); the
+    # store's own lines (rank -1) say ready or stopped (STORE_STATES)
     "state": {"state": (str,)},
     # one DiLoCo outer step committed
     "outer_step": {"outer_step": (int,), "step": (int,), "generation": (int,), "members": (list,),
@@ -77,7 +80,8 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                    "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,)},
 }
 
-NODE_STATES = ("starting", "joining", "training", "draining", "left")  # and the store's own: ready, stopped
+NODE_STATES = tuple(s.value for s in NodeState if s in EVENT_STATES)  # a node's `state` event (rank >= 0)
+STORE_STATES = ("ready", "stopped")  # the store's own `state` lines (node "store", rank -1): not node states
 RUN_END_STATUSES = ("completed", "drained", "stopped", "failed")
 MEMBERSHIP_CHANGES = ("joined", "drained", "left", "dead", "leader", "rejected")
 
@@ -91,6 +95,10 @@ def make_event(type_: str, node: str, rank: int, ts: float | None = None, **fiel
     event = {"v": SCHEMA_VERSION, "type": type_, "ts": time.time() if ts is None else ts,
              "node": node, "rank": rank, **fields}
     validate(event)
+    # what a node says of itself is a word of the one vocabulary (a reader takes any string: an older engine's)
+    allowed = STORE_STATES if rank < 0 else NODE_STATES
+    if type_ == "state" and fields["state"] not in allowed:
+        raise BadEvent(f"state: {fields['state']!r} is not one of {', '.join(allowed)}")
     return event
 
 

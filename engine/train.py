@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import signal
 import sys
@@ -50,6 +49,7 @@ from engine.config import Config, digest, grad_accum_steps, load_config
 from engine.errors import CheckpointFailed, SameOnEveryRank, first_line, same_on_every_rank
 from engine.mesh.protocol import MeshError
 from engine.outer.protocol import Diverged
+from engine.outer.schedule import Schedule
 from engine.telemetry import Telemetry, format_human
 from engine.world import World, read_world
 
@@ -302,9 +302,10 @@ def tell_torchrun(world: World, reason: str | None) -> None:
 def time_rounds(cfg: Config) -> dict[str, int]:
     """run_start's `rounds`: with time rounds the run lasts that many outer steps, each node taking its own count of
     steps (a fast node's passes max_steps), so the console follows the outer steps for the run's progress."""
-    if not (cfg.diloco.enabled and cfg.diloco.round == "time"):
+    schedule = Schedule(cfg.diloco)
+    if not (schedule.enabled and schedule.timed):
         return {}
-    return {"rounds": math.ceil(cfg.train.max_steps / cfg.diloco.inner_steps)}
+    return {"rounds": schedule.rounds(cfg.train.max_steps)}
 
 
 def import_session() -> ModuleType:

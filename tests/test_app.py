@@ -28,7 +28,7 @@ from textual.widgets._footer import FooterKey
 
 from console.app import ConsoleApp, make_app
 from console.cluster import Cluster
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.profile import load_profile
 from console.screens.detail import NodeDetailScreen
 from console.screens.help import HelpScreen
@@ -61,7 +61,7 @@ async def until(pilot, predicate, timeout: float, what: str, unless: tuple[str, 
     fleet = pilot.app.fleet
     deadline = time.monotonic() + timeout
     while not predicate():
-        failed = [n for n in unless if fleet.nodes[n].state is NodeState.FAILED]
+        failed = [n for n in unless if fleet.nodes[n].state is HostState.FAILED]
         if failed or time.monotonic() > deadline:
             detail = "\n".join(f"  {n.name}: {n.state} ({n.reason}) step {n.step}; last: {list(n.log)[-3:]}"
                                for n in fleet.nodes.values())
@@ -119,7 +119,7 @@ async def test_live_cluster_drain_kill_restart(local_profile):
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
         table = app.dashboard.table
-        assert table.cell_text("node-d", "state") == "standby"
+        assert table.cell_text("node-d", "state") == "spare"
 
         # nodes reach training; the first outer round (3 steps) is behind them
         await until(pilot, lambda: training(fleet, trio, 4)() and all(fleet.nodes[n].device for n in trio), 150,
@@ -266,7 +266,7 @@ async def test_keys_without_engines(local_profile):
         app.tick()
         assert table.names() == ["node-a"] and table.selected_name() == "node-a"
         await pilot.press("escape")
-        fleet.set_state("node-a", NodeState.OFF)  # as the rest of this test has it
+        fleet.set_state("node-a", HostState.OFF)  # as the rest of this test has it
         table.move_cursor(row=table.get_row_index("node-c"))
 
         # space marks and moves down; actions apply to the marked nodes
@@ -311,27 +311,27 @@ async def test_keys_without_engines(local_profile):
         await pilot.press("a")
         assert isinstance(app.screen, AddNodeScreen)
         await pilot.press("tab", *"nobody@127.0.0.1:1", "enter")  # port 1: refused at once
-        await until(pilot, lambda: "127.0.0.1" in fleet.nodes and fleet.nodes["127.0.0.1"].state is NodeState.OFF
+        await until(pilot, lambda: "127.0.0.1" in fleet.nodes and fleet.nodes["127.0.0.1"].state is HostState.OFF
                     and (fleet.nodes["127.0.0.1"].reason or "").startswith("not added: "), 30, "the add to fail")
         app.tick()
         assert table.cell_text("127.0.0.1", "state").split()[0] == "off"
         text = Path(local_profile.path).read_text()
         assert '[hosts."127.0.0.1"]' not in text and "# ready to be added" in text  # the comments survive both writes
         assert any("taken out of" in str(line) for line in fleet.nodes["127.0.0.1"].log)
-        assert fleet.nodes["node-a"].state is NodeState.OFF and fleet.nodes["node-d"].state is NodeState.STANDBY
+        assert fleet.nodes["node-a"].state is HostState.OFF and fleet.nodes["node-d"].state is HostState.SPARE
 
         await pilot.press("q")
         assert isinstance(app.screen, QuitScreen)
         await pilot.press("l")  # leave training running
         await until(pilot, lambda: not app.is_running, 10, "the console to exit")
     # as --headless: the host it tried to add failed (1), or is unreachable and may yet run (left running: 130)
-    assert app.return_code == (1 if fleet.nodes["127.0.0.1"].state is NodeState.FAILED else 130)
+    assert app.return_code == (1 if fleet.nodes["127.0.0.1"].state is HostState.FAILED else 130)
 
 
 @pytest.mark.parametrize("ending, key, code, stopped", [
-    ({"node-a": NodeState.FAILED, "node-b": NodeState.FAILED, "node-c": NodeState.FAILED}, None, 1, True),
-    ({"node-a": NodeState.TRAINING, "node-b": NodeState.FAILED, "node-c": NodeState.TRAINING}, "l", 130, False),
-    ({"node-a": NodeState.TRAINING, "node-b": NodeState.FAILED, "node-c": NodeState.TRAINING}, "s", 130, True),
+    ({"node-a": HostState.FAILED, "node-b": HostState.FAILED, "node-c": HostState.FAILED}, None, 1, True),
+    ({"node-a": NodeState.TRAINING, "node-b": HostState.FAILED, "node-c": NodeState.TRAINING}, "l", 130, False),
+    ({"node-a": NodeState.TRAINING, "node-b": HostState.FAILED, "node-c": NodeState.TRAINING}, "s", 130, True),
     ({"node-a": NodeState.LEFT, "node-b": NodeState.LEFT, "node-c": NodeState.LEFT}, None, 0, True),
 ])
 async def test_exit_status_follows_the_headless_rules(local_profile, ending, key, code, stopped):
@@ -347,7 +347,7 @@ async def test_exit_status_follows_the_headless_rules(local_profile, ending, key
         stops.append(1)
         return await stop()
     app.cluster.stop = recorded_stop
-    reasons = {NodeState.FAILED: "store exited: killed", NodeState.LEFT: "completed"}
+    reasons = {HostState.FAILED: "store exited: killed", NodeState.LEFT: "completed"}
     async with app.run_test(size=SIZE) as pilot:
         for name, state in ending.items():
             fleet.set_state(name, state, reasons.get(state))
@@ -376,7 +376,7 @@ async def test_readonly_hides_actions(local_profile):
                           "start by another console")
         await pilot.pause(1.0)
         assert sorted(p.name for p in run_dir.iterdir()) == ["node-a"]  # nothing started, nothing archived
-        assert {n.state for n in fleet.nodes.values()} == {NodeState.OFF, NodeState.STANDBY}
+        assert {n.state for n in fleet.nodes.values()} == {HostState.OFF, HostState.SPARE}
         fleet.set_state("node-a", NodeState.TRAINING)
         await pilot.press("k", "d", "a", "r")
         assert app.screen is app.dashboard  # no modal opened

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from console import cli
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.widgets import cells
 from console.widgets.node_table import node_row, visible
 from engine.telemetry import encode, make_event
@@ -74,7 +74,7 @@ def test_state_column_is_the_state_and_the_reason_goes_whole_where_it_fits():
     status line (and the detail view, the log title, the timeline) carries the reason whole."""
     reason = "exited with status 1: ValueError: train.batch_size (8) is not divisible by 16"
     fleet = _training_fleet()
-    fleet.set_state("node-b", NodeState.FAILED, reason)
+    fleet.set_state("node-b", HostState.FAILED, reason)
     row = node_row(fleet.nodes["node-b"], 6.0)
     assert row["state"].plain == "failed"
     assert cli.node_line(fleet.nodes["node-b"]).endswith(f"({reason})")
@@ -104,15 +104,15 @@ def test_status_of_dead_and_left_nodes_shows_no_stale_figures():
         assert lines[name].split()[3:5] == ["-", "-"]
 
 
-def test_hosts_not_started_are_off_and_only_standby_hosts_are_standby(tmp_path):
-    """Defect: before a start every host read "standby"; only a profile standby is one, the others are off."""
+def test_hosts_not_started_are_off_and_only_standby_hosts_are_spare(tmp_path):
+    """Defect: before a start every host read "standby"; only a profile standby is a spare, the others are off."""
     from console.cluster import Cluster
     from console.profile import parse_profile
 
     fleet = Fleet(run="unit")
     Cluster(parse_profile(PROFILE_TEXT, str(tmp_path / "unit.toml")), fleet)
     assert {n: str(node.state) for n, node in fleet.nodes.items()} == {
-        "node-a": "off", "node-b": "off", "node-c": "standby"}
+        "node-a": "off", "node-b": "off", "node-c": "spare"}
     assert cli.run_outcome(fleet) is None  # nothing started: no outcome yet
     assert cli.status_line(fleet, now=0).endswith("| off 2")
 
@@ -174,7 +174,7 @@ def test_run_outcome_failure_and_stop():
     for name in ("a", "b"):
         fleet.ingest(name, _event("run_end", name, status="stopped", step=50))
     assert cli.run_outcome(fleet) == cli.EXIT_STOPPED
-    fleet.set_state("a", NodeState.UNREACHABLE, "link down")
+    fleet.set_state("a", HostState.UNREACHABLE, "link down")
     assert cli.run_outcome(fleet) is None  # its engine may still train
 
 
@@ -304,7 +304,7 @@ class RecordingCluster:
 
         self.fleet, self.ok, self.calls, self.Outcome = fleet, ok, [], Outcome
         for name, host in profile.hosts.items():
-            fleet.add_node(name, "local", NodeState.STANDBY)
+            fleet.add_node(name, "local", HostState.SPARE)
 
     async def attach(self, **kw):
         self.calls.append("attach")
@@ -376,7 +376,7 @@ def test_status_prints_the_summary_and_every_node(unit_profile):
     assert "run unit" in lines[0] and "members 2" in lines[0] and "training 2" in lines[0]
     assert lines[1].split()[:3] == ["node-a", "local", "training"]
     assert "step 12" in lines[1] and "loss 2.5000" in lines[1]
-    assert lines[3].split()[:3] == ["node-c", "local", "standby"]
+    assert lines[3].split()[:3] == ["node-c", "local", "spare"]
 
 
 @pytest.mark.parametrize("argv,call", [(["drain", "node-b"], ("drain", "node-b")),
@@ -487,7 +487,7 @@ def test_cli_against_a_running_cluster(tmp_path, procs):
             assert time.monotonic() < deadline and headless.poll() is None, status.stdout
             time.sleep(2)
         rows = {line.split()[0]: line for line in status.stdout.splitlines()[1:]}
-        assert set(rows) == {"node-a", "node-b", "node-c", "node-d"} and "standby" in rows["node-d"]
+        assert set(rows) == {"node-a", "node-b", "node-c", "node-d"} and "spare" in rows["node-d"]
         assert all("RSS " in rows[n] and " step " in rows[n] for n in ("node-a", "node-b", "node-c"))
 
         killed = _console(procs, str(profile), "kill", "node-c")

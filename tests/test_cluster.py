@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from console.cluster import Cluster, engine_argv, engine_env
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.profile import load_profile, parse_profile
 from procs import free_port, kill_recorded_groups
 
@@ -198,9 +198,9 @@ async def test_start_kill_drain_restart_add_stop(workdir, cleanup):
     profile = make_profile(workdir)
     fleet = Fleet(run="t")
     cluster = Cluster(profile, fleet)
-    assert states(fleet) == {"node-a": "off", "node-b": "off", "node-c": "standby"}
+    assert states(fleet) == {"node-a": "off", "node-b": "off", "node-c": "spare"}
     await cluster.start()
-    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"},
+    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "spare"},
                 what="training")
     assert (workdir / "runs/t/_store/events.jsonl").read_text().count('"ready"') == 1
     await until(lambda: (fleet.nodes["node-b"].step or 0) >= 3, what="steps")
@@ -276,10 +276,10 @@ async def test_bad_nodes_do_not_stop_the_others(workdir, cleanup):
     fleet = Fleet()
     cluster = Cluster(load_profile(workdir / "p.toml"), fleet)
     await cluster.start()
-    await until(lambda: fleet.nodes["node-b"].state is NodeState.FAILED, what="node-b failed")
+    await until(lambda: fleet.nodes["node-b"].state is HostState.FAILED, what="node-b failed")
     b, d, e = fleet.nodes["node-b"], fleet.nodes["node-d"], fleet.nodes["node-e"]
     assert b.reason == "exited with status 2: error: data.path: no such corpus"
-    assert d.state is NodeState.FAILED and d.reason == "python not found on the host: /no/such/python3"
+    assert d.state is HostState.FAILED and d.reason == "python not found on the host: /no/such/python3"
     await until(lambda: e.malformed >= 3 and (e.step or 0) >= 6, what="garbage counted")
     assert e.state is NodeState.TRAINING and fleet.nodes["node-a"].state is NodeState.TRAINING
     await cluster.stop()
@@ -301,7 +301,7 @@ async def test_console_restart_attaches_and_catches_up(workdir, cleanup):
     assert {n: fresh.nodes[n].pid for n in pids} == pids
     assert fresh.nodes["node-a"].step >= 5 and fresh.nodes["node-a"].malformed == 0  # history read from the top
     assert len(fresh.nodes["node-a"].loss_history) == fresh.nodes["node-a"].step
-    assert fresh.nodes["node-c"].state is NodeState.STANDBY
+    assert fresh.nodes["node-c"].state is HostState.SPARE
     step = fresh.nodes["node-a"].step
     await until(lambda: fresh.nodes["node-a"].step > step + 2, what="following")
     await second.kill("node-a")
@@ -322,7 +322,7 @@ async def test_bad_engine_config_starts_nothing(workdir, cleanup):
     fleet = Fleet()
     cluster = Cluster(profile, fleet)
     await cluster.start()
-    assert fleet.nodes["node-a"].state is NodeState.FAILED
+    assert fleet.nodes["node-a"].state is HostState.FAILED
     assert "train.max_steps: Input should be greater than 0" in fleet.nodes["node-a"].reason
     # add and restart refuse it too, in one line (add said "added", then the engine died)
     for name, outcome in (("node-c", await cluster.add("node-c")), ("node-a", await cluster.restart("node-a"))):
@@ -339,9 +339,9 @@ async def test_store_that_cannot_start_fails_every_node(workdir, cleanup):
     fleet = Fleet()
     cluster = Cluster(profile, fleet)
     await cluster.start()
-    await until(lambda: fleet.nodes["node-a"].state is NodeState.FAILED, what="store failure")
+    await until(lambda: fleet.nodes["node-a"].state is HostState.FAILED, what="store failure")
     assert "store exited: cannot listen: port in use" in fleet.nodes["node-a"].reason
-    await until(lambda: fleet.nodes["node-b"].state is NodeState.FAILED, what="store failure b")
+    await until(lambda: fleet.nodes["node-b"].state is HostState.FAILED, what="store failure b")
     await cluster.close()
 
 
@@ -354,7 +354,7 @@ async def test_add_a_new_address_writes_it_into_the_profile_and_out_again_when_i
     assert not out and "refused" in out.message and out.message.endswith(f"127.0.0.1: taken out of {profile.path} "
                                                                           "again"), out.message
     node = fleet.nodes["127.0.0.1"]  # off, not unreachable: that counts as running (a stop then exited 130)
-    assert node.state is NodeState.OFF and node.reason.startswith("not added: connection refused by tester@")
+    assert node.state is HostState.OFF and node.reason.startswith("not added: connection refused by tester@")
     assert fleet.store.state == "stopped", fleet.store  # started for it alone, and stopped again
     # a typo'd address left in the file would be a host every later start checks, and a place in every data shard
     assert (workdir / "p.toml").read_text() == before
@@ -369,8 +369,8 @@ async def test_add_a_new_address_writes_it_into_the_profile_and_out_again_when_i
     assert written and (workdir / "p.toml").read_text().startswith(before)  # the file kept, the host appended
     assert (host.user, host.port, host.transport, host.python) == ("tester", 1, "ssh", sys.executable)
     bad = await cluster.add("not a host!")
-    assert not bad and fleet.nodes["not a host!"].state is NodeState.FAILED
-    assert fleet.nodes["node-a"].state is NodeState.OFF  # nothing else touched
+    assert not bad and fleet.nodes["not a host!"].state is HostState.FAILED
+    assert fleet.nodes["node-a"].state is HostState.OFF  # nothing else touched
     await cluster.close()
 
 
@@ -552,7 +552,7 @@ async def test_a_store_that_dies_under_the_run_is_restarted_and_the_nodes_go_on(
         await until(lambda: fleet.store.restarts >= 1, what="a restart")
         await until(lambda: fleet.store.state == "up" and fleet.store.restarts == 2, 30, what="up after two tries")
         assert not (workdir / "store-fails-once").exists()  # the first restart did die before it was ready
-        assert states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"}
+        assert states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "spare"}
         assert int((workdir / "runs/t/_store/pid").read_text()) not in (first,)
         assert (workdir / "runs/t/_store/events.jsonl").read_text().count('"ready"') == 2  # appended, not replaced
         await cluster.stop()
@@ -616,7 +616,7 @@ async def test_a_watching_console_follows_a_node_another_console_starts(workdir,
     fleet = Fleet()
     watching = Cluster(profile, fleet)
     await watching.start()
-    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "standby"},
+    await until(lambda: states(fleet) == {"node-a": "training", "node-b": "training", "node-c": "spare"},
                 what="training")
     old_pid = fleet.nodes["node-b"].pid
     os.killpg(int((workdir / "runs/t/node-b/pid").read_text()), signal.SIGKILL)  # not by this console

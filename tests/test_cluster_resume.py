@@ -14,7 +14,7 @@ from test_cluster import cleanup, make_profile, states, until, workdir  # noqa: 
 
 async def test_resume_starts_the_nodes_the_run_had_not_the_profiles_active_hosts(workdir, cleanup):
     """Defect: --resume after a stop started the profile's active hosts: node-b, drained on purpose, came back from
-    its old checkpoint, and node-c, a standby host added during the run, stayed a standby with its checkpoint."""
+    its old checkpoint, and node-c, a standby host added during the run, stayed spare with its checkpoint."""
     profile = make_profile(workdir)
     first = Cluster(profile, Fleet(run="t"))
     nodes = first.fleet.nodes

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from console.cluster import Cluster
+from console.cluster import Cluster, StartRefused
 from console.etcd import engine_store_overrides, member_argv, plan_members
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.profile import ProfileError, load_profile, parse_profile
 from console.transport import TransportError
 from console.widgets.cells import summary_text
@@ -203,12 +203,14 @@ async def test_an_etcd_that_cannot_start_fails_every_node_with_its_reason(tmp_pa
     fleet = Fleet(run="etcd-e2e")
     cluster = Cluster(profile, fleet)
     try:
-        await asyncio.wait_for(cluster.start(), 30)  # at once, not after the quorum wait
+        with pytest.raises(StartRefused) as refused:  # at once, before anything starts (issue 41)
+            await asyncio.wait_for(cluster.start(), 30)
+        said = f"{path}:11: store.etcd_binary: /nonexistent/etcd is not found on node-a"
+        assert refused.value.lines[0].startswith(said) and len(refused.value.lines) == 3  # one per member host
         for node in ("node-a", "node-b"):
-            assert fleet.nodes[node].state is NodeState.FAILED
-            assert fleet.nodes[node].reason.startswith("etcd could not start: member node-"), fleet.nodes[node].reason
-            assert "/nonexistent/etcd" in fleet.nodes[node].reason
-        assert not list((tmp_path / "run").glob("node-*/pid"))  # no engine started
+            assert fleet.nodes[node].state is HostState.FAILED
+            assert fleet.nodes[node].reason == refused.value.lines[0]
+        assert not (tmp_path / "run").exists()  # nothing started, nothing written
     finally:
         await cluster.close()
         kill_everything(tmp_path)

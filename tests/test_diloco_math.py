@@ -21,7 +21,7 @@ from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
 from engine.outer.local import LocalRanks
 from engine.outer.fragments import FragmentedDiloco
-from engine.outer.optimizer import OuterOptimizer, flat_params
+from engine.outer.optimizer import Stateless, build_outer_optimizer, flat_params
 from engine.outer.overlap import OverlappedDiloco
 from engine.mesh.protocol import Plan
 from engine.outer import Progress
@@ -34,7 +34,7 @@ NUMEL = 10_007  # not a multiple of the group size: exercises the padding
 # ------------------------------------------------------------------------------------------ pure arithmetic
 
 def test_nesterov_two_steps_match_hand_computation():
-    opt = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    opt = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
     s = torch.tensor([1.0, 2.0])
     g1 = torch.tensor([0.1, -0.2])
     p1 = opt.propose(s, g1)
@@ -49,14 +49,14 @@ def test_nesterov_two_steps_match_hand_computation():
 
 
 def test_sgd_momentum_and_average_by_hand():
-    sgd = OuterOptimizer("sgd", lr=0.5, momentum=0.5)
+    sgd = build_outer_optimizer("sgd", lr=0.5, momentum=0.5)
     s, g = torch.tensor([1.0]), torch.tensor([0.2])
     sgd.commit(sgd.propose(s, g))
     p = sgd.propose(s, g)  # buf = 0.5 * 0.2 + 0.2 = 0.3; p = 1 - 0.5 * 0.3
     assert torch.allclose(p.params, torch.tensor([0.85]))
-    plain = OuterOptimizer("sgd", lr=0.5, momentum=0.0)
+    plain = build_outer_optimizer("sgd", lr=0.5, momentum=0.0)
     assert plain.propose(s, g).momentum is None and torch.allclose(plain.propose(s, g).params, torch.tensor([0.9]))
-    avg = OuterOptimizer("average", lr=0.7, momentum=0.9)  # lr and momentum are ignored: p = s - g
+    avg = build_outer_optimizer("average", lr=0.7, momentum=0.9)  # lr and momentum are ignored: p = s - g
     assert torch.allclose(avg.propose(s, g).params, torch.tensor([0.8]))
 
 
@@ -65,7 +65,7 @@ def test_a_reserved_momentum_is_the_memory_the_first_step_writes_into():
     per parameter at a boundary; the step's numbers are those of an optimizer without it, and momentum stays None
     (no outer step yet) until that step. A proposal never takes the reserve; a restored momentum frees it."""
     s, g = torch.randn(6), torch.randn(6)
-    plain, opt = OuterOptimizer("nesterov", 0.7, 0.9), OuterOptimizer("nesterov", 0.7, 0.9)
+    plain, opt = build_outer_optimizer("nesterov", 0.7, 0.9), build_outer_optimizer("nesterov", 0.7, 0.9)
     opt.reserve(6, "cpu")
     assert opt.momentum is None
     reserved = opt._spare.data_ptr()
@@ -77,22 +77,22 @@ def test_a_reserved_momentum_is_the_memory_the_first_step_writes_into():
     opt.step_(b, g.clone())
     assert torch.equal(a, b) and torch.equal(plain.momentum, opt.momentum)
     assert opt.momentum.data_ptr() == reserved and opt._spare is None
-    restored = OuterOptimizer("nesterov", 0.7, 0.9)
+    restored = build_outer_optimizer("nesterov", 0.7, 0.9)
     restored.reserve(6, "cpu")
     restored.load_state_dict({"kind": "nesterov", "momentum": torch.ones(6)})
     assert restored._spare is None
-    committed = OuterOptimizer("nesterov", 0.7, 0.9)
+    committed = build_outer_optimizer("nesterov", 0.7, 0.9)
     committed.reserve(6, "cpu")
     committed.commit(committed.propose(s, g))  # a committed proposal brings its own momentum
     assert committed._spare is None and torch.equal(committed.momentum, plain.momentum)
     for kind, beta in (("average", 0.9), ("sgd", 0.0)):  # keeps no momentum: reserves nothing
-        none = OuterOptimizer(kind, 0.7, beta)
+        none = build_outer_optimizer(kind, 0.7, beta)
         none.reserve(6, "cpu")
-        assert none._spare is None, kind
+        assert isinstance(none, Stateless) and none.state_dict() == {"kind": kind, "momentum": None}, kind
 
 
 def test_propose_leaves_state_untouched_until_commit():
-    opt = OuterOptimizer("nesterov", lr=0.7, momentum=0.9)
+    opt = build_outer_optimizer("nesterov", lr=0.7, momentum=0.9)
     s, g = torch.randn(5), torch.randn(5)
     opt.commit(opt.propose(s, g))
     before = opt.momentum.clone()
@@ -103,7 +103,7 @@ def test_propose_leaves_state_untouched_until_commit():
 
 def test_unknown_names_are_one_line_errors():
     with pytest.raises(ValueError, match="diloco.outer_optimizer: unknown 'adam'"):
-        OuterOptimizer("adam", 0.7, 0.9)
+        build_outer_optimizer("adam", 0.7, 0.9)
     with pytest.raises(ValueError, match="compression: unknown 'int4'"):
         compression.weighted_mean(torch.zeros(3), 1.0, None, "int4")
 
@@ -193,14 +193,15 @@ class TinyInner:
         self.updates += 1
 
 
-def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, **diloco):
+def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, **diloco):
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
     loop = OverlappedDiloco if diloco.get("overlap") else FragmentedDiloco if diloco.get("fragments", 1) > 1 \
         else DilocoOuter
     return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
-                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory)
+                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
+                **({} if clock is None else {"clock": clock}))
 
 
 class _Null:
@@ -248,7 +249,7 @@ def test_aborted_outer_step_rolls_back_then_retries_same_pgrad():
     # the first decision was abort: the committed update is exactly one Nesterov step of the same pgrad
     expected = start - 0.7 * (trained + 0.9 * trained)
     torch.testing.assert_close(flat_params(inner.outer_params()), expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(outer.opt.momentum, trained, rtol=0, atol=1e-7)
+    torch.testing.assert_close(outer.opt.state_dict()["momentum"], trained, rtol=0, atol=1e-7)
     assert mesh.votes == [True, True] and progress.outer_step == 1 and inner.updates == 1
     kinds = [e["type"] for e in events]
     assert kinds.count("warning") == 1 and "aborted" in events[kinds.index("warning")]["message"]
@@ -341,7 +342,7 @@ def _handoff_checks(store, rank: int) -> dict:
                        min_nodes=3, group_factory=group)
     progress = Progress(step=9, outer_step=3, tokens=12345) if not joiner else Progress()
     if not joiner:
-        outer.opt.momentum = torch.full((36,), 0.01)  # as if 3 outer steps were done
+        outer.opt.load_state_dict({"kind": "nesterov", "momentum": torch.full((36,), 0.01)})  # 3 outer steps done
     outer.start(progress)
     wire = outer.bufs.exchange._bufs
     if not joiner:
@@ -349,8 +350,8 @@ def _handoff_checks(store, rank: int) -> dict:
         progress.step = 12
         outer.after_inner_step(progress)
     return {"prepared": prepared[0], "used": {key: (t.data_ptr(), t.shape) for key, t in wire.items()},
-            "reserved": reserved[0], "momentum_at": outer.opt.momentum.data_ptr(),
-            "params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
+            "reserved": reserved[0], "momentum_at": outer.opt.state_dict()["momentum"].data_ptr(),
+            "params": flat_params(inner.outer_params()), "momentum": outer.opt.state_dict()["momentum"],
             "progress": (progress.step, progress.outer_step, progress.tokens), "checksum": outer.last_outer_step,
             "sent": [x for r in recording for x in r.sent]}
 
@@ -378,7 +379,7 @@ def _first_step_checks(store, rank: int, c_seed: int, prefix: str, forming: bool
     inner.train_step(20 + rank)
     progress.step, progress.tokens = 1, 1000 * (rank + 1)
     outer.after_inner_step(progress)
-    return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.momentum,
+    return {"params": flat_params(inner.outer_params()), "momentum": outer.opt.state_dict()["momentum"],
             "sent": [x for r in recording for x in r.sent],
             "warnings": [e["message"] for e in events if e["type"] == "warning"]}
 
@@ -624,8 +625,8 @@ def _failed_handoff(plan, rows, node="b", error=RuntimeError("Connection closed 
                             bounded=lambda p, what, fn, **kw: _raise(error) if give_up and what != "state check"
                             else fn(),
                             failed=lambda p, e: seen.setdefault("failed", []).append((p.generation, type(e))))
-    opt = OuterOptimizer("nesterov", 0.7, 0.9)
-    opt.momentum = torch.zeros(4)
+    opt = build_outer_optimizer("nesterov", 0.7, 0.9)
+    opt.load_state_dict({"kind": "nesterov", "momentum": torch.zeros(4)})
     bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"),
                            renew_scratch=lambda: seen.setdefault("renewed", []).append(1))
     emit = lambda kind, message: warnings.append(message)  # noqa: E731
@@ -673,7 +674,7 @@ def test_a_joiner_whose_state_did_not_arrive_steps_out_keeps_nothing_and_says_so
                                renew_scratch=lambda: seen.setdefault("renewed", []).append(1))
         progress = Progress(step=5, outer_step=2, tokens=50)
         with pytest.raises(handoff.MissedState, match="outer step 7: the state from a did not arrive"):
-            handoff.StateHandoff(bufs, OuterOptimizer("nesterov", 0.7, 0.9), links, lambda *a, **k: None).receive(
+            handoff.StateHandoff(bufs, build_outer_optimizer("nesterov", 0.7, 0.9), links, lambda *a, **k: None).receive(
                 join, progress, lambda params, tensors: adopted.append(params), into_mean=into_mean)
         assert stepped == [(7, f"the state from a did not arrive ({error})", "it missed the state it joined for")]
         assert adopted == [] and (progress.step, progress.outer_step, progress.tokens) == (5, 2, 50)
@@ -913,7 +914,7 @@ def test_a_joiner_stops_watching_the_nodes_before_it_once_its_state_landed():
     state = [torch.ones(4), torch.full((4,), 0.5), torch.tensor([9, 3, 100])]
     links = SimpleNamespace(node_id="b", local=LocalRanks(0, 1, None), mesh=None, dead=lambda p: [],
                             group=lambda p: _FrozenNext(state, True, handoff.PIECE_BYTES), bounded=bounded)
-    opt = OuterOptimizer("nesterov", 0.7, 0.9)
+    opt = build_outer_optimizer("nesterov", 0.7, 0.9)
     bufs = SimpleNamespace(numel=4, mean=torch.zeros(4), device=torch.device("cpu"))
     progress = Progress()
     handoff.StateHandoff(bufs, opt, links, lambda *a, **k: None).receive(

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from console.fleet import OUTER_ROUNDS, Fleet, Node, NodeState
+from console.fleet import OUTER_ROUNDS, Fleet, HostState, Node, NodeState
 from console.widgets.panes import timeline_line
 from engine.telemetry import encode, make_event
 
@@ -108,7 +108,7 @@ def test_a_stray_print_on_stdout_shows_in_the_log():
 def test_state_transitions_engine_and_console_facts():
     fleet = Fleet()
     fleet.add_node("a", "h")
-    assert fleet.nodes["a"].state is NodeState.STANDBY
+    assert fleet.nodes["a"].state is HostState.SPARE
     fleet.set_state("a", NodeState.STARTING)
     fleet.ingest("a", start("a"))
     for state in ("joining", "training", "draining"):
@@ -121,11 +121,11 @@ def test_state_transitions_engine_and_console_facts():
     # unreachable holds until any line arrives (the link is back), then the engine's own state shows again
     fleet.ingest("a", start("a", pid=200))
     fleet.ingest("a", line("state", state="training"))
-    fleet.set_state("a", NodeState.UNREACHABLE, "ssh: keepalive timeout")
-    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.UNREACHABLE, "ssh: keepalive timeout")
+    fleet.set_state("a", HostState.UNREACHABLE, "ssh: keepalive timeout")
+    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (HostState.UNREACHABLE, "ssh: keepalive timeout")
     fleet.ingest("a", step(21, 1.0, 1.0))
     assert fleet.nodes["a"].state is NodeState.TRAINING and fleet.nodes["a"].reason is None
-    fleet.set_state("a", NodeState.UNREACHABLE, "ssh: connection refused")
+    fleet.set_state("a", HostState.UNREACHABLE, "ssh: connection refused")
     fleet.set_reachable("a")  # reconnected, nothing new to read yet
     assert fleet.nodes["a"].state is NodeState.TRAINING and fleet.nodes["a"].reason is None
 
@@ -149,12 +149,12 @@ def test_failed_run_end_keeps_the_error_as_reason():
     fleet.ingest("a", line("error", message="checkpoint before exit failed: RuntimeError: CUDA OOM"))
     fleet.ingest("a", line("state", state="left"))
     fleet.ingest("a", line("run_end", status="failed", step=3))
-    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.FAILED, "RuntimeError: CUDA OOM")
+    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (HostState.FAILED, "RuntimeError: CUDA OOM")
     # the next process starts clean: its own failure without an error line says "failed", not the old cause
     fleet.ingest("a", start("a", pid=200))
     fleet.ingest("a", line("state", state="left"))
     fleet.ingest("a", line("run_end", status="failed", step=3))
-    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (NodeState.FAILED, "failed")
+    assert (fleet.nodes["a"].state, fleet.nodes["a"].reason) == (HostState.FAILED, "failed")
 
 
 class _NodeFiles:
@@ -200,7 +200,7 @@ async def test_a_drained_node_killed_writing_its_last_checkpoint_failed():
                 line("drained", outer_step=4, step=20)]
     log = {"engine.log": "[a:0] drained\nsaving checkpoint step 20\n"}
     node = await _settled(draining, {"rc": "137\n", **log})
-    assert (node.state, node.reason) == (NodeState.FAILED, "exited with status 137: saving checkpoint step 20")
+    assert (node.state, node.reason) == (HostState.FAILED, "exited with status 137: saving checkpoint step 20")
     fleet = Fleet()
     fleet.nodes["a"] = node
     assert run_outcome(fleet) == EXIT_FAILED
@@ -240,7 +240,7 @@ def test_version_bumps_only_on_change():
     fleet.add_node("a", "h")
     assert fleet.version == v + 1
     fleet.add_node("a", "h")  # already there
-    fleet.set_state("a", NodeState.STANDBY)  # same state, same reason
+    fleet.set_state("a", HostState.SPARE)  # same state, same reason
     assert fleet.version == v + 1
     fleet.ingest("a", step(1, 1.0, 1.0))
     assert fleet.version == v + 2

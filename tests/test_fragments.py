@@ -16,7 +16,7 @@ from engine.config import DilocoConfig
 from engine.outer import Progress
 from engine.outer.buffers import fingerprint
 from engine.outer.fragments import spans
-from engine.outer.optimizer import OuterOptimizer
+from engine.outer.optimizer import build_outer_optimizer
 from procs import spawned_ranks
 from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
 
@@ -152,7 +152,7 @@ def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_
     assert a["final"] == b["final"]
 
     # the arithmetic, fragment by fragment, with an outer optimizer of its own per fragment (momentum per element)
-    opts = [OuterOptimizer("nesterov", 0.7, 0.9) for _ in parts]
+    opts = [build_outer_optimizer("nesterov", 0.7, 0.9) for _ in parts]
     snap = a["s0"].clone()
     recs = {"a": a["records"], "b": b["records"]}
     for k in range(1, 8):  # outer step k: a trained up to step k, b up to step min(k, 5)
@@ -256,7 +256,7 @@ def test_a_delayed_fragment_lands_later_mixed_and_keeps_the_steps_trained_meanwh
     assert [s for s, r in enumerate(a["records"], 1) if r["in_flight"]] == flying
     # the outer step counter moves when a fragment lands (steps 5, 8, 11, 14), not when it goes in flight
     assert [r["outer_step"] for r in a["records"]] == [0] * 4 + [1] * 3 + [2] * 3 + [3] * 3 + [4, 7]
-    parts, opts = a["spans"], [OuterOptimizer("nesterov", 0.7, 0.5) for _ in a["spans"]]
+    parts, opts = a["spans"], [build_outer_optimizer("nesterov", 0.7, 0.5) for _ in a["spans"]]
     snap = a["s0"].clone()
     for n in range(1, 5):  # the boundary of outer step n is step 3n; it lands at step 3n + 2
         f, t = (n - 1) % P, 3 * n

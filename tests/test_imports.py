@@ -105,10 +105,11 @@ FORBIDDEN = {
 }
 
 # the console starts engines and reads their events: it imports only these torch-free engine modules (the config
-# rules, the event schema, errors, the preset shapes and the DeepSpeed config its recipes write, etcd's gateway, the
-# memory estimate the preflight compares with each host's GPUs)
-CONSOLE_MAY_IMPORT = {"engine.config", "engine.telemetry", "engine.errors", "engine.presets",
-                      "engine.inner.deepspeed_config", "engine.store.etcd_gateway", "engine.memory"}
+# rules, the event schema and the node states, errors, the preset shapes and the DeepSpeed config its recipes
+# write, etcd's gateway and its endpoints' parser, the memory estimate the preflight compares with each host's GPUs)
+CONSOLE_MAY_IMPORT = {"engine.config", "engine.telemetry", "engine.states", "engine.errors", "engine.presets",
+                      "engine.inner.deepspeed_config", "engine.store.etcd_gateway", "engine.store.endpoints",
+                      "engine.memory"}
 
 
 def _in(module: str, part: str) -> bool:
@@ -143,3 +144,67 @@ def test_the_parts_are_folders_a_newcomer_finds():
 def test_the_forbidden_arrow_checker_sees_one():
     graph = {"engine.inner.zero": {"engine.outer.diloco"}, "engine.outer.diloco": {"engine.mesh"}}
     assert forbidden_arrows(graph) == ["engine.inner.zero -> engine.outer.diloco"]
+
+
+# The console's layers, lowest first (docs/architecture.md, "Console modules"). A module imports its own layer or
+# those below it, never one above: the pure model knows no transport, a transport no host, the hosts no preflight,
+# the preflight no controller, the controller no screen, and only the CLI wires the controller to the app. A part is
+# a folder or a module; the longest part that names a module places it, and every console module must be placed.
+CONSOLE_LAYERS: list[tuple[str, ...]] = [
+    # pure: the profile, the model of the fleet and its nodes, the interface the app drives (no I/O)
+    ("console", "console.profile", "console.sshconfig", "console.nodes", "console.outcome", "console.fleet",
+     "console.engine_config", "console.dependency_warnings", "console.etcd_pki", "console.control"),
+    # one interface, two implementations: local subprocesses and asyncssh
+    ("console.transport",),
+    # the hosts and what runs on them: the store, etcd, the engines' commands, watchers, attaching
+    ("console.hosts", "console.etcd", "console.launch", "console.watchers", "console.store_host", "console.attach",
+     "console.recipes", "console.store_backend"),
+    # before anything starts: the checks, the hosts' keys, and bringing the hosts up to the console's checkout
+    ("console.preflight", "console.hostkeys", "console.sync"),
+    # the controller
+    ("console.cluster",),
+    # what the app renders
+    ("console.widgets",),
+    ("console.screens",),
+    ("console.app",),
+    # the edge: parse arguments, build the controller and the app, run
+    ("console.cli", "console.__main__"),
+]
+
+
+def console_layer(module: str) -> int | None:
+    """The layer of the longest part naming `module`; "console" names only the package itself (its __init__)."""
+    best = max(((len(part), i) for i, parts in enumerate(CONSOLE_LAYERS) for part in parts
+                if (module == part if part == "console" else _in(module, part))), default=None)
+    return None if best is None else best[1]
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Each console import into a higher layer than its own, as `module (layer) -> target (layer)`."""
+    out = []
+    for m, ts in graph.items():
+        if not _in(m, "console"):
+            continue
+        low = console_layer(m)
+        for t in ts:
+            high = console_layer(t)
+            if low is not None and high is not None and high > low:
+                out.append(f"{m} ({low}) -> {t} ({high})")
+    return sorted(out)
+
+
+def test_every_console_module_has_a_layer():
+    assert sorted(m for m in import_graph() if _in(m, "console") and console_layer(m) is None) == []
+
+
+def test_no_console_import_runs_up_a_layer():
+    assert upward_arrows(import_graph()) == []
+
+
+def test_the_layer_checker_sees_an_upward_arrow():
+    """The oracle: an arrow like the one this rule was written for (console/checkout.py, beside the hosts, reaching
+    into the preflight's probe) is found, and the same arrow downward is not; a module no layer names is found."""
+    graph = {"console.hosts": {"console.preflight.probe"}, "console.preflight.runner": {"console.hosts"}}
+    assert upward_arrows(graph) == ["console.hosts (2) -> console.preflight.probe (3)"]
+    assert console_layer("console.checkout") is None and console_layer("console") == 0
+    assert console_layer("console.widgets.cells") == 5 and console_layer("console.transport.commands") == 1

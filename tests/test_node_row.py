@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from console.fleet import Fleet, NodeState
+from console.fleet import Fleet, HostState, NodeState
 from console.widgets.node_table import node_row
 
 
@@ -24,7 +24,7 @@ def test_a_running_node_shows_its_labelled_cpu_sample():
 
 
 def test_a_dead_or_left_node_shows_no_utilization():
-    for state in (NodeState.DEAD, NodeState.LEFT, NodeState.FAILED):
+    for state in (NodeState.DEAD, NodeState.LEFT, HostState.FAILED):
         fleet = _fleet_with_sample()
         fleet.set_state("node-a", state, "gone")
         row = node_row(fleet.nodes["node-a"], heartbeat_timeout=6.0)

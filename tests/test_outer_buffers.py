@@ -53,7 +53,7 @@ def test_buffers_map_parameters_of_any_dtype():
 
 
 def _state(outer, inner):
-    return (outer.bufs.snapshot.clone(), outer.opt.momentum.clone(),
+    return (outer.bufs.snapshot.clone(), outer.opt.state_dict()["momentum"].clone(),
             [p.clone() for p in inner.outer_params()])
 
 
@@ -86,7 +86,7 @@ def test_outer_steps_reuse_their_memory_and_an_abort_changes_nothing():
             mesh.commit = spy
         outer.after_inner_step(progress)
         now = (outer.bufs.snapshot.data_ptr(), outer.bufs.pgrad.data_ptr(), outer.bufs.mean.data_ptr(),
-               outer.opt.momentum.data_ptr())
+               outer.opt.state_dict()["momentum"].data_ptr())
         assert ptrs is None or now == ptrs, "an outer step allocated new state buffers"
         ptrs = now
     assert progress.outer_step == 3 and inner.updates == 3

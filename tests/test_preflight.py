@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 
 from console import cli
-from console.checkout import Checkout
-from console.fleet import Fleet, NodeState
+from console.preflight.checkout import Checkout
+from console.fleet import Fleet, HostState
 from console.preflight import PreflightFailed, probe
-from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, ifname_matches, judge
+from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, exposed, ifname_matches, judge
 from console.profile import ProfileError, load_profile, parse_profile
 from procs import ROOT, free_port
 
@@ -251,6 +251,78 @@ def test_profile_keys_are_validated_at_their_line(tmp_path):
         parse_profile(shared, "pf.toml")
 
 
+# ---- over the internet (issue 41, item 7) -----------------------------------------------------------------------
+PRIVATE = ["127.0.0.1", "10.1.2.3", "172.16.0.1", "172.31.255.254", "192.168.1.1", "169.254.1.1", "100.64.0.1",
+           "100.127.255.254", "fd00::1", "fe80::1", "::1"]
+
+
+def test_an_address_that_is_not_private_is_one_warning_for_the_run_naming_the_ways_to_close_it():
+    """The TCP store and gloo have no authentication and no encryption: a listener beyond a private network is
+    said once, whoever listens there, with what closes it. Both sides of each range's edge (8.8.8.8 only as a
+    string: nothing dials it)."""
+    from console.preflight.rules import exposed, exposure_warning
+
+    assert [a for a in PRIVATE if exposed(a)] == []
+    public = ["8.8.8.8", "172.15.255.255", "172.32.0.1", "100.63.255.255", "100.128.0.1", "2001:4860:4860::8888",
+              "fe00::1"]
+    assert [a for a in public if not exposed(a)] == []
+    assert exposed("0.0.0.0") and exposed("::")  # every interface, a public one among them perhaps
+    assert exposed("gpu1.example.org") is None  # a name: the runner resolves it first
+    assert exposure_warning([("the store (node-a, port 29600)", a) for a in PRIVATE]) is None
+    warning = exposure_warning([("the store (node-a, port 29600)", "8.8.8.8"), ("node-b's collectives (gloo)",
+                                                                                "10.0.0.2"),
+                                ("node-c's collectives (gloo)", "2001:4860:4860::8888")])
+    assert warning is not None and warning.count("warning") == 1 and "10.0.0.2" not in warning
+    assert ("(the TCP store, gloo): the store (node-a, port 29600) on 8.8.8.8; node-c's collectives (gloo) on "
+            "2001:4860:4860::8888. Whoever reaches them can join or steer the run") in warning
+    for way in ('etcd with TLS for the store (store.backend = "etcd")', "a VPN between the hosts such as WireGuard",
+                "the store bound to a private address (store.bind)", 'docs/operations.md, "Over the internet"'):
+        assert way in warning
+    assert "(every interface)" in exposure_warning([("the store (node-a, port 1)", "0.0.0.0")])
+
+
+async def test_the_store_and_each_engines_collectives_are_judged_where_they_listen(tmp_path):
+    """The store on its bind address (a name as this machine resolves it), each engine host on the address its
+    gloo listens on (the probe's `peer`); etcd members take only the run's certificate and are left out."""
+    from console.preflight.runner import build_plans, listeners
+
+    text = write_profile(tmp_path).read_text()
+    (tmp_path / "pub.toml").write_text(text.replace("[store]\n", '[store]\naddress = "8.8.8.8"\n'))
+    public = load_profile(tmp_path / "pub.toml")
+    plans = build_plans(public, "start", None, None, bind=False)
+    results = {"node-a": HostResult("node-a", facts={"peer": ["10.0.0.1", 40000]}),
+               "node-b": HostResult("node-b", facts={"peer": ["8.8.4.4", 40001]})}
+    port = public.store.port
+    assert await listeners(public, plans, results) == [(f"the store (node-a, port {port})", "8.8.8.8"),
+                                                       ("node-a's collectives (gloo)", "10.0.0.1"),
+                                                       ("node-b's collectives (gloo)", "8.8.4.4")]
+    (tmp_path / "named.toml").write_text(text.replace("[store]\n", '[store]\naddress = "localhost"\n'))
+    named = load_profile(tmp_path / "named.toml")
+    found = await listeners(named, build_plans(named, "start", None, None), {})
+    assert found and all(what == f"the store (node-a, port {named.store.port}, localhost)" and not exposed(ip)
+                         for what, ip in found)
+    assert await listeners(named, build_plans(named, "add", ["node-b"], None), {}) == []  # an add: no store
+
+
+async def test_the_starts_warning_is_said_once_per_run(tmp_path, monkeypatch):
+    from console.cluster import Cluster
+    from console.preflight import runner
+
+    profile = load_profile(write_profile(tmp_path))
+    report = runner.Report(runner.build_plans(profile, "start", None, None), {}, None, [], [], ["warning: W"])
+
+    async def preflight(*args, **kw):
+        return report
+    monkeypatch.setattr(runner, "preflight", preflight)
+    fleet = Fleet(run=profile.run.name)
+    cluster = Cluster(profile, fleet, preflight=True)
+    await cluster._check_before("start", hosts=["node-a", "node-b"])
+    await cluster._check_before("add", "node-b")
+    await cluster.close()
+    assert cluster.warnings == ["warning: W"]
+    assert [line for n in fleet.nodes.values() for line in n.log if "W" in line] == ["[console] warning: W"]
+
+
 # ---- on this machine (local transport) --------------------------------------------------------------------------
 def run_console(*args: str, timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "console", *args], cwd=cwd, capture_output=True, text=True,
@@ -306,6 +378,7 @@ def test_check_names_each_planted_problem_on_this_machine(tmp_path):
                                 "links", "clock"]
     assert [row.split()[:2] for row in table[1:]] == [["node-a", "engine,store"], ["node-b", "engine"]]
     assert all("this checkout" in row and "connected" in row for row in table[1:])
+    assert "warning" not in clean.stdout + clean.stderr  # the store and gloo on loopback: private (item 7)
 
 
 async def test_a_port_taken_before_the_checks_listener_is_a_note_not_a_link_problem(tmp_path, monkeypatch):
@@ -376,7 +449,7 @@ async def test_a_refused_start_shows_on_each_nodes_row(tmp_path):
     app = make_app(profile, cluster, fleet=fleet)
     async with app.run_test(size=(160, 40)) as pilot:
         deadline = time.monotonic() + 60
-        while fleet.nodes["node-b"].state is not NodeState.FAILED:
+        while fleet.nodes["node-b"].state is not HostState.FAILED:
             assert time.monotonic() < deadline, {n.name: n.state for n in fleet.nodes.values()}
             await pilot.pause(0.2)
         await pilot.pause(1.0)  # a redraw
@@ -385,7 +458,7 @@ async def test_a_refused_start_shows_on_each_nodes_row(tmp_path):
         b, a = fleet.nodes["node-b"], fleet.nodes["node-a"]
         assert b.reason.startswith("preflight: data.path no/such/data does not exist on the host")
         assert any("preflight: data.path no/such/data" in str(line) for line in b.log)
-        assert a.state is NodeState.OFF and any("the preflight found problems on node-b" in str(line)
+        assert a.state is HostState.OFF and any("the preflight found problems on node-b" in str(line)
                                                 for line in a.log)
         await cluster.close()
     assert not list((tmp_path / "runs").glob("*/pid"))
@@ -404,7 +477,7 @@ async def test_a_cluster_start_raises_with_every_line(tmp_path):
     await cluster.close()
     assert [line.split(";")[0] for line in info.value.lines] == [
         f"node-a: cannot listen on 127.0.0.1:{port} for the store: EADDRINUSE: Address already in use"]
-    assert fleet.nodes["node-a"].state is NodeState.FAILED and fleet.nodes["node-b"].state is NodeState.OFF
+    assert fleet.nodes["node-a"].state is HostState.FAILED and fleet.nodes["node-b"].state is HostState.OFF
 
 
 def test_sync_puts_head_into_other_folders_once_and_never_into_the_checkout(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from console.checkout import Checkout
+from console.preflight.checkout import Checkout
 from procs import ROOT, free_port, kill_recorded_groups
 from test_preflight import squatter
 

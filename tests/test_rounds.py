@@ -13,6 +13,7 @@ import torch.distributed as dist
 from engine.config import DilocoConfig
 from engine.outer import Progress
 from engine.outer.rounds import RoundClock
+from engine.outer.schedule import Schedule
 from procs import spawned_ranks
 from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
 
@@ -26,12 +27,12 @@ class Clock:
 
 
 def timed(seconds: float = 10.0, h: int = 4, clock: Clock | None = None) -> RoundClock:
-    return RoundClock(DilocoConfig(enabled=True, inner_steps=h, round="time", round_seconds=seconds),
-                      clock=clock or Clock())
+    return Schedule(DilocoConfig(enabled=True, inner_steps=h, round="time", round_seconds=seconds)).round_clock(
+        clock or Clock())
 
 
 def test_step_rounds_end_every_h_steps_and_weigh_their_tokens():
-    rounds = RoundClock(DilocoConfig(enabled=True, inner_steps=3))
+    rounds = Schedule(DilocoConfig(enabled=True, inner_steps=3)).round_clock()
     p = Progress()
     rounds.resume(p)
     ends = []
@@ -106,8 +107,8 @@ def test_the_outer_loop_ends_each_round_at_its_plans_deadline():
              replace(make_plan(1, 2, 0, ["a"], source="a"), deadline=1030.5),
              replace(make_plan(1, 3, 0, ["a"], source="a"), deadline=1040.5)]
     inner = TinyInner(0)
-    outer = make_outer(inner, FakeMesh(plans, [True] * 3), inner_steps=4, round="time", round_seconds=10.0)
-    outer.rounds.clock = clock
+    outer = make_outer(inner, FakeMesh(plans, [True] * 3), inner_steps=4, round="time", round_seconds=10.0,
+                       clock=clock)
     p = Progress()
     outer.start(p)
     ends = []
@@ -142,17 +143,17 @@ def test_time_rounds_measure_the_run_in_rounds_and_the_schedule_by_the_round_clo
 
 
 def test_a_checkpoint_keeps_the_rounds_tokens_and_an_old_one_is_guessed_from_its_steps():
-    r = RoundClock(DilocoConfig(enabled=True, inner_steps=5))
+    r = Schedule(DilocoConfig(enabled=True, inner_steps=5)).round_clock()
     p = Progress(step=10, outer_step=2, tokens=1000)
     r.resume(p)
     r.begin(p)
     p.step, p.tokens = 13, 1350  # this round's steps held more tokens than the run's average
     saved = r.state_dict()
-    again = RoundClock(DilocoConfig(enabled=True, inner_steps=5))
+    again = Schedule(DilocoConfig(enabled=True, inner_steps=5)).round_clock()
     again.load_state_dict(saved)
     again.resume(p)
     assert again.close(p) == 350  # from the checkpointed round start; a guess from the steps says 312
-    old = RoundClock(DilocoConfig(enabled=True, inner_steps=5))  # a checkpoint without the key
+    old = Schedule(DilocoConfig(enabled=True, inner_steps=5)).round_clock()  # a checkpoint without the key
     old.resume(p)
     assert old.close(p) == 312  # 3 steps since the last committed boundary, 1350 / 13 tokens each
     # saved at a boundary before it committed: that round's tokens are still known at the resume
@@ -279,3 +280,23 @@ def test_a_last_round_cut_short_is_said_and_the_run_does_not_end_agreed(tmp_path
         assert ends_agreed(load_config(path, ok)) and unsynced_tail_note(load_config(path, ok)) is None, ok
     alone = load_config(path, ["--diloco.enabled=false"])
     assert not ends_agreed(alone) and unsynced_tail_note(alone) is None  # no DiLoCo: nothing to average
+
+
+def test_the_schedule_says_when_a_sync_is_due_and_what_it_covers():
+    """The one reader of inner_steps, fragments and round: an outer step every H / P steps, outer step k covering
+    fragment (k - 1) % P; time rounds count the run in rounds of H steps; the run ends agreed where its last step
+    is a boundary (time rounds, fragments) or H divides max_steps."""
+    whole = Schedule(DilocoConfig(enabled=True, inner_steps=6))
+    assert [s for s in range(1, 19) if whole.due_at(s)] == [6, 12, 18]
+    assert [whole.fragment_of(k) for k in (1, 2, 3)] == [0, 0, 0]
+    parts = Schedule(DilocoConfig(enabled=True, inner_steps=6, fragments=3))
+    assert [s for s in range(1, 13) if parts.due_at(s)] == [2, 4, 6, 8, 10, 12]
+    assert [parts.fragment_of(k) for k in range(1, 8)] == [0, 1, 2, 0, 1, 2, 0]
+    assert parts.boundaries_before(7) == 3 and parts.step_of_boundary(3) == 6
+    assert (whole.ends_agreed(18), whole.ends_agreed(17), whole.unsynced_tail(17)) == (True, False, 5)
+    assert parts.ends_agreed(17) and parts.unsynced_tail(17) == 0  # every fragment is synced at the last step
+    timed_ = Schedule(DilocoConfig(enabled=True, inner_steps=4, round="time", round_seconds=5))
+    assert timed_.timed and timed_.ends_agreed(17) and timed_.rounds(17) == 5 and timed_.rounds(16) == 4
+    assert timed_.lr_step(2.5) == 10
+    off = Schedule(DilocoConfig(enabled=False, inner_steps=4))
+    assert not off.ends_agreed(16) and off.unsynced_tail(17) == 0  # no DiLoCo: nothing to average

@@ -36,7 +36,7 @@ async def test_a_second_profile_on_the_same_run_dir_leaves_the_first_ones_store_
     fleet = Fleet(run="t")
     second = Cluster(load_profile(workdir / "q.toml"), fleet)
     await second.start()
-    assert states(fleet) == {"node-a": "failed", "node-b": "failed", "node-c": "standby"}
+    assert states(fleet) == {"node-a": "failed", "node-b": "failed", "node-c": "spare"}
     reason = fleet.nodes["node-a"].reason or ""
     assert "holds a running store started from another profile or machine" in reason and "p.toml" in reason, reason
     assert _alive(pid) and int((store_dir / "pid").read_text()) == pid  # not ended, not archived

@@ -80,7 +80,7 @@ def kill_run(run_dir: Path) -> None:
 async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
     """Stand-in engines (no torch) as the non-root user: start, link outage, re-attach, kill, stop."""
     from console.cluster import Cluster
-    from console.fleet import Fleet, NodeState
+    from console.fleet import Fleet, HostState, NodeState
     from test_cluster import write_fake_engine
 
     work = sshd.home / "work dir"
@@ -99,7 +99,7 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         await until(lambda: all(n.state is NodeState.TRAINING and (n.step or 0) >= 3 for n in fleet.nodes.values()),
                     30, "training over ssh")
         sshd.stop()  # an outage: every connection dropped, no server
-        await until(lambda: all(n.state is NodeState.UNREACHABLE for n in fleet.nodes.values()), 20, "unreachable")
+        await until(lambda: all(n.state is HostState.UNREACHABLE for n in fleet.nodes.values()), 20, "unreachable")
         assert "link" in fleet.nodes["node-a"].reason or "refused" in fleet.nodes["node-a"].reason
         await asyncio.sleep(1.5)
         written = (run_dir / b / "events.jsonl").read_text().count('"type": "step"')
@@ -125,7 +125,7 @@ async def test_cluster_over_ssh_survives_an_outage_and_catches_up(sshd):
         later = Fleet()
         cluster = Cluster(profile, later)
         await cluster.attach()  # `zeroband-console PROFILE --attach`
-        assert later.nodes["node-a"].state is NodeState.UNREACHABLE and "refused" in later.nodes["node-a"].reason
+        assert later.nodes["node-a"].state is HostState.UNREACHABLE and "refused" in later.nodes["node-a"].reason
         # a shell's `stop` meanwhile cannot reach the engines: it says so and fails (it said "stopped 0 node(s)",
         # exit 0, while they trained on)
         shell = Cluster(profile, Fleet())
@@ -204,7 +204,7 @@ async def test_ssh_config_alias_and_jump_host(sshd):
 async def test_cluster_bad_hosts_each_get_a_reason_and_the_good_one_trains(sshd):
     """Wrong key, unknown host key, closed port, missing python: each node says why; the good node trains."""
     from console.cluster import Cluster
-    from console.fleet import Fleet, NodeState
+    from console.fleet import Fleet, HostState, NodeState
     from console.profile import load_profile
     from sshd import keygen
     from test_cluster import write_fake_engine
@@ -230,10 +230,10 @@ async def test_cluster_bad_hosts_each_get_a_reason_and_the_good_one_trains(sshd)
         await cluster.start()
         await until(lambda: fleet.nodes["node-a"].state is NodeState.TRAINING, 30, "node-a trains")
         got = {n.name: (n.state, n.reason) for n in fleet.nodes.values()}
-        assert got["wrong-key"][0] is NodeState.UNREACHABLE and "authentication failed" in got["wrong-key"][1]
-        assert got["unknown-key"][0] is NodeState.UNREACHABLE and "host key of" in got["unknown-key"][1]
-        assert got["closed-port"][0] is NodeState.UNREACHABLE and "connection refused" in got["closed-port"][1]
-        assert got["no-python"] == (NodeState.FAILED, "python not found on the host: /opt/nowhere/bin/python3")
+        assert got["wrong-key"][0] is HostState.UNREACHABLE and "authentication failed" in got["wrong-key"][1]
+        assert got["unknown-key"][0] is HostState.UNREACHABLE and "host key of" in got["unknown-key"][1]
+        assert got["closed-port"][0] is HostState.UNREACHABLE and "connection refused" in got["closed-port"][1]
+        assert got["no-python"] == (HostState.FAILED, "python not found on the host: /opt/nowhere/bin/python3")
         step = fleet.nodes["node-a"].step or 0
         await until(lambda: fleet.nodes["node-a"].step > step + 3, 20, "node-a goes on")
     finally:
@@ -354,7 +354,7 @@ async def test_profile_of_ssh_config_aliases_starts_and_trains(sshd, repo_root):
     """Defect: hosts named only by ssh_alias could not host the store (engines dialled the alias). A profile with
     no address anywhere: the store runs on h1, the engines dial its HostName, and the two nodes train together."""
     from console.cluster import Cluster
-    from console.fleet import Fleet, NodeState
+    from console.fleet import Fleet, HostState, NodeState
     from console.profile import load_profile
 
     python, env = sshd.user_python_env()
@@ -403,7 +403,7 @@ ssh_alias = "zbl-2"
     try:
         await cluster.start()
         await until(lambda: all((n.outer_step or 0) >= 1 for n in fleet.nodes.values())
-                    or any(n.state is NodeState.FAILED for n in fleet.nodes.values()), 300,
+                    or any(n.state is HostState.FAILED for n in fleet.nodes.values()), 300,
                     "an outer step on both alias hosts")
         assert all(n.state is NodeState.TRAINING for n in fleet.nodes.values()), \
             {n.name: (n.state.value, n.reason) for n in fleet.nodes.values()}

@@ -2,6 +2,7 @@
 
     probe.py     runs on each host with the host's python (standard library only, never torch): one JSON of facts
     rules.py     pure: facts and the console's expectations -> one Problem (host, what, fix) per thing to fix
+    checkout.py  the console's own version (commit, engine digest) and HEAD's files, for `check` and `sync`
     runner.py    every host at once over its transport, bounded in time; the store link test; a Report
 
 docs/operations.md, "Before the first run", explains each line.

@@ -433,4 +433,4 @@ def main(a):
 
 
 if __name__ in ("__main__", "__probe__") and "ARGS" in globals():
-    main(ARGS)  # noqa: F821 -- set by the line the console puts before this file
+    main(globals()["ARGS"])  # set by the line the console puts before this file

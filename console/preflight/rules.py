@@ -8,6 +8,7 @@ the console expects, to one Problem per thing to fix. No I/O here; tests/test_pr
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -83,7 +84,7 @@ class HostResult:
 class Expect:
     """The console's side: its checkout's version, its torch, the profile's limits."""
     profile: str
-    engine: str | None  # the engine digest every host must have (console/checkout.py)
+    engine: str | None  # the engine digest every host must have (console/preflight/checkout.py)
     label: str  # "commit 1a2b3c4d5e" for the lines
     torch: str | None  # the console's installed torch (metadata), None if it has none: then the hosts' majority
     min_free_gb: float = 2.0
@@ -202,7 +203,7 @@ def _edited_checkout(plans: Sequence[HostPlan], results: dict[str, HostResult], 
     """Engines in the console's own checkout run its files as they are on disk; `sync` sends the other hosts its
     commit. Edits to engine/**/*.py not committed (or new files) would have this machine's nodes run other code
     than the others' (a new module: the others fail at import), so they are a problem where there are others."""
-    facts = {p.name: results[p.name].facts for p in plans if p.engine and results[p.name].facts}
+    facts = {p.name: f for p in plans if p.engine and (f := results[p.name].facts)}
     own = [n for n, f in facts.items() if _own(f, expect)]
     if not own or len(own) == len(facts) or expect.engine is None:
         return []
@@ -326,6 +327,35 @@ def judge_manifests(plans: Sequence[HostPlan], results: dict[str, HostResult]) -
                                    "copy one prepared folder to every host (python -m engine.data verify DIR "
                                    "checks a copy)"))
     return out
+
+
+# ---- over the internet ------------------------------------------------------------------------------------------
+CGNAT = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT (Tailscale's addresses): not private to Python
+
+
+def exposed(address: str) -> bool | None:
+    """Whether a listener on address may be reached from the internet: every interface (0.0.0.0, ::), or an
+    address that is not private (RFC 1918, loopback, link-local, CGNAT 100.64/10, ULA fc00::/7; Python counts the
+    documentation ranges as private too). None: not an address (a name resolved nowhere)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return None
+    return ip.is_unspecified or not (ip.is_private or ip in CGNAT)
+
+
+def exposure_warning(listeners: Sequence[tuple[str, str]]) -> str | None:
+    """One warning for the run (or None) naming each (what, address) that listens beyond a private network: the
+    TCP store and gloo's connections carry no authentication and no encryption. The ways to close it."""
+    open_ = [f"{what} on {address}" + (" (every interface)" if address.strip("[]") in ("0.0.0.0", "::") else "")
+             for what, address in listeners if exposed(address)]
+    if not open_:
+        return None
+    return (f"warning: listening on an address that is not private, with no authentication and no encryption (the "
+            f"TCP store, gloo): {'; '.join(open_)}. Whoever reaches them can join or steer the run and read its "
+            "updates. Close it: etcd with TLS for the store (store.backend = \"etcd\"), a VPN between the hosts such "
+            "as WireGuard (their VPN addresses in the profile), or the store bound to a private address (store.bind); "
+            "docs/operations.md, \"Over the internet\"")
 
 
 # ---- small pure pieces ----------------------------------------------------------------------------------------

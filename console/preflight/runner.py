@@ -28,20 +28,21 @@ import asyncio
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Callable, Sequence
 
 from console import etcd as E
-from console.checkout import Checkout
+from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
-from console.fleet import Fleet, NodeState
-from console.hosts import STORE
+from console.fleet import Fleet, HostState
 from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
-from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, judge, summary)
+from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
+                                     exposure_warning, judge, summary)
 from console.profile import HostSpec, Profile, engine_overrides
+from console.store_backend import TcpStore, store_backend
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -57,6 +58,7 @@ class Report:
     expect: Expect
     problems: list[Problem]
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)  # not problems: the run may start (exposure_warning)
 
     @property
     def ok(self) -> bool:
@@ -73,7 +75,7 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
                     hosts: Sequence[str] | None = None, checkout: Checkout | None = None) -> Report:
     checkout = checkout or Checkout.find()
     notes: list[str] = []
-    store_running = mode == "add" or (mode == "check" and await _store_runs(profile, transport_of))
+    store_running = mode == "add" or (mode == "check" and await store_backend(profile).runs(transport_of))
     if store_running and mode == "check":
         notes.append("the run's store is running: the engine hosts dialled it instead of a listener of the check")
     plans = build_plans(profile, mode, hosts, checkout, bind=not store_running)
@@ -82,37 +84,34 @@ async def preflight(profile: Profile, transport_of: Callable[[str], Transport], 
                        await asyncio.gather(*(_ask(profile, p, profile.hosts[p.name], transport_of(p.name))
                                               for p in plans))))
     notes += await _link_test(profile, plans, results, transport_of, listen=not store_running, peers=mode != "add")
-    return Report(plans, results, expect, judge(plans, results, expect), notes)
+    warning = exposure_warning(await listeners(profile, plans, results))
+    return Report(plans, results, expect, judge(plans, results, expect), notes, [warning] if warning else [])
 
 
 # ---- what to ask of each host ---------------------------------------------------------------------------------
 def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checkout: Checkout | None,
                 bind: bool = True) -> list[HostPlan]:
-    store_host = profile.store_host.name if profile.store.backend == "tcp" else None
-    members = E.plan_members(profile) if profile.store.backend == "etcd" and profile.store.etcd_hosts else []
+    backend = store_backend(profile)
+    servers = backend.servers()  # the TCP store's host, or each etcd member's
     if mode == "check":
         names = list(profile.hosts)
     elif mode == "add":
         names = list(hosts or [])
     else:  # a start: its nodes (the active hosts; --resume: the nodes the run had), the store's and etcd's hosts
         names = [h.name for h in profile.active_hosts()] if hosts is None else list(hosts)
-        names += [n for n in [store_host, *(m.host for m in members)] if n and n not in names]
-    links = tuple(link_targets(profile))
+        names += [s.host for s in servers if s.host not in names]
+    links = tuple(Target(*e) for e in backend.links())
     plans = []
     for name in names:
         host = profile.hosts[name]
+        here = [s for s in servers if s.host == name]
         roles = set()
-        if (not host.standby or mode == "add") or (mode == "check" and name != store_host):
+        if (not host.standby or mode == "add") or (mode == "check" and all(s.role != "store" for s in here)):
             roles.add("engine")
         binds: list[Target] = []
-        if name == store_host and mode != "add":
-            roles.add("store")
-            binds.append(Target(_store_bind(profile), profile.store.port, "the store"))
-        for m in members:
-            if m.host == name and mode != "add":
-                roles.add("etcd")
-                binds += [Target(m.address, m.client_port, f"etcd member {m.name} (clients)"),
-                          Target(m.address, m.peer_port, f"etcd member {m.name} (peers)")]
+        for s in here if mode != "add" else []:
+            roles.add(s.role)
+            binds += [Target(*e) for e in s.binds]
         plans.append(_plan(profile, host, frozenset(roles), tuple(binds) if bind else (),
                            links if "engine" in roles else (), checkout))
     return plans
@@ -158,25 +157,34 @@ def engine_settings(profile: Profile, host: HostSpec, checkout: Checkout | None,
     return cfg.inner.device, tuple(data)
 
 
-def link_targets(profile: Profile) -> list[Target]:
-    """Where every engine host must be able to open a TCP connection before anything starts."""
-    if profile.store.backend == "tcp":
-        return [Target(profile.store_address, profile.store.port, "the store")]
-    return [Target(*_split(ep), "etcd") for ep in E.endpoints(profile)]
+async def listeners(profile: Profile, plans: Sequence[HostPlan],
+                    results: dict[str, HostResult]) -> list[tuple[str, str]]:
+    """(what, address) for each listener of the run that carries no authentication: the TCP store (its bind address;
+    a name as this machine resolves it) and each engine host's collectives (gloo listens on the host's address on
+    its route to the store, as the probe found it). etcd members take only clients with the run's certificate."""
+    out = []
+    store = next((p for p in plans if "store" in p.roles), None)
+    if store is not None and profile.store.backend == "tcp":
+        address = TcpStore(profile).bind()
+        for ip in await _resolved(address):
+            name = "" if ip == address else f", {address}"
+            out.append((f"the store ({store.name}, port {profile.store.port}{name})", ip))
+    for plan in plans:
+        peer = (results[plan.name].facts or {}).get("peer") if plan.engine and plan.name in results else None
+        if peer:
+            out.append((f"{plan.name}'s collectives (gloo)", peer[0]))
+    return out
 
 
-def _split(endpoint: str) -> tuple[str, int]:
-    address, _, port = endpoint.rstrip("/").rpartition("//")[-1].rpartition(":")
-    return address.strip("[]"), int(port)
-
-
-def _store_bind(profile: Profile) -> str:
-    """What the store will listen on (console/store_host.py bind()): an ssh_config alias's HostName may not be an
-    address of the host itself, and then the store listens on every interface."""
-    host = profile.store_host
-    if profile.store.bind or profile.store.address or host.address or host.transport == "local":
-        return profile.store_bind
-    return "0.0.0.0"
+async def _resolved(address: str, timeout: float = 2.0) -> list[str]:
+    """An address as is; a name as this machine resolves it (nothing when it does not, within timeout)."""
+    if exposed(address) is not None:
+        return [address]
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(address, None), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return []
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def console_torch() -> str | None:
@@ -264,20 +272,6 @@ def _probe_source() -> str:
     return Path(P.__file__).read_text()
 
 
-async def _store_runs(profile: Profile, transport_of: Callable[[str], Transport]) -> bool:
-    """Whether this profile's store runs now (its pid file names a live process of ours)."""
-    if profile.store.backend != "tcp":
-        return False
-    t = transport_of(profile.store_host.name)
-    try:
-        text = await asyncio.wait_for(t.read_text(C.join(profile.run.dir, STORE, C.PID)),
-                                      profile.store_host.connect_timeout * 2 + 1)
-        pid = int(text.strip()) if text and text.strip().isdigit() else None
-        return pid is not None and pid > 1 and await t.alive(pid, C.TAG)
-    except (TransportError, asyncio.TimeoutError):
-        return False
-
-
 # ---- the link test ------------------------------------------------------------------------------------------------
 async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str, HostResult],
                      transport_of: Callable[[str], Transport], listen: bool, peers: bool = True) -> list[str]:
@@ -289,8 +283,8 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
     if not dialers:
         return []
     waits = []
-    ends = [(p, Target(*results[p.name].facts["peer"], f"{p.name}'s outer-step collectives (gloo)"))
-            for p in dialers if peers and results[p.name].facts.get("peer")]
+    ends = [(p, Target(peer[0], peer[1], f"{p.name}'s outer-step collectives (gloo)"))
+            for p in dialers if peers and (peer := (results[p.name].facts or {}).get("peer"))]
     if len(ends) >= 2:
         for p, end in ends:
             others = [d for d in dialers if d is not p]
@@ -309,13 +303,13 @@ async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str,
         waits.append(_listen(profile.hosts[p.name], free, transport_of(p.name), seconds + 3,
                              len(dialers) * len(dialled), results[p.name], p))
     dials = [_dial(p, transport_of(p.name), seconds, results[p.name], profile) for p in dialers]
-    unheld = (await asyncio.gather(*waits, *dials))[:len(waits)]
+    unheld, _ = await asyncio.gather(asyncio.gather(*waits), asyncio.gather(*dials))
     notes = []
     for host, lost in unheld:
-        for end in lost:
+        for bind in lost:
             for d in dialers:
-                results[d.name].listening.discard(end)
-            notes.append(f"{host}: {end} was taken before the check's listener started there: that link was not "
+                results[d.name].listening.discard(bind)
+            notes.append(f"{host}: {bind} was taken before the check's listener started there: that link was not "
                          f"tested (run the check again)")
     return notes
 
@@ -360,7 +354,7 @@ def mark_refused(fleet: Fleet, report: Report, started: Sequence[str] = ()) -> N
             fleet.note(name, f"preflight: {problem.what}; fix: {problem.fix}")
         if mine:
             more = f" (+{len(mine) - 1} more in the log)" if len(mine) > 1 else ""
-            fleet.set_state(name, NodeState.FAILED, f"preflight: {mine[0].what}; fix: {mine[0].fix}{more}")
+            fleet.set_state(name, HostState.FAILED, f"preflight: {mine[0].what}; fix: {mine[0].fix}{more}")
         elif name in started or "engine" in plan.roles:
             fleet.note(name, "not started: the preflight found problems on " + ", ".join(by_host))
 
@@ -378,6 +372,14 @@ async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport])
         return transports[name]
     try:
         report = await preflight(profile, transport_of, mode="check")
+        if profile.store.backend == "etcd" and profile.store.etcd_endpoints:  # the etcd client files a start needs
+            try:
+                tls = await E.tls_unreadable(profile, transport_of, [p.name for p in report.plans if p.engine
+                                                                     and report.results[p.name].facts is not None])
+            except TransportError as e:
+                tls = [f"the etcd client files could not be looked for: {e}"]
+            report.problems[:0] = [Problem("profile", "tls", line, "copy the file there, or fix the path in [store]")
+                                   for line in tls]
     finally:
         await asyncio.gather(*(t.close() for t in transports.values()), return_exceptions=True)
     try:

@@ -1,20 +1,24 @@
 """The dashboard: header, node table, loss chart, membership timeline and the selected node's log.
 
-It renders what the app hands it and turns keys into requests to the app (which owns the cluster and its
-workers). It never does I/O and never reads the cluster.
+It renders what the app hands it and turns keys into messages to the app (which owns the cluster and its
+workers): `DashboardScreen.Drain(names)`, `.Kill`, `.Restart`, `.AddNode`, `.ShowLogs(node)`, `.ShowDetail(node)`,
+`.ShowHelp`, `.Quit`, and `.Ready` once its first frame can be drawn. It never does I/O and never reads the cluster.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import ClassVar, Iterable, Sequence
 
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input
 
+from console.fleet import Fleet
+from console.nodes import Node
 from console.widgets.loss_chart import LossChart
 from console.widgets.node_table import NodeTable, visible
 from console.widgets.outer_chart import OuterChart
@@ -32,7 +36,8 @@ class ChartArea(Horizontal):
     terminal: each change refits the charts (a screen resize alone missed a filter that shrank the table)."""
 
     def on_resize(self) -> None:
-        self.screen.fit_charts()  # type: ignore[attr-defined]
+        if isinstance(self.screen, DashboardScreen):
+            self.screen.fit_charts()
 
 
 class DashboardScreen(Screen[None]):
@@ -52,8 +57,50 @@ class DashboardScreen(Screen[None]):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, heartbeat_timeout: float, readonly: bool = False) -> None:
+    class NodeAction(Message):
+        """A key asked for `verb` on nodes (the marked ones shown, else the selected one); the app confirms where
+        the action is destructive, skips nodes in a state it does not fit, and runs it."""
+
+        verb: ClassVar[str]
+
+        def __init__(self, names: Sequence[str]) -> None:
+            super().__init__()
+            self.names = tuple(names)
+
+    class Drain(NodeAction):
+        verb = "drain"
+
+    class Kill(NodeAction):
+        verb = "kill"
+
+    class Restart(NodeAction):
+        verb = "restart"
+
+    class AddNode(Message):
+        """`a`: the app asks which host (a standby one or a new address) and adds it."""
+
+    class ShowLogs(Message):
+        def __init__(self, node: str) -> None:
+            super().__init__()
+            self.node = node
+
+    class ShowDetail(Message):
+        def __init__(self, node: str) -> None:
+            super().__init__()
+            self.node = node
+
+    class ShowHelp(Message):
+        pass
+
+    class Quit(Message):
+        pass
+
+    class Ready(Message):
+        """Mounted: the app draws the first frame now rather than at its next tick."""
+
+    def __init__(self, fleet: Fleet, heartbeat_timeout: float, readonly: bool = False) -> None:
         super().__init__()
+        self.fleet = fleet  # read only: the app owns it and feeds it
         self.heartbeat_timeout = heartbeat_timeout
         self.readonly = readonly
         self.filter_query = ""
@@ -75,21 +122,21 @@ class DashboardScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.query_one(NodeTable).focus()
-        self.call_after_refresh(self.app.tick)  # type: ignore[attr-defined]  # the first frame shows the nodes
+        self.call_after_refresh(self.post_message, self.Ready())  # the first frame shows the nodes
 
     # ---- rendering (called by the app's 2 Hz tick) -------------------------------------------------------
     @property
     def table(self) -> NodeTable:
         return self.query_one(NodeTable)
 
-    def render_fleet(self, fleet: Any) -> None:
+    def render_fleet(self, fleet: Fleet) -> None:
         nodes = visible(fleet.nodes.values(), self.filter_query)
         self.query_one(RunHeader).show(fleet.summary(), self.readonly, fleet.store, fleet.dataset)
         self.table.sync(nodes)
         self.query_one(Timeline).show(fleet.timeline)
         self.query_one(LogPane).show(fleet.nodes.get(self.table.selected_name() or ""))
 
-    def render_chart(self, fleet: Any) -> None:
+    def render_chart(self, fleet: Fleet) -> None:
         focus = [n for n in self.table.names() if fleet.nodes[n].marked]
         selected = self.table.selected_name()
         self.query_one(LossChart).show(visible(fleet.nodes.values(), self.filter_query),
@@ -106,17 +153,18 @@ class DashboardScreen(Screen[None]):
         loss.border_subtitle = "c: outer steps" if one else ""
         outer.set_hint("c: loss" if one else "")
 
-    def render_ages(self, fleet: Any) -> None:
+    def render_ages(self, fleet: Fleet) -> None:
         """Heartbeat ages grow with the clock, not with events: refresh that one column."""
         self.table.sync(visible(fleet.nodes.values(), self.filter_query), only=("hb",))
 
     @on(DataTable.RowSelected, "#nodes")
     def _open_detail(self, event: DataTable.RowSelected) -> None:
-        self.app.show_detail(event.row_key.value)  # type: ignore[attr-defined]  # Enter: the node in full
+        if event.row_key.value is not None:
+            self.post_message(self.ShowDetail(event.row_key.value))  # Enter: the node in full
 
     @on(DataTable.RowHighlighted, "#nodes")
     def _selected(self, event: DataTable.RowHighlighted) -> None:
-        self.query_one(LogPane).show(self.app.fleet.nodes.get(event.row_key.value))  # type: ignore[attr-defined]
+        self.query_one(LogPane).show(self.fleet.nodes.get(event.row_key.value or ""))
 
     # ---- keys ---------------------------------------------------------------------------------------------
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
@@ -127,7 +175,7 @@ class DashboardScreen(Screen[None]):
     def targets(self) -> list[str]:
         """Marked nodes (among those shown) if any, else the node under the cursor."""
         shown = self.table.names()
-        nodes = self.app.fleet.nodes  # type: ignore[attr-defined]
+        nodes = self.fleet.nodes
         marked = [n for n in shown if n in nodes and nodes[n].marked]
         if marked:
             return marked
@@ -135,25 +183,25 @@ class DashboardScreen(Screen[None]):
         return [selected] if selected else []
 
     def action_add(self) -> None:
-        self.app.request_add()  # type: ignore[attr-defined]
+        self.post_message(self.AddNode())
 
     def action_drain(self) -> None:
-        self.app.request("drain", self.targets())  # type: ignore[attr-defined]
+        self.post_message(self.Drain(self.targets()))
 
     def action_kill(self) -> None:
-        self.app.request("kill", self.targets())  # type: ignore[attr-defined]
+        self.post_message(self.Kill(self.targets()))
 
     def action_restart(self) -> None:
-        self.app.request("restart", self.targets())  # type: ignore[attr-defined]
+        self.post_message(self.Restart(self.targets()))
 
     def action_logs(self) -> None:
         name = self.table.selected_name()
         if name:
-            self.app.show_logs(name)  # type: ignore[attr-defined]
+            self.post_message(self.ShowLogs(name))
 
     def action_mark(self) -> None:
         name = self.table.selected_name()
-        node = self.app.fleet.nodes.get(name) if name else None  # type: ignore[attr-defined]
+        node = self.fleet.nodes.get(name) if name else None
         if node is None:
             return
         node.marked = not node.marked
@@ -163,7 +211,7 @@ class DashboardScreen(Screen[None]):
 
     def unmark(self, names: Iterable[str]) -> None:
         for name in names:
-            node = self.app.fleet.nodes.get(name)  # type: ignore[attr-defined]
+            node = self.fleet.nodes.get(name)
             if node is not None:
                 node.marked = False
         self.table.sync(self._visible(), only=("mark",))
@@ -203,14 +251,14 @@ class DashboardScreen(Screen[None]):
 
     def set_filter(self, query: str) -> None:
         self.filter_query = query
-        self.render_fleet(self.app.fleet)  # type: ignore[attr-defined]
-        self.render_chart(self.app.fleet)  # type: ignore[attr-defined]
+        self.render_fleet(self.fleet)
+        self.render_chart(self.fleet)
 
     def action_help(self) -> None:
-        self.app.show_help()  # type: ignore[attr-defined]
+        self.post_message(self.ShowHelp())
 
     def action_quit(self) -> None:
-        self.app.request_quit()  # type: ignore[attr-defined]
+        self.post_message(self.Quit())
 
-    def _visible(self) -> list[Any]:
-        return visible(self.app.fleet.nodes.values(), self.filter_query)  # type: ignore[attr-defined]
+    def _visible(self) -> list[Node]:
+        return visible(self.fleet.nodes.values(), self.filter_query)

@@ -5,16 +5,16 @@ position; its checkpoints; its last events. Escape returns to the dashboard. Ren
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
-from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from console.screens.node_screen import NodeScreen
 from console.widgets import cells
 
 EVENTS = 15  # the node's newest log lines shown
@@ -92,29 +92,19 @@ def _position(node: Any) -> str | None:
     return ", ".join(parts) or None
 
 
-class NodeDetailScreen(Screen[None]):
+class NodeDetailScreen(NodeScreen):
     BINDINGS = [Binding("escape,q,enter", "close", "Back")]
     DEFAULT_CSS = """
     NodeDetailScreen #detail-body { padding: 0 1; }
     """
-
-    def __init__(self, node_name: str, lookup: Callable[[str], Any | None], interval: float = 0.5) -> None:
-        super().__init__()
-        self.node_name = node_name
-        self._lookup = lookup  # reads the fleet; the screen does no I/O
-        self._interval = interval
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
             yield Static(id="detail-body")
         yield Footer()
 
-    def on_mount(self) -> None:
-        self.follow()
-        self.set_interval(self._interval, self.follow)
-
     def follow(self) -> None:
-        node = self._lookup(self.node_name)
+        node = self.current_node()
         body = self.query_one("#detail-body", Static)
         if node is None:
             body.update(Text(f"{self.node_name}: no such node", style="bold red"))
@@ -125,7 +115,7 @@ class NodeDetailScreen(Screen[None]):
 
     def text(self) -> str:
         """What the view shows, as plain text (tests read it)."""
-        node = self._lookup(self.node_name)
+        node = self.current_node()
         if node is None:
             return ""
         import io
@@ -136,6 +126,3 @@ class NodeDetailScreen(Screen[None]):
         for part in detail_tables(node):
             console.print(part)
         return console.export_text()
-
-    def action_close(self) -> None:
-        self.dismiss(None)

@@ -8,6 +8,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Markdown
 
+from console.nodes import HostState, NodeState, Shown
+
 KEYS = """\
 # ZeroBand Console
 
@@ -15,7 +17,7 @@ KEYS = """\
 |---|---|
 | `↑` `↓` | select a node |
 | `space` | mark / unmark the node (actions apply to every marked node) |
-| `a` | add a node: a standby host from the profile, or a new address |
+| `a` | add a node: a spare host (`standby = true` in the profile), or a new address |
 | `d` | drain: the node finishes its outer round, hands off and leaves |
 | `k` | kill: the process group ends now; the mesh declares it dead |
 | `r` | restart a dead, failed or left node |
@@ -40,6 +42,27 @@ The header's second line is the store: its address, a round trip, its keys; red 
 The lower chart is each outer step: compute against all-reduce (wire, codec) and idle time.
 """
 
+# the state column's words: the node states a node's events say, and dead (engine/states.py), then the console's
+# own words for a host that is no node of the mesh right now (console/nodes.py HostState); tests/test_states.py
+# holds this table to both sets. The mesh's standby goes out as a warning, not a state event: not shown.
+STATE_MEANINGS: dict[Shown, str] = {
+    NodeState.STARTING: "its process is up, not in the mesh yet",
+    NodeState.JOINING: "asked to join the running mesh; waits for admission and the state",
+    NodeState.TRAINING: "a member: trains its rounds, contributes to each outer step",
+    NodeState.DRAINING: "a member that leaves after its next outer step",
+    NodeState.LEFT: "exited on purpose (completed, drained, stopped: the reason says)",
+    NodeState.DEAD: "its process is gone, or the mesh declared it dead",
+    HostState.SPARE: "a spare host of the profile: nothing runs, `a` adds it",
+    HostState.OFF: "a host of the run with nothing running",
+    HostState.UNREACHABLE: "the console cannot reach the host (the engine may still run)",
+    HostState.FAILED: "it could not start, or ended with an error",
+}
+STATES = ("\n## States\n\n| state | means |\n|---|---|\n"
+          + "".join(f"| `{state.value}` | {meaning} |\n" for state, meaning in STATE_MEANINGS.items())
+          + f"\nThe last {len(HostState)} are the console's words for a host, not states of the mesh. A node that "
+            "steps out of an outer step on a slow link (the mesh's `standby`) shows `joining`: it asks to join "
+            "again.\n")
+
 READONLY_NOTE = "\n**Read-only**: add, drain, kill, restart and stop are hidden.\n"
 
 
@@ -58,7 +81,7 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Markdown(KEYS + (READONLY_NOTE if self.readonly else ""))
+            yield Markdown(KEYS + STATES + (READONLY_NOTE if self.readonly else ""))
 
     def action_close(self) -> None:
         self.dismiss(None)

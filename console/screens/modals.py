@@ -53,11 +53,11 @@ class AddNodeScreen(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label("Add a node: pick a standby host, or type a new address", id="question")
+            yield Label("Add a node: pick a spare host, or type a new address", id="question")
             if self.standby:
                 yield OptionList(*(Option(Text(h), id=h) for h in self.standby), id="standby")
             else:
-                yield Label("(no standby hosts in the profile)", classes="dim")
+                yield Label("(no spare hosts in the profile: standby = true)", classes="dim")
             yield Input(placeholder="new address: host, user@host:port or an ~/.ssh/config alias", id="address")
 
     def on_mount(self) -> None:

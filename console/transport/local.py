@@ -8,7 +8,7 @@ import os
 import signal
 from collections import deque
 from pathlib import Path
-from typing import Sequence
+from typing import IO, Sequence
 
 from console.transport import commands as C
 from console.transport.base import Tail, Transport, TransportError, lines_of
@@ -61,7 +61,7 @@ class LocalTail(Tail):
         self._poll_s = poll_s
         self._pending: deque[bytes] = deque()
         self._partial = b""
-        self._file = None
+        self._file: IO[bytes] | None = None
 
     async def __anext__(self) -> bytes:
         while not self._pending:
@@ -97,13 +97,14 @@ class LocalTail(Tail):
 
     def _replaced(self) -> bool:
         """The path now names another file (deleted and recreated): follow the new one from its start."""
+        assert self._file is not None  # read from just before
         try:
-            same = os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))  # type: ignore[union-attr]
+            same = os.path.samestat(os.fstat(self._file.fileno()), os.stat(self.path))
         except FileNotFoundError:
             return False
         if same:
             return False
-        self._file.close()  # type: ignore[union-attr]
+        self._file.close()
         self._file, self.offset, self._partial = None, 0, b""
         return True
 

@@ -22,7 +22,7 @@ import socket
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import Sequence
+from typing import Any, Sequence
 
 import asyncssh
 
@@ -116,7 +116,7 @@ class SshTransport(Transport):
     def _options(self) -> dict:
         """Connection options from the profile; what it leaves unset comes from ~/.ssh/config, then defaults."""
         h = self.host
-        options = dict(
+        options: dict[str, Any] = dict(
             known_hosts=self._known_hosts(),
             connect_timeout=h.connect_timeout, login_timeout=h.connect_timeout,
             keepalive_interval=KEEPALIVE_S, keepalive_count_max=KEEPALIVE_COUNT,

@@ -11,31 +11,34 @@ from typing import Any, Iterable
 
 from rich.text import Text
 
-# htop/k9s habit: green is healthy, yellow is in transition, red is lost, dim is gone.
+from console.nodes import HostState, NodeState
+
+# htop/k9s habit: green is healthy, yellow is in transition, red is lost, dim is gone. Keyed by the words of the
+# one vocabulary (engine/states.py) and the console's own (console/nodes.py HostState), never typed by hand.
 STATE_STYLES: dict[str, str] = {
-    "standby": "dim",
-    "off": "dim",
-    "starting": "cyan",
-    "joining": "bold cyan",
-    "training": "bold green",
-    "draining": "yellow",
-    "left": "dim",
-    "completed": "green",
-    "dead": "bold red",
-    "unreachable": "bold magenta",
-    "failed": "bold white on red",
+    HostState.SPARE.value: "dim",
+    HostState.OFF.value: "dim",
+    NodeState.STARTING.value: "cyan",
+    NodeState.JOINING.value: "bold cyan",
+    NodeState.TRAINING.value: "bold green",
+    NodeState.DRAINING.value: "yellow",
+    NodeState.STANDBY.value: "yellow",  # stepped out on a slow link: it asks to join again once the link is healthy
+    NodeState.LEFT.value: "dim",
+    NodeState.DEAD.value: "bold red",
+    HostState.UNREACHABLE.value: "bold magenta",
+    HostState.FAILED.value: "bold white on red",
 }
 
-REASON_STATES = frozenset({"dead", "unreachable", "failed", "left"})
+REASON_STATES = frozenset(s.value for s in (NodeState.DEAD, HostState.UNREACHABLE, HostState.FAILED, NodeState.LEFT))
 # silent on purpose (or never started): their heartbeat age is no alarm and their figures are not current
-QUIET_STATES = frozenset({"left", "standby", "off", "failed"})
+QUIET_STATES = frozenset(s.value for s in (NodeState.LEFT, HostState.SPARE, HostState.OFF, HostState.FAILED))
 
 SPARK_CHARS = "▁▂▃▄▅▆▇█"
 HUGE = 1e9  # past this a number is shown in exponent form: it fits its column and is garbage anyway
 
 
 def state_name(state: object) -> str:
-    """The lower-case name of a NodeState (a str Enum) or of a plain string."""
+    """The lower-case name of a NodeState or HostState (str Enums) or of a plain string."""
     value = getattr(state, "value", state)
     return str(value).lower() if value is not None else "?"
 
@@ -57,7 +60,7 @@ def shows_figures(state: object) -> bool:
     """Whether a node's last resource sample is current: a node that no longer runs uses nothing, and its last
     sample would read as a live 100% CPU."""
     name = state_name(state)
-    return name not in QUIET_STATES and name != "dead"
+    return name not in QUIET_STATES and name != NodeState.DEAD.value
 
 
 def human_bytes(n: float | None) -> str:
@@ -201,7 +204,8 @@ def fit_num(value: float | None, fmt: str = "{:,.0f}", width: int = 7) -> str:
     text = num_cell(value, fmt)
     if len(text) <= width:
         return text
-    v = float(value)  # type: ignore[arg-type]  # num_cell gave a number: value is a finite number
+    assert value is not None  # num_cell gave a number: value is a finite number
+    v = float(value)
     if "." in fmt:
         for decimals in range(int(fmt.split(".")[1][0]) - 1, -1, -1):
             text = f"{v:.{decimals}f}"
@@ -239,9 +243,9 @@ def eta_text(eta_s: float | None) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
-def _finite(x: object) -> bool:
+def _finite(x: Any) -> bool:
     try:
-        return math.isfinite(float(x))  # type: ignore[arg-type]
+        return math.isfinite(float(x))
     except (TypeError, ValueError):
         return False
 

@@ -234,7 +234,7 @@ class NodeTable(DataTable):
         if not changes:
             return
         self.cell_updates += len(changes)
-        caches = [getattr(self, n, None) for n in ("_data", "_cell_render_cache", "_row_render_cache",
+        caches: list[Any] = [getattr(self, n, None) for n in ("_data", "_cell_render_cache", "_row_render_cache",
                                                    "_row_renderable_cache", "_line_cache", "_row_locations")]
         if any(c is None for c in caches):
             for name, col, value in changes:
@@ -243,9 +243,9 @@ class NodeTable(DataTable):
         data, cell_cache, row_cache, renderable_cache, line_cache, locations = caches
         cells_changed = {(RowKey(name), ColumnKey(col)) for name, col, _ in changes}
         rows_changed = {row for row, _ in cells_changed}
-        for row, col in cells_changed:
-            if row not in data or col not in data[row]:
-                raise CellDoesNotExist(f"no cell {row.value!r}/{col.value!r}")
+        for row, column in cells_changed:
+            if row not in data or column not in data[row]:
+                raise CellDoesNotExist(f"no cell {row.value!r}/{column.value!r}")
         for name, col, value in changes:
             data[RowKey(name)][ColumnKey(col)] = value
         for key in [k for k in cell_cache.keys() if (k[0], k[1]) in cells_changed]:

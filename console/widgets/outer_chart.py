@@ -68,7 +68,8 @@ class OuterChart(PlotextPlot):
         self._subtitle()
         plt.xlabel("outer step")
         if steps:
-            plt.stacked_bar([str(s) for s in steps], list(series.values()), color=[COLORS[p] for p in series])
+            colors: Any = [COLORS[p] for p in series]  # one per series (plotext's annotation says one colour)
+            plt.stacked_bar([str(s) for s in steps], list(series.values()), color=colors)
         self.refresh()
 
     def set_hint(self, hint: str) -> None:

@@ -11,6 +11,7 @@ from rich.text import Text
 from textual.content import Content
 from textual.widgets import Log, Static
 
+from console.nodes import HostState, NodeState
 from console.widgets import cells
 from console.widgets.cells import summary_text
 from engine.telemetry import members_after
@@ -130,7 +131,9 @@ class Timeline(Static):
         self.update(text, layout=False)  # its size comes from the layout (1fr), never from its text
 
 
-_BAD = {"dead": "bold red", "failed": "bold red", "down": "bold red", "unreachable": "magenta", "rejected": "yellow"}
+# a timeline entry's change: a membership change, a console fact about a node (its state), the store's state
+_BAD = {NodeState.DEAD.value: "bold red", HostState.FAILED.value: "bold red", HostState.UNREACHABLE.value: "magenta",
+        "down": "bold red", "rejected": "yellow"}
 
 
 def timeline_line(entry: Any) -> str:

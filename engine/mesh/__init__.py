@@ -19,8 +19,8 @@ from engine.mesh.group import attempt_decided, forget_groups, make_group
 from engine.store.memory import MemoryStore
 from engine.mesh.node import Mesh
 from engine.mesh.protocol import (ABORT, COMMIT, NODE_STATES, Arrival, BoundaryView, Excluded, Keys, Liveness,
-                                  MeshError, NodeState, Plan, Reformed, Stopped, compute_plan, decide)
+                                  MeshError, Plan, Reformed, StateRecord, Stopped, compute_plan, decide)
 
 __all__ = ["ABORT", "COMMIT", "NODE_STATES", "Arrival", "attempt_decided", "BoundaryView", "Excluded", "Keys",
-           "Liveness", "Mesh", "MemoryStore", "MeshError", "NodeState", "Plan", "Reformed", "Stopped", "compute_plan",
+           "Liveness", "Mesh", "MemoryStore", "MeshError", "Plan", "Reformed", "StateRecord", "Stopped", "compute_plan",
            "connect_store", "decide", "forget_groups", "make_group", "open_store"]

@@ -37,8 +37,9 @@ from typing import Any, Callable
 
 from engine.errors import first_line
 from engine.mesh.membership import STORE_ERRORS, Membership, Registry, RegistryBusy, text
-from engine.mesh.protocol import Keys, MeshError, NodeState
+from engine.mesh.protocol import Keys, MeshError, StateRecord
 from engine.mesh.registration import Registration
+from engine.states import NodeState
 
 __all__ = ["MIN_TICKS", "STORE_ERRORS", "Heartbeat", "Outbox", "Registry", "text"]
 
@@ -331,7 +332,7 @@ class Heartbeat:
 
     def _check_lease(self, s: Any, holder: str, registered: set[str], fresh: bool) -> None:
         m, key = self.m, self.keys.leader()
-        eligible = fresh and m.ready and m.state in ("starting", "training", "draining")
+        eligible = fresh and m.ready and m.state in (NodeState.STARTING, NodeState.TRAINING, NodeState.DRAINING)
         if not eligible:
             if holder == self.node_id:  # a joiner cannot lead: it may not even hold the state yet
                 holder = text(s.compare_set(key, self.node_id, ""))
@@ -359,7 +360,7 @@ class Heartbeat:
             groups = {}
             if victims:
                 raws = s.multi_get([self.keys.state(n) for n in victims])
-                groups = {n: (st.group if (st := NodeState.from_json(text(r))) else None)
+                groups = {n: (st.group if (st := StateRecord.from_json(text(r))) else None)
                           for n, r in zip(victims, raws)}
 
             deleted: list[str] = []

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine.mesh.protocol import Keys, Liveness, MeshError, NodeState, Plan
+from engine.mesh.protocol import Keys, Liveness, MeshError, Plan, StateRecord
+from engine.states import NodeState
 
 UPDATE_WITHIN_S = 120.0  # how long Registry.update keeps losing races before it gives up
 STORE_ERRORS = (RuntimeError, OSError, LookupError)  # TCPStore: RuntimeError (DistStoreError); MemoryStore: OSError
@@ -79,10 +80,10 @@ class Membership:
     """This node's standing in the run, shared by its waits, registration, heartbeat and planner."""
 
     store: Any  # the caller thread's store client (the heartbeat's is its own clone); a reconnect replaces it
-    node_state: NodeState  # the value of this node's state/<id> as last written (Registration.write_state)
+    node_state: StateRecord  # the value of this node's state/<id> as last written (Registration.write_state)
     liveness: Liveness  # every registered peer's counter as the heartbeat last saw it; read and written under lock
     lock: threading.Lock = field(default_factory=threading.Lock)
-    state: str = "starting"  # the lifecycle (NODE_STATES): the waits set it; the heartbeat's lease check reads it
+    state: NodeState = NodeState.STARTING  # the lifecycle: the waits set it; the heartbeat's lease check reads it
     epoch: int = 0  # the life of the run this node takes part in: set by the start-up and the waits
     forming: bool = True  # no plan of this run accepted yet: the waits give a formation mesh.start_timeout
     base_generation: int = 0  # a run (re)formed by this node counts its generations from here
@@ -103,4 +104,4 @@ class Membership:
         self.epoch = self.base_generation = 0
         self.forming = True
         self.plan = None
-        self.state = "starting"
+        self.state = NodeState.STARTING

@@ -29,9 +29,10 @@ from engine.mesh.heartbeat import Heartbeat
 from engine.mesh.membership import STORE_ERRORS, Membership, text
 from engine.mesh.planner import KEEP_STEPS, Planner, moved_past
 from engine.mesh.polling import Polling
-from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, NodeState,
+from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, StateRecord,
                                   Plan, Stopped)
 from engine.mesh.registration import Registration
+from engine.states import NodeState
 
 __all__ = ["KEEP_STEPS", "Mesh"]
 
@@ -61,7 +62,7 @@ class Mesh:
         # a gap between looks longer than a tick plus a quarter timeout (the observer's own store calls failed or
         # crawled) is not counted against the peers (Liveness.look)
         liveness = Liveness(cfg.heartbeat_timeout, slack=cfg.heartbeat_interval + cfg.heartbeat_timeout / 4)
-        self._m = m = Membership(store, NodeState("starting", self.info["token"]), liveness)
+        self._m = m = Membership(store, StateRecord(NodeState.STARTING, self.info["token"]), liveness)
         leased = bool(getattr(store, "has_leases", lambda: False)())  # etcd: a dead node's heartbeat key vanishes
         # time rounds (diloco.round = "time"): plans carry the next round's deadline, and the planner waits for a
         # member at most `grace` past the deadline of the round that ended (diloco.straggler_grace)
@@ -89,7 +90,7 @@ class Mesh:
         return self._m.store
 
     @property
-    def state(self) -> str:
+    def state(self) -> NodeState:
         return self._m.state
 
     @property
@@ -114,7 +115,7 @@ class Mesh:
             joiner = self.registration.must_join(self.polling.idle)
             self._m.forming = not joiner
             if joiner:
-                self._set_state("joining")
+                self._set_state(NodeState.JOINING)
             self._m.ready = True
             return joiner
 
@@ -156,7 +157,7 @@ class Mesh:
     def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str, cause: str = SLOW_LINK) -> None:
         self._stepped_out = cause
         try:
-            self._set_state("standby")  # first: the re-plan the abort starts must find it out already
+            self._set_state(NodeState.STANDBY)  # first: the re-plan the abort starts must find it out already
             latest = self.planner.latest()[1]
             if latest is not None and latest.epoch == epoch and (latest.outer_step, latest.attempt) == (
                     outer_step, attempt) and self.node_id in latest.members:
@@ -174,20 +175,20 @@ class Mesh:
         """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
         if reason not in LEAVE_REASONS:
             raise ValueError(f"mesh.leave: reason {reason!r} is not one of {', '.join(LEAVE_REASONS)}")
-        if self.state == "left":
+        if self.state == NodeState.LEFT:
             return
         self.heartbeat.stop()
         if self.heartbeat.error is not None or self.heartbeat.lost_since is not None:
             # the store is lost: a call on the dead client only adds a C++ stack dump to stderr
-            self._m.state = "left"
+            self._m.state = NodeState.LEFT
             raise MeshError(f"node {self.node_id}: leave: the membership store is lost")
-        self._m.state = "left"  # locally at once: a second leave() after a store failure is a no-op
+        self._m.state = NodeState.LEFT  # locally at once: a second leave() after a store failure is a no-op
         with self.polling.guard("leave"):
             self._release_lease()
             if self.registration.leased:  # the goodbye outlives this process (until pruned): a clean exit
                 self.store.unlease_key(self.keys.hb(self.node_id))
             self.store.set(self.keys.hb(self.node_id), "-1")
-            self._set_state("left", reason)
+            self._set_state(NodeState.LEFT, reason)
         members = list(self.plan.members) if self.plan else []
         self._emit_membership("drained" if reason == "drained" else "left", self.node_id, members)
 
@@ -221,10 +222,10 @@ class Mesh:
 
     def arrive(self, outer_step: int, attempt: int, *, contributing: bool = True, draining: bool = False) -> None:
         m = self._m
-        if draining and m.state == "training":
-            m.state = "draining"
+        if draining and m.state == NodeState.TRAINING:
+            m.state = NodeState.DRAINING
         self._arriving_at = self.clock()  # before its write, which crawls on a slow link too: the straggler budget
-        st = NodeState(m.state, self.info["token"], (m.epoch, outer_step, attempt), contributing, draining, None,
+        st = StateRecord(m.state, self.info["token"], (m.epoch, outer_step, attempt), contributing, draining, None,
                        m.node_state.group)
         self.registration.write_state(st, self.store)
         self._arrived_at = self.clock()
@@ -258,7 +259,7 @@ class Mesh:
     def post(self, plan: Plan, succeeded: bool) -> None:
         """Post this node's outcome of the plan's all-reduce (in its state key)."""
         st = self._m.node_state
-        self.registration.write_state(NodeState(st.state, st.token, (plan.epoch, plan.outer_step, plan.attempt),
+        self.registration.write_state(StateRecord(st.state, st.token, (plan.epoch, plan.outer_step, plan.attempt),
                                                 st.contributing, st.draining, succeeded, st.group), self.store)
         self._posted_at = self.clock()
 
@@ -302,7 +303,7 @@ class Mesh:
         self._release_lease()
         if self._stepped_out:
             self._await_link()
-        self._set_state("joining")
+        self._set_state(NodeState.JOINING)
         deadline = self.clock() + self.cfg.join_timeout
         look = self.clock()  # when to look next whether the run completed without this node
         while True:
@@ -327,7 +328,7 @@ class Mesh:
         last rounds). A member that drained or failed may be restarted: the node waits on for it."""
         others = [m for m in plan.members if m != self.node_id]  # it may be in the plan it stepped out of
         states = self.planner.states(others) if others else {}
-        if states and all(st is not None and st.state == "left" and st.reason == "completed"
+        if states and all(st is not None and st.state == NodeState.LEFT and st.reason == "completed"
                           for st in states.values()):
             mine = f" of outer step {self.plan.outer_step}" if self.plan else ""
             why = (f"the run completed at outer step {plan.outer_step} ({', '.join(others)} left it) while "
@@ -401,9 +402,10 @@ class Mesh:
         m.forming = False
         st = m.node_state
         group = (plan.generation, plan.rank_of(self.node_id))
-        state = "joining" if self.node_id in plan.joiners else ("draining" if st.draining else "training")
+        state = (NodeState.JOINING if self.node_id in plan.joiners
+                 else NodeState.DRAINING if st.draining else NodeState.TRAINING)
         m.state = state
-        self.registration.write_state(NodeState(state, st.token, st.at, st.contributing, st.draining, st.ok, group),
+        self.registration.write_state(StateRecord(state, st.token, st.at, st.contributing, st.draining, st.ok, group),
                                       self.store)
         return plan
 
@@ -416,14 +418,14 @@ class Mesh:
             self._emit_membership("drained", d, list(plan.members), plan.generation)
         if self.node_id in plan.joiners:
             with self.polling.guard("admission"):
-                self._set_state("draining" if self._m.node_state.draining else "training")
+                self._set_state(NodeState.DRAINING if self._m.node_state.draining else NodeState.TRAINING)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
-    def _set_state(self, state: str, reason: str = "") -> None:
+    def _set_state(self, state: NodeState, reason: str = "") -> None:
         self._m.state = state
         st = self._m.node_state
-        self.registration.write_state(NodeState(state, st.token, st.at, st.contributing, st.draining, st.ok,
+        self.registration.write_state(StateRecord(state, st.token, st.at, st.contributing, st.draining, st.ok,
                                                 st.group, reason), self.store)
 
     def _release_lease(self) -> None:

@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Callable
 
 from engine.mesh.membership import Membership, Registry, text
-from engine.mesh.protocol import ABORT, COMMIT, BoundaryView, Excluded, Keys, NodeState, Plan, compute_plan, decide
+from engine.mesh.protocol import ABORT, COMMIT, BoundaryView, Excluded, Keys, Plan, StateRecord, compute_plan, decide
+from engine.states import NodeState
 
 KEEP_STEPS = 3  # decisions of this many recent outer steps stay in the store
 
@@ -57,11 +58,11 @@ class Planner:
         raw = self.read(self.keys.latest())
         return raw, (Plan.from_json(raw) if raw else None)
 
-    def states(self, nodes: list[str]) -> dict[str, NodeState | None]:
+    def states(self, nodes: list[str]) -> dict[str, StateRecord | None]:
         if not nodes:
             return {}
         raws = self.m.store.multi_get([self.keys.state(n) for n in nodes])
-        return {n: NodeState.from_json(text(r)) for n, r in zip(nodes, raws)}
+        return {n: StateRecord.from_json(text(r)) for n, r in zip(nodes, raws)}
 
     def past_grace(self, latest: Plan | None, outer_step: int) -> bool:
         """Time rounds: the round that ended had a deadline (the last plan's) and its grace is over: plan with
@@ -106,19 +107,19 @@ class Planner:
             dead = dead | frozenset(set(prev.members) - set(nodes))
         here = (m.epoch, outer_step, attempt)
 
-        def arrived_here(st: NodeState) -> bool:
-            if st.at is None or st.state in ("left", "joining", "standby"):
+        def arrived_here(st: StateRecord) -> bool:
+            if st.at is None or st.state in (NodeState.LEFT, NodeState.JOINING, NodeState.STANDBY):
                 return False
             if prev is None:  # formation: every outer step of this epoch and attempt (see compute_plan)
                 return st.at[0] == m.epoch and st.at[2] == attempt
             return tuple(st.at) == here
 
         arrived = {n: st.arrival() for n, st in states.items() if st is not None and arrived_here(st)}
-        joining = frozenset(n for n, st in states.items() if st is not None and st.state == "joining"
+        joining = frozenset(n for n, st in states.items() if st is not None and st.state == NodeState.JOINING
                             and n not in dead)
-        starting = frozenset(n for n, st in states.items() if st is not None and st.state == "starting"
+        starting = frozenset(n for n, st in states.items() if st is not None and st.state == NodeState.STARTING
                              and n not in dead)
-        standby = frozenset(n for n, st in states.items() if st is not None and st.state == "standby")
+        standby = frozenset(n for n, st in states.items() if st is not None and st.state == NodeState.STANDBY)
         prev_committed = prev is not None and self.read(
             self.keys.decision(prev.epoch, prev.outer_step, prev.attempt)) == COMMIT
         return BoundaryView(epoch=m.epoch, outer_step=outer_step, attempt=attempt, prev=prev,
@@ -174,7 +175,7 @@ class Planner:
         latest = Plan.from_json(text(raws[0])) if text(raws[0]) else None
         posted: dict[str, bool] = {}
         for node, raw in zip(plan.members, raws[1:]):
-            st = NodeState.from_json(text(raw))
+            st = StateRecord.from_json(text(raw))
             if st is not None and st.at is not None and tuple(st.at) == (plan.epoch, plan.outer_step, plan.attempt) \
                     and st.ok is not None:
                 posted[node] = bool(st.ok)

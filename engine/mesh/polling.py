@@ -29,6 +29,7 @@ from engine.errors import first_line
 from engine.mesh.heartbeat import Heartbeat
 from engine.mesh.membership import STORE_ERRORS, Membership
 from engine.mesh.protocol import Excluded, Keys, MeshError, Reformed, Stopped
+from engine.states import NodeState
 
 
 FIRST_POLL_S = 0.002  # a wait's shortest pause
@@ -72,7 +73,7 @@ class Polling:
         self.check(what)
         interval = self.cfg.polling_interval
         if not self.heartbeat.use_thread:
-            if self.m.state != "left":
+            if self.m.state != NodeState.LEFT:
                 self.heartbeat.beat()
                 self.check_heartbeat()
             self.sleep(interval)

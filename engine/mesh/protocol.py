@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-NODE_STATES = ("starting", "joining", "training", "draining", "standby", "left", "dead")
+from engine.states import NodeState
+
+NODE_STATES = tuple(s.value for s in NodeState)  # the values of `state/<id>` and their meanings: engine/states.py
 LEAVE_REASONS = ("drained", "completed", "failed")
 COMMIT, ABORT = "commit", "abort"
 
@@ -55,7 +57,7 @@ class Keys:
     def leader(self) -> str: return f"{self.p}leader"
     def ids(self) -> str: return f"{self.p}ids"
     def latest(self) -> str: return f"{self.p}plan/latest"
-    # per node: who holds the id, its heartbeat counter (negative: left), its state and boundary (NodeState)
+    # per node: who holds the id, its heartbeat counter (negative: left), its state and boundary (StateRecord)
     def info(self, node: str) -> str: return f"{self.p}info/{node}"
     def hb(self, node: str) -> str: return f"{self.p}hb/{node}"
     def state(self, node: str) -> str: return f"{self.p}state/{node}"
@@ -132,13 +134,14 @@ class Arrival:
 
 
 @dataclass(frozen=True)
-class NodeState:
+class StateRecord:
     """The value of `state/<id>`, written only by the node itself (one key: the planner reads every node's in
-    one multi_get). `at` is the boundary (epoch, outer step, attempt) it arrived at, with its arrival flags;
-    `ok` its outcome of that boundary's all-reduce (None: not posted yet); `group` the (generation, rank) of the
-    last process group it was planned into, so that a pruner can delete its rendezvous keys."""
+    one multi_get). `state` is its NodeState (engine/states.py): a value outside it is refused on write and read.
+    `at` is the boundary (epoch, outer step, attempt) it arrived at, with its arrival flags; `ok` its outcome of
+    that boundary's all-reduce (None: not posted yet); `group` the (generation, rank) of the last process group it
+    was planned into, so that a pruner can delete its rendezvous keys."""
 
-    state: str
+    state: NodeState
     token: str = ""
     at: tuple[int, int, int] | None = None
     contributing: bool = True
@@ -151,19 +154,22 @@ class NodeState:
         return Arrival(self.contributing, self.draining, self.at[1] if self.at else None)
 
     def to_json(self) -> str:
-        d = {"s": self.state, "t": self.token, "at": self.at, "c": self.contributing, "d": self.draining,
-             "ok": self.ok, "g": self.group}
+        d = {"s": NodeState(self.state).value, "t": self.token, "at": self.at, "c": self.contributing,
+             "d": self.draining, "ok": self.ok, "g": self.group}
         if self.reason:
             d["r"] = self.reason
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "NodeState | None":
+    def from_json(cls, text: str | bytes) -> "StateRecord | None":
         """None for an empty value (a key created empty by a read, see Mesh._read)."""
         if not text:
             return None
         d = json.loads(text)
-        return cls(state=d["s"], token=d.get("t", ""), at=tuple(d["at"]) if d.get("at") else None,
+        if d["s"] not in NODE_STATES:  # only a node of another protocol writes another word (docs/mesh.md)
+            raise MeshError(f"a node's state key holds state {d['s']!r}, not one of {', '.join(NODE_STATES)}: "
+                            "a node of another wire protocol writes to this store")
+        return cls(state=NodeState(d["s"]), token=d.get("t", ""), at=tuple(d["at"]) if d.get("at") else None,
                    contributing=bool(d.get("c", True)), draining=bool(d.get("d", False)), ok=d.get("ok"),
                    group=tuple(d["g"]) if d.get("g") else None, reason=d.get("r", ""))
 
@@ -291,8 +297,8 @@ class BoundaryView:
     arrived: Mapping[str, Arrival] = field(default_factory=dict)
     dead: frozenset[str] = frozenset()  # dead or left, among every node the planner knows
     joining: frozenset[str] = frozenset()  # nodes with a join request
-    starting: frozenset[str] = frozenset()  # nodes in state "starting" (formation candidates; restarted members)
-    standby: frozenset[str] = frozenset()  # members that stepped out (slow link): neither awaited nor admitted
+    starting: frozenset[str] = frozenset()  # nodes in state starting (formation candidates; restarted members)
+    standby: frozenset[str] = frozenset()  # members in state standby (stepped out): neither awaited nor admitted
     min_nodes: int = 1
     timed_out: bool = False  # the planner's wait for this boundary is over: plan with whoever arrived
     base_generation: int = 0  # first generation of a (re)formed run is base_generation + 1

@@ -24,7 +24,12 @@ from typing import Any, Callable
 from engine.errors import toml_value
 from engine.mesh.membership import UPDATE_WITHIN_S, Membership, Registry, text
 from engine.mesh.planner import Planner
-from engine.mesh.protocol import Keys, MeshError, NodeState
+from engine.mesh.protocol import Keys, MeshError, StateRecord
+from engine.states import NodeState
+
+# a peer in a running run (a member, or one that stepped out and will ask again), and one that runs none (yet)
+_RUNNING = (NodeState.TRAINING, NodeState.DRAINING, NodeState.STANDBY)
+_RESTING = (NodeState.STARTING, NodeState.JOINING, NodeState.LEFT)
 
 
 def differences(mine: str, run: str, most: int = 4) -> str:
@@ -76,7 +81,7 @@ class Registration:
         self.sleep = sleep
         self.emit = emit
 
-    def write_state(self, st: NodeState, s: Any) -> None:
+    def write_state(self, st: StateRecord, s: Any) -> None:
         self.m.node_state = st
         s.set(self.keys.state(self.node_id), st.to_json())
 
@@ -134,7 +139,7 @@ class Registration:
         counter = int(text(s.add(k.hb(self.node_id), 1)))
         if counter <= 0:  # the id left cleanly before (negative counter): beat from 1 again
             s.set(k.hb(self.node_id), "1")
-        self.write_state(NodeState("starting", self.info["token"]), s)
+        self.write_state(StateRecord(NodeState.STARTING, self.info["token"]), s)
         s.compare_set(k.leader(), "", "")  # created empty: every tick reads it in one multi_get
         s.compare_set(k.latest(), "", "")
         self.m.store_life = text(s.compare_set(k.life(), "", uuid.uuid4().hex))
@@ -190,9 +195,9 @@ class Registration:
             with m.lock:
                 now = self.clock()
                 running = [n for n in listed if m.liveness.moved(n) and not m.liveness.is_dead(n, now)
-                           and states[n] is not None and states[n].state in ("training", "draining", "standby")]
+                           and states[n] is not None and states[n].state in _RUNNING]
                 resting = all(m.liveness.is_dead(n, now) or (states[n] is not None and
-                                                             states[n].state in ("starting", "joining", "left"))
+                                                             states[n].state in _RESTING)
                               for n in listed)
             if running:
                 m.epoch = latest.epoch
@@ -232,7 +237,7 @@ class Registration:
         s.compare_set(k.latest(), "", "")
         if reset:
             m.reset = True
-            self.write_state(NodeState("starting", self.info["token"]), s)
+            self.write_state(StateRecord(NodeState.STARTING, self.info["token"]), s)
         else:  # pruned while silent: the leader deleted its keys, and a registered id must have them (a reader
             # of an absent TCPStore key blocks until it appears: the planner would wait store_timeout for it)
             self.write_state(m.node_state, s)

@@ -13,7 +13,7 @@ What is kept between rounds, per parameter (fp32, 4 bytes each), on the paramete
                the update and the write-back are device-local foreach/flat ops: no host round trip of the model.
     pgrad      this round's pseudo-gradient; it survives an aborted attempt, which resends it
     mean       the members' weighted mean; also the codec's scratch and, after the commit, the optimizer's
-    (momentum) the outer optimizer's buffer, held by OuterOptimizer (nesterov and sgd with momentum > 0)
+    (momentum) the outer optimizer's buffer, held by MomentumSGD (nesterov and sgd with momentum > 0)
 
 plus the wire buffers of compression.Exchange (the codecs: about 2-3 x bytes per element, on CUDA as many again in
 pinned host memory; "none": 4 bytes per element on the host, pinned beside a GPU), on the host prepared at start for

@@ -53,11 +53,11 @@ from engine.outer.exchange import exchange
 from engine.outer.groups import MeshLinks
 from engine.outer.handoff import MissedState, StateHandoff
 from engine.outer.local import LocalRanks
-from engine.outer.optimizer import OuterOptimizer
+from engine.outer.optimizer import OuterOptimizer, build_outer_optimizer
 from engine.outer.progress import Progress
 from engine.outer.sentinel import Sentinel
 from engine.outer.timing import Stopwatch
-from engine.outer.rounds import RoundClock
+from engine.outer.schedule import Schedule
 
 
 class DilocoOuter:
@@ -68,14 +68,17 @@ class DilocoOuter:
     def __init__(self, cfg, mesh_cfg, world, inner, telemetry, *, config_digest: str,
                  settings: dict[str, Any] | None = None, local_group: dist.ProcessGroup | None = None,
                  mesh_factory: Callable[..., Any] | None = None,
-                 group_factory: Callable[..., dist.ProcessGroup] | None = None):
-        # mesh_factory / group_factory replace engine.mesh in unit tests
+                 group_factory: Callable[..., dist.ProcessGroup] | None = None,
+                 outer_optimizer: OuterOptimizer | None = None, clock: Callable[[], float] = time.time):
+        # mesh_factory / group_factory replace engine.mesh in unit tests; outer_optimizer: a part other than the
+        # config's (tests); clock: the round clock's wall clock (tests and the golden table inject a virtual one)
         if cfg.overlap != self.overlapped:
             raise ValueError(f"diloco.overlap = {cfg.overlap}: build the outer loop with engine.outer.build_outer")
         self.cfg, self.world, self.inner, self.telemetry = cfg, world, inner, telemetry
         self.local = LocalRanks(world.rank, world.world_size, local_group)
         self.node_id: str = mesh_cfg.node_id or telemetry.node
-        self.opt = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
+        # the outer optimizer owns its state (momentum or none): nothing here reaches into it (optimizer.py)
+        self.opt = outer_optimizer or build_outer_optimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
         # snapshot, pseudo-gradient and mean, flat fp32 on the parameters' device (engine/outer/buffers.py)
         self.bufs = OuterBuffers(inner.outer_params())
         # what the mesh compares: the outer buffers only line up between nodes of equal worker counts and inner
@@ -93,7 +96,10 @@ class DilocoOuter:
             mesh_factory=None if mesh_factory is None else lambda: mesh_factory(self), group_factory=group_factory)
         self.handoff = StateHandoff(self.bufs, self.opt, self.links, telemetry.emit)
         self.sentinel = Sentinel(cfg.sentinel_ratio, cfg.sentinel_min_cosine, self.local, self._emit)
-        self.rounds = RoundClock(cfg)  # when a round ends (steps or time) and its tokens (the node's weight)
+        # when an outer step is due and what it covers (schedule.py); the round under way, when it ends (steps or
+        # time) and its tokens (the node's weight), on the clock given here and never replaced (rounds.py)
+        self.schedule = Schedule(cfg)
+        self.rounds = self.schedule.round_clock(clock)
         self._restored = False  # the snapshot came from a checkpoint (load_state_dict), not from the parameters
         self._said_shards = False  # the warning of a node started without GLOBAL_RANK / GLOBAL_WORLD_SIZE
         self.watch = Stopwatch(self.bufs.device)  # the outer step's seconds, by phase
@@ -166,7 +172,7 @@ class DilocoOuter:
         if self.cfg.min_nodes >= 2:  # a run that may stay one node has no mean to send, and allocates nothing
             for ex, numel in self._exchanges():
                 ex.prepare(numel, self.cfg.min_nodes, self.cfg.compression)
-        self.opt.reserve(self.bufs.numel, self.bufs.device)  # where a momentum is kept and none was restored
+        self.opt.reserve(self.bufs.numel, self.bufs.device)  # where a state is kept and none was restored
         self.links.connect()
         joiner = self.local.on_leader("mesh start", lambda: self.mesh.start())
         self._started = True
@@ -261,10 +267,8 @@ class DilocoOuter:
                              f"diloco.round = \"steps\"")
         self.bufs.snapshot.copy_(snapshot)
         self._restored = True
-        self.opt.load_state_dict(sd["outer_optimizer"])
+        self.opt.load_state_dict(sd["outer_optimizer"], device=self.bufs.device)
         self.rounds.load_state_dict(sd)
-        if self.opt.momentum is not None:
-            self.opt.momentum = self.opt.momentum.to(self.bufs.device, torch.float32)
 
     # ------------------------------------------------------------------ one outer step, with retries
 
@@ -452,12 +456,10 @@ class DilocoOuter:
             self.inner.after_outer_update()
 
     def _adopt(self, params: torch.Tensor, handoff: list[torch.Tensor] | None = None) -> None:
-        """Make params this node's weights and snapshot (and, from a hand-off, the outer momentum too)."""
-        if handoff is not None and self.opt.keeps_momentum:
-            if self.opt.momentum is None:
-                self.opt.momentum = self.opt.first_momentum(handoff[1], self.bufs.device)
-            else:
-                self.opt.momentum.copy_(handoff[1])
+        """Make params this node's weights and snapshot (and, from a hand-off, the outer optimizer's state too:
+        the tensors between the parameters and the progress, handoff.py)."""
+        if handoff is not None:
+            self.opt.adopt(handoff[1:-1], self.bufs.device)
         self._land(params)
 
     def _land(self, params: torch.Tensor) -> None:

@@ -42,7 +42,6 @@ import torch
 
 from engine.outer.diloco import DilocoOuter
 from engine.outer.progress import Progress
-from engine.outer.rounds import RoundClock
 
 
 def spans(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -71,12 +70,10 @@ class FragmentBuffers:
 class FragmentedDiloco(DilocoOuter):
     def __init__(self, cfg, mesh_cfg, world, inner, telemetry, **kwargs: Any):
         super().__init__(cfg, mesh_cfg, world, inner, telemetry, **kwargs)
-        self.parts = cfg.fragments
+        self.parts = self.schedule.parts  # an outer step every inner_steps / parts steps (the schedule's rounds)
         if self.bufs.numel < self.parts:
             raise ValueError(f"diloco.fragments ({self.parts}): this rank holds only {self.bufs.numel} values")
         self.alpha = cfg.fragment_alpha
-        # a round is the steps between two outer steps: inner_steps / fragments
-        self.rounds = RoundClock(cfg.model_copy(update={"inner_steps": cfg.inner_steps // cfg.fragments}))
         self.spans = spans(self.bufs.numel, self.parts)
         self.frag_bufs = [FragmentBuffers(self.bufs, lo, hi) for lo, hi in self.spans]
         self._frag = 0  # the fragment of the outer step under way
@@ -85,9 +82,8 @@ class FragmentedDiloco(DilocoOuter):
         self._anchors: list[int] | None = None
         self._rebased = False
         self._max_steps = 1 << 62  # train.max_steps, as finished() is told it
-        if self.opt.keeps_momentum and self.opt.momentum is None:
-            # momentum = beta * 0 + g at a fragment's first step is torch's first step (buf = g), per fragment
-            self.opt.momentum = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        # a whole state now (zeros): each fragment's outer step updates its slice of it (opt.slice)
+        self.opt.materialize(self.bufs.numel, self.bufs.device)
         # diloco.fragment_delay: the fragment in flight (its thread, what it raised, its progress), when it lands,
         # and what it left to write into the parameters there ("fragment" or "all", the fragment, reset the
         # optimizer's moments)
@@ -105,7 +101,7 @@ class FragmentedDiloco(DilocoOuter):
 
     def fragment_of(self, outer_step: int) -> int:
         """The fragment outer step `outer_step` (1, 2, ...) syncs: the same on every member."""
-        return (outer_step - 1) % self.parts
+        return self.schedule.fragment_of(outer_step)
 
     def _param_slices(self, f: int) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
         """The pieces of the parameters that fragment f covers (flat views), and where each lies: (its first and
@@ -249,21 +245,15 @@ class FragmentedDiloco(DilocoOuter):
 
     @torch.no_grad()
     def _apply(self) -> None:
-        """The committed update of fragment f: its snapshot and momentum from the mean, then its parameters mixed
-        (fragment_alpha) from the agreed weights and the node's own."""
+        """The committed update of fragment f: its snapshot and its slice of the outer optimizer's state from the
+        mean, then its parameters mixed (fragment_alpha) from the agreed weights and the node's own."""
         f = self._frag
         lo, hi = self.spans[f]
         snap, mean = self.bufs.snapshot[lo:hi], self.bufs.mean[lo:hi]
         with self.watch.phase("optimizer"):
             if self._in_flight():  # the node's weights of f as of the boundary, for the landing (snapshot - pgrad)
                 torch.sub(snap, self.bufs.pgrad[lo:hi], out=self.bufs.pgrad[lo:hi])
-            full = self.opt.momentum
-            try:
-                if full is not None:
-                    self.opt.momentum = full[lo:hi]  # updated in place: a view of the whole buffer
-                self.opt.step_(snap, mean)
-            finally:
-                self.opt.momentum = full
+            self.opt.slice(lo, hi).step_(snap, mean)  # the state of f, updated in place
         if self._in_flight():
             self._pending = self._pending or ("fragment", f, False)  # lands on the training thread (flush)
             return
@@ -368,5 +358,4 @@ class FragmentedDiloco(DilocoOuter):
         anchors = sd.get("fragment_tokens0")
         if anchors and sd.get("fragments") == self.parts:
             self._anchors = [int(a) for a in anchors]
-        if self.opt.keeps_momentum and self.opt.momentum is None:
-            self.opt.momentum = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        self.opt.materialize(self.bufs.numel, self.bufs.device)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.mesh.protocol import MeshError, Stopped
 from engine.outer.local import LocalRanks
+from engine.outer.schedule import Schedule
 
 GROUP_ERRORS = (RuntimeError, TimeoutError, ConnectionError, OSError)
 
@@ -123,11 +124,12 @@ class MeshLinks:
         m = self.mesh_cfg
         self.store = open_store(m)
         if self.local.leader:
-            timed = self.cfg.round == "time"
+            schedule = Schedule(self.cfg)  # time rounds: the planner sets each plan's deadline, a round on
+            timed = schedule.timed
             self.mesh = Mesh(self.store, self.node_id, m, digest=self.digest, info=self.info,
                              min_nodes=self.cfg.min_nodes, emit=self.emit, interrupt=self.interrupted,
                              reconnect=lambda: open_store(m, probe_timeout=m.heartbeat_interval, like=self.store),
-                             round_seconds=self.cfg.round_seconds if timed else 0.0,
+                             round_seconds=schedule.seconds if timed else 0.0,
                              grace=self.cfg.grace if timed else 0.0)
 
     def close(self, status: str | None) -> None:

@@ -128,7 +128,7 @@ class StateHandoff:
         each node counts its own inner steps and tokens (a member keeps its own whatever it receives)."""
         pg = self.links.group(plan)
         assert pg is not None, "a hand-off has more than one member"
-        mom = self.opt.momentum if self.opt.keeps_momentum else None
+        mom = self.opt.check_tensor()
         mine = torch.tensor([int(fingerprint(agreed), 16), int(fingerprint(mom), 16) if mom is not None else -1],
                             dtype=torch.int64)
         rows = torch.empty(plan.size, mine.numel(), dtype=torch.int64)
@@ -147,18 +147,14 @@ class StateHandoff:
 
     def _tensors(self, progress: Progress, agreed: torch.Tensor | None, *, source: bool,
                  into_mean: bool) -> list[torch.Tensor]:
-        """In order: parameters, outer momentum (when kept), progress."""
+        """In order: parameters, the outer optimizer's state (its handoff_tensors: none, or its momentum), progress."""
         n = self.bufs.numel
         if source:
             assert agreed is not None
             out = [agreed.cpu()]
-            if self.opt.keeps_momentum:
-                mom = self.opt.momentum
-                out.append(mom.cpu() if mom is not None else torch.zeros(n))
         else:
             out = [self.bufs.mean if into_mean and self.bufs.device.type == "cpu" else torch.empty(n)]
-            if self.opt.keeps_momentum:
-                out.append(torch.empty(n))
+        out += self.opt.handoff_tensors(n, source=source)
         out.append(torch.tensor([progress.step, progress.outer_step, progress.tokens], dtype=torch.int64))
         return out
 

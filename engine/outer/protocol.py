@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from engine.config import Config, mesh_settings, run_digest
 from engine.outer.progress import Progress
+from engine.outer.schedule import Schedule
 
 
 class Diverged(RuntimeError):
@@ -121,7 +122,7 @@ SHORT_RUN_OUTER_STEPS = 100
 def short_run_note(cfg: Config) -> str | None:
     """A warning for outer momentum in a run too short for it to pay off, or None."""
     d = cfg.diloco
-    rounds = cfg.train.max_steps // d.inner_steps
+    rounds = Schedule(d).whole_rounds(cfg.train.max_steps)
     if d.outer_optimizer == "average" or d.outer_momentum < 0.5 or rounds >= SHORT_RUN_OUTER_STEPS:
         return None
     return (f"diloco: {rounds} outer steps (train.max_steps / diloco.inner_steps) with diloco.outer_momentum "

@@ -11,8 +11,10 @@ With time rounds the run is measured in rounds: train.max_steps / diloco.inner_s
 the LR schedule follows the round clock (step_for_schedule), the same on every node at the same moment whatever
 its speed; each node's progress.step still counts its own steps (data position, checkpoints, logs).
 
-The deadline is wall-clock time (time.time()): the plan carries it (Plan.deadline, set by the planner as it
-writes the plan), so every member ends its round at the same moment, a joiner admitted by that plan included.
+The rules (steps or time, H, fragments, the run's length) are the schedule's (schedule.py), which builds this clock
+on the wall clock it is given, once. The deadline is wall-clock time (time.time() unless injected): the plan
+carries it (Plan.deadline, set by the planner as it writes the plan), so every member ends its round at the same
+moment, a joiner admitted by that plan included.
 Hosts' clocks must agree to well within a round (`zeroband-console PROFILE check` compares them). Before the
 first plan, and where a plan carries none (overlap: the next round starts before its plan exists), the deadline
 is the last one plus round_seconds, or now plus round_seconds when that has already passed.
@@ -20,24 +22,43 @@ is the last one plus round_seconds, or now plus round_seconds when that has alre
 
 from __future__ import annotations
 
-import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from engine.outer.progress import Progress
 
 
+class RoundRules(Protocol):
+    """What the clock asks of the schedule (engine.outer.schedule.Schedule)."""
+
+    @property
+    def timed(self) -> bool: ...
+
+    @property
+    def seconds(self) -> float: ...
+
+    def due_at(self, step: int) -> bool: ...
+
+    def boundaries_before(self, step: int) -> int: ...
+
+    def step_of_boundary(self, outer_step: int) -> int: ...
+
+    def rounds(self, max_steps: int) -> int: ...
+
+    def lr_step(self, rounds_done: float) -> int: ...
+
+
 class RoundClock:
-    def __init__(self, cfg, clock: Callable[[], float] = time.time):
-        self.kind, self.h, self.seconds = cfg.round, cfg.inner_steps, cfg.round_seconds
-        self.clock = clock
+    def __init__(self, schedule: RoundRules, clock: Callable[[], float] = time.time):
+        self.schedule, self.seconds = schedule, schedule.seconds
+        self.clock = clock  # given once: every deadline and step length is read on it
         self.deadline: float | None = None  # time rounds: when this round ends
         self._tokens0: int | None = None  # progress.tokens when this round began
         self._last_step_at: float | None = None  # when due() was last asked: the length of an inner step
 
     @property
     def timed(self) -> bool:
-        return self.kind == "time"
+        return self.schedule.timed
 
     def begin(self, progress: Progress, plan: Any = None, *, keep_tokens: bool = False) -> None:
         """A round begins now (after a commit, a hand-off, an overlapped boundary): its tokens count from here
@@ -66,7 +87,7 @@ class RoundClock:
         ends its round at the step that ends nearest the deadline: it does not start a step that would end more than
         half a step past it, so a slow node's last step does not make it late for the planner's grace."""
         if not self.timed:
-            return progress.step % self.h == 0
+            return self.schedule.due_at(progress.step)
         now = self.clock()
         step_s, self._last_step_at = (now - self._last_step_at if self._last_step_at is not None else 0.0), now
         return self.deadline is not None and now + step_s / 2 >= self.deadline
@@ -80,26 +101,24 @@ class RoundClock:
     def pending_at_resume(self, progress: Progress) -> bool:
         """A checkpoint saved at a step-round boundary before it committed: that round is contributed at start.
         (A time round in progress at a checkpoint goes on after the resume and ends at its next deadline.)"""
-        return not self.timed and progress.step > 0 and progress.step % self.h == 0 \
-            and progress.step // self.h > progress.outer_step
+        return not self.timed and progress.step > 0 and self.schedule.due_at(progress.step) \
+            and self.schedule.boundaries_before(progress.step) > progress.outer_step
 
     def _guess_tokens0(self, progress: Progress) -> int:
         """A checkpoint older than the round clock: the tokens since the last committed boundary, from the steps
-        (step rounds: outer_step * H steps were committed)."""
+        (step rounds: the steps up to outer_step's boundary were committed)."""
         if progress.step <= 0:
             return progress.tokens
         per_step = progress.tokens / progress.step
-        return progress.tokens - int(round(max(0, progress.step - progress.outer_step * self.h) * per_step))
+        since = progress.step - self.schedule.step_of_boundary(progress.outer_step)
+        return progress.tokens - int(round(max(0, since) * per_step))
 
     # ---- the run's length and schedule --------------------------------------------------------------------------
 
     def finished(self, progress: Progress, max_steps: int) -> bool:
         if not self.timed:
             return progress.step >= max_steps
-        return progress.outer_step >= self.rounds(max_steps)
-
-    def rounds(self, max_steps: int) -> int:
-        return max(1, math.ceil(max_steps / self.h))
+        return progress.outer_step >= self.schedule.rounds(max_steps)
 
     def step_for_schedule(self, progress: Progress) -> int | None:
         """Time rounds: the step of the LR schedule now, H per round, advancing with the round clock. Step rounds:
@@ -107,7 +126,7 @@ class RoundClock:
         if not self.timed or self.deadline is None:
             return None
         into = 1.0 - min(1.0, max(0.0, (self.deadline - self.clock()) / self.seconds))
-        return int(self.h * (progress.outer_step + into))
+        return self.schedule.lr_step(progress.outer_step + into)
 
     def resume(self, progress: Progress) -> None:
         """At start: a fresh run's round counts from here; a resumed one from its checkpointed round start."""

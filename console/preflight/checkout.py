@@ -43,7 +43,7 @@ class Checkout:
 
     @classmethod
     def find(cls) -> "Checkout | None":
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]  # console/preflight/checkout.py -> the checkout
         return cls(root) if (root / "engine").is_dir() else None
 
     @property
