@@ -292,6 +292,7 @@ class Fleet:
         self._engine_says(node, state)
         if state is NodeState.TRAINING and event["rank"] <= 0:
             node._outer_ts = event["ts"]  # the first round's compute time counts from here
+            node.compile = compile_text(event) or node.compile
         node.log.append(LazyLine(event))
 
     def _on_outer_step(self, node: Node, event: dict[str, Any]) -> None:
@@ -489,3 +490,11 @@ def _shares(event: dict[str, Any]) -> dict[str, float] | None:
     total = sum(float(w) for w in weights)
     return {str(n): float(w) / total for n, w in zip(names, weights)} if total > 0 else {}
 
+
+def compile_text(event: dict[str, Any]) -> str | None:
+    """What the node's detail says of train.compile from a "training" state event (fields optional: None)."""
+    seconds = event.get("compile_s")
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+        return f"compiled in {seconds:.0f} s (the first step)" if event.get("compiled", True) else \
+            f"failed to compile in {seconds:.0f} s: eager (its warning says why)"
+    return "compiling (the first step; a minute or more on a GPU)" if event.get("compiling") is True else None

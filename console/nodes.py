@@ -145,6 +145,8 @@ class Node:
     outer_step: int | None = None
     round_tokens: float | None = None  # the tokens its last round counted for in the mean (0: not counted)
     round_share: float | None = None  # ... and their share of that outer step's total
+    # train.compile: "compiling" while the first step compiles, then "compiled in N s" or "eager (...)"
+    compile: str | None = None
     pid: int | None = None
     max_steps: int | None = None
     malformed: int = 0  # lines on its event stream that were not valid events

@@ -70,11 +70,23 @@ class TrainConfig(_Section):
     # orders the data they read their shares of); None: seed
     init_seed: int | None = Field(default=None, ge=0, lt=2**63)
     precision: Literal["fp32", "bf16-mixed", "fp16-mixed"] = "fp32"
-    compile: bool = False
+    # torch.compile each decoder layer: "auto" on a CUDA device unless the strategy refuses it (zero3), off on a CPU
+    # (engine/inner/transforms.py compile_wanted); a first step that fails to compile runs on eager, with one warning
+    compile: Literal["auto", True, False] = "auto"
     activation_checkpointing: bool = False
     log_interval: int = Field(default=1, gt=0)
     eval_interval: int = Field(default=0, ge=0)  # 0: no periodic eval
     eval_batches: int = Field(default=4, gt=0)
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_is_a_boolean_or_auto(cls, value: Any) -> Any:
+        # a Literal takes 1 for True; a TOML boolean or the word "auto" only, as for every boolean key
+        if isinstance(value, bool) or value == "auto":
+            return value
+        quoted = f", not the string {toml_value(value)} (write it without quotes)" if isinstance(value, str) and \
+            value in ("true", "false") else ""
+        raise ValueError(f"Input should be true, false or \"auto\"{quoted}")
 
 
 class OptimConfig(_Section):
@@ -439,7 +451,8 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
         else:
             key, value = arg[2:], "true"
             field = _field(key)
-            if field is not None and field.annotation is not bool:  # an unknown key is named by the validation
+            if field is not None and field.annotation is not bool and True not in getattr(field.annotation, "__args__",
+                                                                                    ()):  # unknown: the validation names it
                 raise ConfigError(f"command line: {key}: needs a value (--{key}=VALUE)")
         out[key] = value
         i += 1

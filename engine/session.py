@@ -37,6 +37,7 @@ from engine.outer import Diverged, Outer, Progress, build_outer
 from engine.outer.schedule import Schedule
 from engine.inner.ddp_fsdp import build_inner, setup_distributed
 from engine.inner.optim import lr_factor
+from engine.inner.transforms import first_step
 from engine.resources import ResourceMonitor
 from engine.telemetry import Telemetry
 from engine.world import World
@@ -263,6 +264,23 @@ def train_step(inner, stream: TokenStream, micro_batch_size: int, accum: int) ->
     return torch.stack(losses).mean(), grad_norm
 
 
+def first_compiled_step(s: Session, compiled) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step that compiles (engine/inner/transforms.py first_step), then what it took: a state event with its
+    seconds for the console, or one warning when the compiler failed and the run goes on eager."""
+    def undo() -> None:  # what a failed forward may leave: gradients, FSDP2's gathered layers
+        s.inner.optimizer.zero_grad(set_to_none=True)
+        if hasattr(s.inner, "reshard"):
+            s.inner.reshard()
+    step = lambda: train_step(s.inner, s.data.train, s.cfg.train.micro_batch_size, s.accum)  # noqa: E731
+    out = first_step(compiled, step, undo)
+    if compiled.fallback:
+        s.telemetry.emit("warning", message=f"train.compile: compiling the first step failed ({compiled.fallback}); "
+                                            f"training on eager (train.compile = false skips the attempt)")
+    s.telemetry.emit("state", state="training", step=s.progress.step + 1, compile_s=round(compiled.seconds, 3),
+                     compiled=compiled.fallback is None)
+    return out
+
+
 def node_mean(value: torch.Tensor | float, s: Session) -> float:
     """The mean of a scalar over the node's ranks (a collective when there are several)."""
     t = torch.as_tensor(value, dtype=torch.float32).detach().reshape(1).cpu()
@@ -321,7 +339,9 @@ def run(s: Session) -> str:
     s.training = True
     if progress.step != before:
         follow_handoff(s)
-    s.telemetry.emit("state", state="training", step=progress.step, **s.facts)
+    compiled = getattr(s.inner, "compiled", None)  # torch.compile'd layers: the first step compiles them
+    s.telemetry.emit("state", state="training", step=progress.step, **s.facts,
+                     **({"compiling": True} if compiled is not None else {}))
     status, last_log, last_log_step = "completed", time.monotonic(), progress.step
     loss = None
     while True:
@@ -334,7 +354,10 @@ def run(s: Session) -> str:
         schedule_step = s.outer.step_for_schedule(progress)
         if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
             s.inner.schedule_at(schedule_step)
-        loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
+        if compiled is not None and compiled.pending:
+            loss, grad_norm = first_compiled_step(s, compiled)
+        else:
+            loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
         progress.step += 1
         progress.tokens += tokens_per_step
         if progress.step % cfg.train.log_interval == 0 or progress.step == cfg.train.max_steps:

@@ -69,7 +69,10 @@ EVENT_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "run_start": {"rounds": (int,), "run": (str,), "diloco": (bool,), "dataset": (str, type(None))},
     "state": {"step": (int,), "params": (int,), "device": (str,), "grad_accum": (int,), "resumed_from": (str,),
-              "resumed_step": (int,), "host": (str,), "port": (int,), "pid": (int,)},
+              "resumed_step": (int,), "host": (str,), "port": (int,), "pid": (int,),
+              # train.compile: the first step compiles (compiling), then what it took (compile_s; compiled false:
+              # the compiler failed and the run trains on eager)
+              "compiling": (bool,), "compile_s": _num, "compiled": (bool,)},
     "step": {"tokens": (int,), "outer_step": (int,), "epoch": _opt_num},
     "resource": {"index": (int, str), "temp_c": _num, "power_w": _num},
     "heartbeat": {"keys": (int,), "rtt_ms": _num},
@@ -201,6 +204,11 @@ def format_human(event: dict[str, Any]) -> str | None:
     if t == "state" and "resumed_from" in event:  # the one line that says a run continues a checkpoint
         step = event.get("resumed_step", event.get("step"))
         return f"{who} state {event['state']}, resumed from {event['resumed_from']} at step {step}"
+    if t == "state" and "compile_s" in event:
+        how = "compiled" if event.get("compiled", True) else "failed to compile, eager"
+        return f"{who} state {event['state']}: the first step {how} in {event['compile_s']:.1f} s"
+    if t == "state" and event.get("compiling"):
+        return f"{who} state {event['state']}, compiling (the first step compiles the model)"
     if t in ("state", "drained"):
         return f"{who} {t} {event.get('state', '')}".rstrip()
     return None

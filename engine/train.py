@@ -3,6 +3,7 @@
     python -m engine.train configs/debug.toml                                  # one process, CPU or one GPU
     torchrun --nproc_per_node=2 -m engine.train configs/debug.toml --optim.lr=1e-3 --data.path=corpus/
     python -m engine.train configs/150m.toml --ckpt.resume=latest              # continue a run
+    python -m engine.train configs/1b.toml --dry-run --train.micro_batch_size=4   # the memory estimate, no run
 
 The story: read the world and the config; check what needs no process group (the batch arithmetic of this node's
 workers, the folders to write, the data, the checkpoint to resume), so that a bad input is one line and changes
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
     except ValueError as e:  # a bad RANK or WORLD_SIZE: one line, as for any bad input (no traceback)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    if "--dry-run" in argv:
+        return dry_run([a for a in argv if a != "--dry-run"], world)
     telemetry = make_telemetry(None, world)
     training: ModuleType | None = None  # engine.session, once the config passed
     session: Session | None = None
@@ -244,6 +247,30 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         telemetry.human = code != 2  # after bad input the `error:` line says it all; the JSON lines still close
         shutdown(session, telemetry, status, clean=code == 0, training=training)
     return code
+
+
+def dry_run(argv: list[str], world: World) -> int:
+    """--dry-run: the memory estimate of this process (engine/memory.py) for the config and this node's workers
+    (torchrun's WORLD_SIZE, as a real start reads it), printed as a table ending in `per GPU: N GiB ...`; nothing is
+    imported of torch, no process group or store is made, nothing is written. 2 on bad input, as a start."""
+    from engine.memory import estimate
+    try:
+        config_path, overrides = split_args(argv)
+        cfg = load_config(config_path, overrides, environ=world.env)
+        grad_accum_steps(cfg.train, world.world_size, source=config_path)
+        est = estimate(cfg, workers=world.world_size, device=dry_run_device(cfg.inner.device))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print("\n".join(est.lines()), flush=True)
+    return 0
+
+
+def dry_run_device(device: str) -> str:
+    """inner.device for the estimate without importing torch: auto is cuda where the NVIDIA driver is loaded."""
+    if device == "auto":
+        return "cuda" if os.path.exists("/proc/driver/nvidia/version") else "cpu"
+    return device
 
 
 # what a rank that leaves its node's error to local rank 0 tells torchrun's summary

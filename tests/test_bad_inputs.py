@@ -467,9 +467,10 @@ def test_an_etcd_setting_with_the_tcp_store_is_refused_naming_it(override, shown
                                                       'it without quotes)'),
     ('[optim]\nlr = "1e-3"', "optim.lr", 'Input should be a valid number, not the string "1e-3" (write it without '
                                          'quotes)'),
-    ('[train]\ncompile = "true"', "train.compile", 'Input should be a valid boolean, not the string "true" (write '
-                                                   'it without quotes)'),
-    ("[train]\ncompile = 1", "train.compile", "Input should be a valid boolean"),
+    ('[train]\ncompile = "true"', "train.compile", 'Input should be true, false or "auto", not the string "true" '
+                                                   '(write it without quotes)'),
+    ("[train]\ncompile = 1", "train.compile", 'Input should be true, false or "auto"'),
+    ("[train]\ncompile = \"on\"", "train.compile", 'Input should be true, false or "auto"'),
     ("[train]\nmax_steps = 8.0", "train.max_steps", "Input should be a valid integer"),
 ])
 def test_a_toml_string_where_a_number_belongs_is_refused_as_the_docs_say(tmp_path, line, key, message):

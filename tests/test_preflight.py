@@ -563,3 +563,71 @@ def test_sync_writes_a_shared_folder_once_and_every_other_host_apart():
     assert [d.label for d in destinations(parse_profile(one_machine))] == ["a+b", "c"]
     other_user = one_machine.replace('[hosts.b]\naddress = "gpu1"\n', '[hosts.b]\naddress = "gpu1"\nuser = "bob"\n')
     assert [d.label for d in destinations(parse_profile(other_user))] == ["a", "b", "c"]
+
+
+# ---- the memory estimate against the GPUs' memory (engine/memory.py) ----------------------------------------------
+def _one_b(**over):
+    from engine.config import load_config
+    return load_config(ROOT / "configs/1b.toml", {"inner.strategy": "ddp", "train.activation_checkpointing": False,
+                                                  **over})
+
+
+def _gpu_of(need: int) -> int:
+    """The smallest GPU (bytes) whose usable part takes `need` bytes per process."""
+    from engine.memory import CUDA_CONTEXT, HEADROOM
+    return -(-(need + CUDA_CONTEXT) * 10 // int(HEADROOM * 10)) + 10
+
+
+def test_a_config_that_cannot_fit_the_gpus_is_one_line_with_the_largest_part_and_a_setting_that_fits():
+    from engine.memory import GiB, estimate
+    cfg = _one_b()
+    need = estimate(cfg, workers=8).per_gpu
+    gpu = _gpu_of(need)
+
+    def verdict(memory: int) -> list[str]:
+        gpus = {"count": 8, "source": "fake (ZEROBAND_FAKE_GPUS)", "note": None, "memory": memory}
+        return lines([plan(engine_config=cfg)], [HostResult("node-a", facts=facts(gpus=gpus), sent=100,
+                                                            received=100)])
+    assert verdict(gpu) == []  # just large enough
+    small = verdict(gpu - 20)  # just too small
+    assert small == [f"node-a: the estimate is {need / GiB:.1f} GiB per GPU (largest: activations "
+                     f"{next(p.bytes for p in estimate(cfg, workers=8).parts if p.name == 'activations') / GiB:.1f} "
+                     f"GiB), more than the {(gpu - 20) * 0.9 / GiB - 0.5:.1f} GiB usable of the {(gpu - 20) / GiB:.0f} "
+                     f"GiB GPUs fake (ZEROBAND_FAKE_GPUS) sees; fix: set train.activation_checkpointing = true "
+                     f"(python -m engine.train CONFIG --dry-run shows the table)"]
+    # nothing fits a 1 GiB GPU (less than the CUDA context and the headroom): the fix says what is left
+    assert verdict(GiB)[0].endswith("fix: a larger GPU, more workers with a sharded inner.strategy, or a smaller "
+                                        "model")
+    # unknown memory (an old probe, nvidia-smi without the query) or the CPU: no verdict
+    assert verdict(None) == []
+    assert lines([plan(engine_config=cfg, device="cpu", workers=2)], [HostResult(
+        "node-a", facts=facts(), sent=100, received=100)]) == []
+
+
+def test_fake_gpus_carry_a_memory_size():
+    assert probe.gpus("8x80", None) == {"count": 8, "source": "fake (ZEROBAND_FAKE_GPUS)", "note": None,
+                                        "memory": 80 * 2**30}
+    assert probe.gpus("2x0.5GiB", "0")["memory"] == 2**29 and probe.gpus("2x0.5GiB", "0")["count"] == 1
+    assert probe.gpus("2", None)["memory"] is None and probe.gpus("0x80", None)["memory"] is None
+
+
+def test_check_refuses_a_config_that_cannot_fit_the_fake_gpus(tmp_path):
+    from engine.config import load_config
+    from engine.memory import GiB, estimate
+    over = {"data.path": "corpus/stdlib_docstrings.jsonl", "inner.device": "cuda", "data.seq_len": 2048}
+    need = estimate(load_config(ROOT / "configs/debug-diloco.toml", over), workers=1).per_gpu
+    size = (need - 2**20 + int(0.5 * GiB)) / 0.9 / GiB  # GiB: one MiB short of the estimate
+    profile = write_profile(tmp_path, node_b=textwrap.dedent(f"""\
+        env = {{ ZEROBAND_FAKE_GPUS = "1x{size:.6f}" }}
+        overrides = {{ "inner.device" = "cuda", "data.seq_len" = 2048 }}
+        """))
+    done = run_console(str(profile), "check")
+    assert done.returncode == 1, done.stdout + done.stderr
+    memory = [ln for ln in done.stdout.splitlines() if "the estimate is" in ln]
+    assert len(memory) == 1 and memory[0].startswith("node-b: the estimate is") and \
+        "fix: set train.activation_checkpointing = true" in memory[0], done.stdout
+    roomy = write_profile(tmp_path, node_b=textwrap.dedent(f"""\
+        env = {{ ZEROBAND_FAKE_GPUS = "1x{size + 0.01:.6f}" }}
+        overrides = {{ "inner.device" = "cuda", "data.seq_len" = 2048 }}
+        """))
+    assert "the estimate is" not in run_console(str(roomy), "check").stdout

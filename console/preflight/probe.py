@@ -10,8 +10,9 @@ lacks torch. The console sends it on the channel's stdin after one line that set
 
 and reads one JSON object from its stdout. Modes:
 
-    facts    python, packages, the project's version (git commit and a digest of engine/**/*.py), GPUs (NVML; or
-             ZEROBAND_FAKE_GPUS from the profile, the one fake allowed, for tests on machines without a GPU), CPUs,
+    facts    python, packages, the project's version (git commit and a digest of engine/**/*.py), GPUs and the
+             smallest one's memory (NVML; or ZEROBAND_FAKE_GPUS from the profile, "8" or "8x80" for 80 GiB each,
+             the one fake allowed, for tests on machines without a GPU), CPUs,
              free disk under the run folder, data paths and a prepared folder's manifest digest, network
              interfaces, whether the store's address and port can be bound, the venv's set-up stamp, the clock,
              and for an engine host the address its collectives listen on (the one on the route to the store, as
@@ -156,18 +157,22 @@ def git_commit(workdir):
 
 
 def gpus(fake, visible):
-    """How many GPUs the engine will find: NVML's count (nvidia-smi -L without the NVML bindings), limited by
-    CUDA_VISIBLE_DEVICES; `fake` (ZEROBAND_FAKE_GPUS) replaces the count, for tests on machines without a GPU."""
+    """How many GPUs the engine will find and the memory of the smallest (bytes; None where unknown): NVML's (nvidia-smi
+    without the NVML bindings), the count limited by CUDA_VISIBLE_DEVICES; `fake` (ZEROBAND_FAKE_GPUS, "COUNT" or
+    "COUNTxGIB", e.g. "8x80") replaces both, for tests on machines without a GPU."""
     if fake is not None:
-        count, source, note = int(fake), "fake (ZEROBAND_FAKE_GPUS)", None
+        count, _, size = str(fake).lower().partition("x")
+        memory = int(float(size.strip().rstrip("gib") or 0) * 2 ** 30) or None
+        count, source, note = int(count), "fake (ZEROBAND_FAKE_GPUS)", None
     else:
-        count, source, note = nvml_count()
+        count, source, note, memory = nvml_count()
     if visible is not None and count:
         count = min(count, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
-    return {"count": count, "source": source, "note": note}
+    return {"count": count, "source": source, "note": note, "memory": memory if count else None}
 
 
 def nvml_count():
+    """(count, source, note, the smallest GPU's total memory in bytes or None)."""
     try:
         import pynvml  # nvidia-ml-py: a dependency of the project, so on every host the engine runs on
     except ImportError:
@@ -175,21 +180,25 @@ def nvml_count():
     try:
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetCount()), "nvml", None
+            count = int(pynvml.nvmlDeviceGetCount())
+            sizes = [int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
+                     for i in range(count)]
+            return count, "nvml", None, min(sizes) if sizes else None
         finally:
             pynvml.nvmlShutdown()
     except Exception as e:  # noqa: BLE001 -- NVMLError_LibraryNotFound, DriverNotLoaded...: no usable GPU
-        return 0, "nvml", str(e) or type(e).__name__
+        return 0, "nvml", str(e) or type(e).__name__, None
 
 
 def smi_count(why):
     try:
-        done = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              timeout=SUBPROCESS_S)
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, timeout=SUBPROCESS_S)
     except (OSError, subprocess.SubprocessError):
-        return 0, "none", why + "; no nvidia-smi"
-    lines = [ln for ln in done.stdout.decode(errors="replace").splitlines() if ln.startswith("GPU ")]
-    return len(lines), "nvidia-smi", why
+        return 0, "none", why + "; no nvidia-smi", None
+    sizes = [int(float(ln)) * 2 ** 20 for ln in done.stdout.decode(errors="replace").split()
+             if ln.replace(".", "", 1).isdigit()]  # MiB, one line per GPU
+    return len(sizes), "nvidia-smi", why, min(sizes) if sizes else None
 
 
 def cpus():

@@ -22,7 +22,7 @@ PACKAGES = ("torch", "transformers", "pydantic", "numpy")  # what the engine imp
 @dataclass(frozen=True)
 class Problem:
     host: str
-    # reach, python, workdir, version, packages, torch, devices, disk, data, manifest, iface, clock, bind, link
+    # reach, python, workdir, version, packages, torch, devices, memory, disk, data, manifest, iface, clock, bind, link
     kind: str
     what: str
     fix: str
@@ -58,6 +58,7 @@ class HostPlan:
     ifnames: tuple[tuple[str, str], ...] = ()  # (NCCL_SOCKET_IFNAME, "eth0")...
     binds: tuple[Target, ...] = ()
     links: tuple[Target, ...] = ()
+    engine_config: Any = None  # the engine's Config for this host (None: unreadable here): the memory estimate's input
 
     @property
     def engine(self) -> bool:
@@ -245,11 +246,34 @@ def _devices(plan: HostPlan, f: dict[str, Any], expect: Expect) -> list[Problem]
         return [Problem(plan.name, "torch", f"torch {torch} for {plan.python} is the CPU build, but inner.device "
                         f"{plan.device} and {gpus['source']} sees {gpus['count']} GPU{plural}",
                         f"zeroband-console {expect.profile} sync installs the CUDA build where nvidia-smi works "
-                        f"(or set hosts.{plan.name}.venv to a venv with it)")]
+                        f"(or set hosts.{plan.name}.venv to a venv with it)")] + _memory(plan, gpus)
     if not on_gpu and plan.workers > f["cpus"]:
         return [Problem(plan.name, "devices", f"workers = {plan.workers} on the CPU but the host has {f['cpus']} CPUs",
                         f"set hosts.{plan.name}.workers to at most {f['cpus']}")]
-    return []
+    return _memory(plan, gpus) if on_gpu else []
+
+
+def _memory(plan: HostPlan, gpus: dict[str, Any]) -> list[Problem]:
+    """The memory estimate (engine/memory.py, torch-free) against the host's smallest GPU: one line naming the
+    largest part and the first setting that would fit."""
+    from engine.memory import GiB, budget, estimate, fitting
+
+    if plan.engine_config is None or not gpus.get("memory"):
+        return []
+    try:
+        est = estimate(plan.engine_config, workers=plan.workers, device="cuda")
+    except ValueError:
+        return []  # a model or tokenizer the estimate cannot read: the engine's own start says what is wrong
+    room = budget(gpus["memory"])
+    if est.per_gpu <= room:
+        return []
+    top = est.largest()
+    fit = fitting(plan.engine_config, plan.workers, gpus["memory"])
+    return [Problem(plan.name, "memory", f"the estimate is {est.per_gpu / GiB:.1f} GiB per GPU (largest: {top.name} "
+                    f"{top.bytes / GiB:.1f} GiB), more than the {room / GiB:.1f} GiB usable of the "
+                    f"{gpus['memory'] / GiB:.0f} GiB GPUs {gpus['source']} sees",
+                    f"set {fit} (python -m engine.train CONFIG --dry-run shows the table)" if fit else
+                    "a larger GPU, more workers with a sharded inner.strategy, or a smaller model")]
 
 
 def _network(plan: HostPlan, f: dict[str, Any], result: HostResult) -> list[Problem]:

@@ -119,18 +119,18 @@ def build_plans(profile: Profile, mode: str, hosts: Sequence[str] | None, checko
 
 def _plan(profile: Profile, host: HostSpec, roles: frozenset[str], binds: tuple[Target, ...],
           links: tuple[Target, ...], checkout: Checkout | None) -> HostPlan:
-    device, data = engine_settings(profile, host, checkout)
+    cfg = host_engine_config(profile, host, checkout)
+    device, data = engine_settings(profile, host, checkout, cfg)
     return HostPlan(name=host.name, roles=roles, python=host.python_path, venv=host.venv or None,
                     workdir=host.workdir, run_dir=profile.run.dir, config=profile.engine.config, data=data,
-                    device=device, workers=host.workers,
+                    device=device, workers=host.workers, engine_config=cfg,
                     ifnames=tuple((v, host.env[v]) for v in IFNAME_VARS if host.env.get(v)),
                     binds=binds, links=links)
 
 
-def engine_settings(profile: Profile, host: HostSpec,
-                    checkout: Checkout | None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
-    """(inner.device, the data paths) this host's engine will use: the engine config as the console's checkout has
-    it (sync makes the hosts' the same) with the profile's overrides; (None, ()) if it cannot be read here."""
+def host_engine_config(profile: Profile, host: HostSpec, checkout: Checkout | None):
+    """This host's engine config as the console's checkout has it (sync makes the hosts' the same) with the
+    profile's overrides; None if it cannot be read here."""
     from engine.config import ConfigError, load_config  # torch-free: the engine's own rules, not a copy
 
     config = Path(profile.engine.config)
@@ -138,11 +138,20 @@ def engine_settings(profile: Profile, host: HostSpec,
         [p / config for p in ((checkout.root,) if checkout else ()) + (Path.cwd(),)]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        return None, ()
+        return None
     try:
-        cfg = load_config(path, engine_overrides(profile, host), environ=host.env)
+        return load_config(path, engine_overrides(profile, host), environ=host.env)
     except ConfigError:
-        return None, ()  # the profile check (check_engine_config) or the engine says what is wrong
+        return None  # the profile check (check_engine_config) or the engine says what is wrong
+
+
+def engine_settings(profile: Profile, host: HostSpec, checkout: Checkout | None,
+                    cfg=None) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    """(inner.device, the data paths) this host's engine will use (host_engine_config); (None, ()) if it cannot be
+    read here."""
+    cfg = cfg or host_engine_config(profile, host, checkout)
+    if cfg is None:
+        return None, ()
     data = [] if cfg.data.fake else [("data.path", p) for p in [cfg.data.path] if p]
     data += [("data.tokenizer", cfg.data.tokenizer)] if cfg.data.tokenizer else []
     return cfg.inner.device, tuple(data)

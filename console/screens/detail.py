@@ -37,7 +37,8 @@ def detail_tables(node: Any, now: float | None = None) -> list[Any]:
             ("config digest", run.get("config_digest")), ("strategy", run.get("strategy")),
             ("workers", run.get("world_size")), ("dataset", run.get("dataset")),
             ("overrides", " ".join(f"{k}={v}" for k, v in node.overrides.items()) or None),
-            ("data position", _position(node)), ("last round", _round(node))]
+            ("data position", _position(node)), ("last round", _round(node)),
+            ("compile", getattr(node, "compile", None))]
     for label, value in rows:
         info.add_row(Text(label, style="dim"), Text("-" if value is None else str(value)))
     out.append(info)

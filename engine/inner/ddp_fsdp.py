@@ -5,7 +5,7 @@
 Transformations, always in this order (torchtitan's `parallelize_llama` order):
 
     1. activation checkpointing   train.activation_checkpointing: recompute each decoder layer in backward
-    2. torch.compile              train.compile: each decoder layer compiled in place (state-dict keys unchanged)
+    2. torch.compile              train.compile ("auto": on CUDA): each decoder layer compiled in place
     3. data parallelism           one process: none; inner.strategy "ddp": DistributedDataParallel;
                                   "fsdp": FSDP2 `fully_shard` on each decoder layer, then on the root;
                                   "zero1/2/3": engine.inner.zero.build_zero_inner (DeepSpeed) takes over entirely
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_steps
 # shared with engine/inner/zero.py: both import them from below, so neither imports the other at module level
 from engine.inner.optim import lr_factor, make_optimizer, schedule_at
-from engine.inner.transforms import apply_activation_checkpointing, apply_compile
+from engine.inner.transforms import apply_activation_checkpointing, apply_compile, compile_wanted
 from engine.model import causal_lm_loss, decoder_layers
 from engine.world import World
 
@@ -272,10 +272,8 @@ def build_inner(model: torch.nn.Module, inner_cfg: InnerConfig, train_cfg: Train
                          "already live in host memory)")
     if train_cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if train_cfg.compile:
-        apply_compile(model)
-    if inner_cfg.strategy == "fsdp":
-        return FSDPInner(model, inner_cfg, train_cfg, optim_cfg, world, device)
-    if world.world_size > 1:
-        return DDPInner(model, inner_cfg, train_cfg, optim_cfg, world, device)
-    return Inner(model, inner_cfg, train_cfg, optim_cfg, world, device)
+    compiled = apply_compile(model) if compile_wanted(train_cfg.compile, inner_cfg.strategy, device.type) else None
+    kind = FSDPInner if inner_cfg.strategy == "fsdp" else DDPInner if world.world_size > 1 else Inner
+    inner = kind(model, inner_cfg, train_cfg, optim_cfg, world, device)
+    inner.compiled = compiled  # the first step compiles (engine/inner/transforms.py first_step)
+    return inner

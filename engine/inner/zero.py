@@ -38,7 +38,7 @@ from engine.config import InnerConfig, OptimConfig, TrainConfig, grad_accum_step
 from engine.inner.deepspeed_config import deepspeed_config
 from engine.model import causal_lm_loss
 from engine.inner.optim import lr_factor, make_optimizer, schedule_at
-from engine.inner.transforms import apply_activation_checkpointing, apply_compile
+from engine.inner.transforms import apply_activation_checkpointing, apply_compile, compile_wanted
 from engine.world import World
 
 INSTALL_HINT = "pip install 'zeroband-console[deepspeed]'"
@@ -110,11 +110,12 @@ def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainCon
     assert dist.is_initialized(), "engine.inner.ddp_fsdp.setup_distributed creates the process group first"
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if train.compile:
+    compiled = None
+    if compile_wanted(train.compile, inner.strategy, device.type):  # "auto" leaves zero3 eager
         if stage == 3:
             raise ValueError("train.compile: not supported with inner.strategy=zero3 (DeepSpeed gathers each "
                              "parameter in module hooks); use zero1/zero2 or compile=false")
-        apply_compile(model)
+        compiled = apply_compile(model)
     optimizer = _build_optimizer(model, inner, optim, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim, train.max_steps))
     # DeepSpeed takes its local rank from LOCAL_RANK, which only launchers set: a one-process run without torchrun
@@ -123,7 +124,9 @@ def build_zero_inner(model: torch.nn.Module, inner: InnerConfig, train: TrainCon
     os.environ["LOCAL_RANK"] = str(world.local_rank)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                       config=config, dist_init_required=False)
-    return ZeroInner(engine, ds_optimizer, optimizer, scheduler, stage, world, device)
+    zero = ZeroInner(engine, ds_optimizer, optimizer, scheduler, stage, world, device)
+    zero.compiled = compiled
+    return zero
 
 
 class ZeroInner:
