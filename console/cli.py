@@ -76,7 +76,7 @@ def node_line(node: Node, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) 
     quiet = cells.state_name(node.state) in cells.QUIET_STATES  # as the dashboard's row
     age = cells.age_cell(node.heartbeat_age, heartbeat_timeout, live=not quiet).plain
     step = "-" if node.step is None else str(node.step)
-    reason = cells.reason_text(node.state, node.reason)
+    reason = cells.why_text(node)
     return (f"{node.name:<14} {node.host:<16} {cells.state_name(node.state):<11} {util.plain:<14} "
             f"{mem.plain:<16} hb {age:<7} step {step:<7} loss {cells.loss_cell(node.loss):<8} "
             f"{cells.num_cell(node.tokens_per_s_now) if live else '-'} tok/s" + _position(node)

@@ -115,3 +115,24 @@ def test_a_first_step_that_compiles_is_timed_and_other_errors_are_not_taken_for_
         raise RuntimeError("outer") from InductorLike("C++ compile error")
     except RuntimeError as e:
         assert is_compile_error(e)
+
+
+def test_status_and_the_log_pane_say_a_node_is_compiling_until_its_first_step_is_done():
+    """A first compiled step can take a minute: `status` (and the log pane's title, through the same why_text) said
+    only `training` with no step, as a hung node would. While it compiles the line says so; once the step is done,
+    nothing more (the detail view keeps `compiled in N s`)."""
+    from console import cli
+    from console.fleet import Fleet
+    from console.widgets import cells
+    from test_fleet import line, start, step
+
+    fleet = Fleet(run="r")
+    fleet.add_node("a", "h")
+    fleet.ingest("a", start("a"))
+    fleet.ingest("a", line("state", "a", state="training", compiling=True))
+    node = fleet.nodes["a"]
+    assert cells.why_text(node).startswith("compiling") and "(compiling" in cli.node_line(node)
+    fleet.ingest("a", line("state", "a", state="training", compile_s=61.0, compiled=True))
+    fleet.ingest("a", step(1, 3.0, 100.0, "a"))
+    assert cells.why_text(node) == "" and "compil" not in cli.node_line(node)
+    assert node.compile == "compiled in 61 s (the first step)"

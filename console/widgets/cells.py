@@ -56,6 +56,17 @@ def reason_text(state: object, reason: str | None) -> str:
     return ""
 
 
+def why_text(node: Any) -> str:
+    """The state's reason (reason_text), or while the first step compiles, that it does: a first step that takes a
+    minute reads as a hung node unless something says why (`status`, the log pane's title; the detail view has it
+    in full)."""
+    why = reason_text(node.state, node.reason)
+    compiling = getattr(node, "compile", None)
+    if not why and compiling and compiling.startswith("compiling"):
+        return compiling
+    return why
+
+
 def shows_figures(state: object) -> bool:
     """Whether a node's last resource sample is current: a node that no longer runs uses nothing, and its last
     sample would read as a live 100% CPU."""

@@ -79,7 +79,7 @@ class LogPane(Log):
             self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
         self.node_name, self._last = node.name, (raw[-1] if raw else None)
         title = f"log {node.name}" + (f"  ({node.malformed} malformed)" if node.malformed else "")
-        why = cells.reason_text(node.state, node.reason)
+        why = cells.why_text(node)
         if why:  # the state column holds the state alone; its reason is read here (and in the detail view)
             title += f"  {cells.state_name(node.state)}: {why}"
         if title != self._title:  # setting a title repaints the whole pane: only when it changes
