@@ -691,6 +691,47 @@ def paired(per_seed: list[list[Result]]) -> tuple[str, dict[str, float]]:
     return "\n".join(lines), means
 
 
+def overlap_spread(per_seed: list[list[Result]], hs: list[int]) -> str:
+    """--overlap, per H: each seed's losses and ratios to the synchronous run of that seed (overlap/sync,
+    eager/sync, and any other arm of that H), then each ratio's mean, standard error, min and max over the seeds, so
+    that one seed's luck shows beside the mean."""
+    import math
+    import statistics
+    lines = []
+    for h in hs:
+        sync = f"sync H{h}"
+        names = [r.arm.name for r in per_seed[0] if r.arm.baseline == sync]
+        if not names:
+            continue
+        short = [n.replace(f" H{h}", "") for n in names]
+        head = f"{'H = ' + str(h):<8} {'seed':>6} {'sync':>7}"
+        head += "".join(f" {s:>10} {s + '/sync':>{len(s) + 5}}" for s in short)
+        lines += [head, "-" * len(head)]
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        for rs in per_seed:
+            by = {r.arm.name: r for r in rs}
+            row = f"{'':<8} {rs[0].seed:>6} {by[sync].eval_loss:>7.4f}"
+            for n, s in zip(names, short):
+                ratios[n].append(by[n].eval_loss / by[sync].eval_loss)
+                row += f" {by[n].eval_loss:>10.4f} {ratios[n][-1]:>{len(s) + 5}.4f}"
+            lines.append(row)
+        for label in ("mean", "se", "min", "max"):
+            row = f"{'':<8} {label:>6} {'':>7}"
+            for n, s in zip(names, short):
+                xs = ratios[n]
+                if not all(math.isfinite(x) for x in xs):
+                    v = float("nan")
+                elif label == "mean":
+                    v = statistics.fmean(xs)
+                elif label == "se":  # the standard error of the mean: sd / sqrt(seeds); 0 with one seed
+                    v = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+                else:
+                    v = (min if label == "min" else max)(xs)
+                row += f" {'':>10} {v:>{len(s) + 5}.4f}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def steps_text(steps: list[int]) -> str:
     """[3, 4, 5, 9] -> '3-5, 9'."""
     runs: list[list[int]] = []
@@ -884,6 +925,8 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
         print(sentinel_report(results))
     if args.overlap:
         nan = float("nan")
+        print("each seed's ratio to the synchronous run of that seed, and their spread:")
+        print(overlap_spread(per_seed, args.overlap_h))
         for h in args.overlap_h:
             print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: overlap/sync "
                   f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}; "
