@@ -162,12 +162,13 @@ def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_sa
     """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
     of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
     over = learning.overlap_arms(learning.parse_args(["--overlap"]))
-    assert [a.name for a in over] == ["sync H5", "overlap H5", "eager H5", "round-late H5",
-                                      "sync H20", "overlap H20", "eager H20", "round-late H20"]
+    assert [a.name for a in over] == ["sync H5", "overlap H5", "eager H5", "projected H5", "round-late H5",
+                                      "sync H20", "overlap H20", "eager H20", "projected H20", "round-late H20"]
     assert over[1].overrides()["diloco.overlap_update"] == "delayed" and over[1].baseline == "sync H5"
-    assert over[1].overrides()["diloco.overlap_delay"] == 1 and over[3].overrides()["diloco.overlap_delay"] == 5
+    assert over[1].overrides()["diloco.overlap_delay"] == 1 and over[4].overrides()["diloco.overlap_delay"] == 5
+    assert over[3].overrides()["diloco.overlap_update"] == "projected" and over[3].baseline == "sync H5"
     assert over[2].overrides()["diloco.overlap_update"] == "eager" and over[2].baseline == "sync H5"
-    assert "diloco.overlap_update" not in over[0].overrides() and over[4].inner_steps == 20
+    assert "diloco.overlap_update" not in over[0].overrides() and over[5].inner_steps == 20
     poison = learning.poison_arms(learning.parse_args(["--poison", "--steps", "120", "--inner-steps", "5"]))
     assert {a.poison for a in poison[1:]} == {learning.Poison(1, 100.0, 7, 18), learning.Poison(1, -1.0, 7, 18)}
     assert [a.overrides().get("diloco.sentinel_ratio") for a in poison] == [None, None, None, 0.0, 0.0]
