@@ -260,13 +260,13 @@ def projected_scale(pgrad: torch.Tensor, before: torch.Tensor, after: torch.Tens
                     chunk: int = 1 << 20) -> float:
     """diloco.overlap_update = "projected": <d, s> / |d|^2 for a node's pseudo-gradient d of a round and the step
     s = before - after the agreed weights took when that round landed, clamped to [0, 1]: the scale of d that
-    comes closest to s. Summed in float64 over chunks (no full-size temporary). `previous` where it is undefined
+    comes closest to s. Each chunk's dot products in float32, their sum in float64 (no full-size temporary). `previous` where it is undefined
     (d zero: a round not counted; not finite)."""
     num = den = 0.0
     for lo in range(0, pgrad.numel(), chunk):
         g = pgrad[lo:lo + chunk]
-        num += float(torch.dot(g, before[lo:lo + chunk] - after[lo:lo + chunk]).double())
-        den += float(torch.dot(g, g).double())
+        num += float(torch.dot(g, before[lo:lo + chunk] - after[lo:lo + chunk]))
+        den += float(torch.dot(g, g))
     if not (den > 0 and math.isfinite(den) and math.isfinite(num)):
         return previous
     return min(1.0, max(0.0, num / den))
