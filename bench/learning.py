@@ -941,7 +941,8 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
         print(overlap_spread(per_seed, args.overlap_h))
         for h in args.overlap_h:
             print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: overlap/sync "
-                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}; "
+                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}, "
+                  f"projected/sync {means.get(f'projected H{h}', nan):.4f}; "
                   f"landing a round late: {means.get(f'round-late H{h}', nan):.4f}")
         ovl = worst(means, [f"overlap H{h}" for h in args.overlap_h])
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
