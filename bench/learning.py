@@ -22,8 +22,10 @@ Arms (every worker runs --steps inner steps of --micro-batch sequences; the same
 Studies of their own (real engines only, each arm against its baseline arm of the same seed):
     --overlap  at each H of --overlap-h (5, 20): sync H (synchronous DiLoCo); overlap H (diloco.overlap landing
                --overlap-delay steps into the next round, the node training on from its own weights meanwhile);
-               eager H (the same with diloco.overlap_update = eager); round-late H (landing at the next
-               boundary). Last line:
+               eager H (the same with diloco.overlap_update = eager); projected H (projected: the node's own
+               progress scaled by the fit of the last landed outer step); round-late H (landing at the next
+               boundary). Then, per H, each seed's ratios to its synchronous run and their mean, standard error,
+               min and max. Last line:
                    overlap/sync eval-loss ratio R; eager R'; a round late R''
                R: overlap H's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
     --fragments  at each H of --fragments-h (20): sync H; fragments P H for each P of --fragments-p (2, 4): the
@@ -112,7 +114,7 @@ class Arm:
     outer_warmup: int = 0
     compression: str = "none"
     overlap: bool = False  # diloco.overlap: the outer step of round t runs while round t+1 trains (mesh only)
-    overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed
+    overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed | projected
     overlap_delay: int = 1  # diloco.overlap_delay: inner steps into the next round at which the round lands (H: at
     # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
     fragments: int = 1  # diloco.fragments: the model synced in this many fragments in turn (1: all at once)
@@ -183,6 +185,7 @@ def overlap_arms(args) -> list[Arm]:
         ovl = replace(sync, name=f"overlap H{h}", overlap=True, overlap_update="delayed", baseline=sync.name,
                       overlap_delay=min(args.overlap_delay, h))
         arms += [sync, ovl, replace(ovl, name=f"eager H{h}", overlap_update="eager"),
+                 replace(ovl, name=f"projected H{h}", overlap_update="projected"),
                  replace(ovl, name=f"round-late H{h}", overlap_delay=h)]
         # eager at other outer lrs, against the same synchronous run (does eager overshoot with the plain mean?)
         arms += [replace(ovl, name=f"eager H{h} lr{lr:g}", overlap_update="eager", outer_lr=lr)
@@ -412,18 +415,25 @@ class SimOverlap:
     """diloco.overlap in one process (engine/outer/overlap.py): at boundary t each worker's pseudo-gradient is taken
     against its own anchor, round t-1's mean (in flight meanwhile) lands into the agreed weights through the outer
     optimizer, round t's mean goes in flight, and each worker trains on from the agreed weights minus u: the outer
-    optimizer's step for its own pseudo-gradient / k (eager) or that whole pseudo-gradient (delayed). The run's last
-    boundary lands at once (the engine's flush before its export)."""
+    optimizer's step for its own pseudo-gradient / k (eager), that whole pseudo-gradient (delayed) or that times the
+    worker's scale fitted at the last landing (projected). The run's last boundary lands at once (the engine's flush
+    before its export)."""
 
     def __init__(self, arm: Arm, outer, snapshot, k: int):
         self.arm, self.outer, self.snapshot, self.k = arm, outer, snapshot, k
         self.anchors = [snapshot.clone() for _ in range(k)]
         self.in_flight = None
+        self.sent = None  # projected: each worker's pseudo-gradient of the round in flight
+        self.scale = [1.0] * k  # projected: each worker's stand-in scale (engine/outer/overlap.py, projected_scale)
 
     def _land(self) -> None:
         if self.in_flight is not None:
+            from engine.outer.overlap import projected_scale
             proposal = self.outer.propose(self.snapshot, self.in_flight)
             self.outer.commit(proposal)
+            if self.arm.overlap_update == "projected":
+                self.scale = [projected_scale(g, self.snapshot, proposal.params, a) for g, a in zip(self.sent,
+                                                                                                   self.scale)]
             self.snapshot, self.in_flight = proposal.params.clone(), None
 
     def land_inside(self, params, flat) -> None:
@@ -442,7 +452,7 @@ class SimOverlap:
         import torch
         pgrads = [a - flat(ps) for a, ps in zip(self.anchors, params)]
         self._land()
-        self.in_flight = sim_weighted_mean(pgrads, self.arm.compression)
+        self.in_flight, self.sent = sim_weighted_mean(pgrads, self.arm.compression), pgrads
         if last:
             self._land()
         for i, (g, ps) in enumerate(zip(pgrads, params)):
@@ -450,6 +460,8 @@ class SimOverlap:
                 self.anchors[i] = self.snapshot.clone()
             elif self.arm.overlap_update == "eager":
                 self.anchors[i] = self.snapshot - self.outer.preview(g / self.k, out=torch.empty_like(g))
+            elif self.arm.overlap_update == "projected":
+                self.anchors[i] = self.snapshot - self.scale[i] * g
             else:
                 self.anchors[i] = self.snapshot - g
             torch.nn.utils.vector_to_parameters(self.anchors[i].clone(), ps)
@@ -743,6 +755,47 @@ def paired(per_seed: list[list[Result]]) -> tuple[str, dict[str, float]]:
     return "\n".join(lines), means
 
 
+def overlap_spread(per_seed: list[list[Result]], hs: list[int]) -> str:
+    """--overlap, per H: each seed's losses and ratios to the synchronous run of that seed (overlap/sync,
+    eager/sync, and any other arm of that H), then each ratio's mean, standard error, min and max over the seeds, so
+    that one seed's luck shows beside the mean."""
+    import math
+    import statistics
+    lines = []
+    for h in hs:
+        sync = f"sync H{h}"
+        names = [r.arm.name for r in per_seed[0] if r.arm.baseline == sync]
+        if not names:
+            continue
+        short = [n.replace(f" H{h}", "") for n in names]
+        head = f"{'H = ' + str(h):<8} {'seed':>6} {'sync':>7}"
+        head += "".join(f" {s:>10} {s + '/sync':>{len(s) + 5}}" for s in short)
+        lines += [head, "-" * len(head)]
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        for rs in per_seed:
+            by = {r.arm.name: r for r in rs}
+            row = f"{'':<8} {rs[0].seed:>6} {by[sync].eval_loss:>7.4f}"
+            for n, s in zip(names, short):
+                ratios[n].append(by[n].eval_loss / by[sync].eval_loss)
+                row += f" {by[n].eval_loss:>10.4f} {ratios[n][-1]:>{len(s) + 5}.4f}"
+            lines.append(row)
+        for label in ("mean", "se", "min", "max"):
+            row = f"{'':<8} {label:>6} {'':>7}"
+            for n, s in zip(names, short):
+                xs = ratios[n]
+                if not all(math.isfinite(x) for x in xs):
+                    v = float("nan")
+                elif label == "mean":
+                    v = statistics.fmean(xs)
+                elif label == "se":  # the standard error of the mean: sd / sqrt(seeds); 0 with one seed
+                    v = statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+                else:
+                    v = (min if label == "min" else max)(xs)
+                row += f" {'':>10} {v:>{len(s) + 5}.4f}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def steps_text(steps: list[int]) -> str:
     """[3, 4, 5, 9] -> '3-5, 9'."""
     runs: list[list[int]] = []
@@ -965,9 +1018,12 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
         print(sentinel_report(results))
     if args.overlap:
         nan = float("nan")
+        print("each seed's ratio to the synchronous run of that seed, and their spread:")
+        print(overlap_spread(per_seed, args.overlap_h))
         for h in args.overlap_h:
             print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: overlap/sync "
-                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}; "
+                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}, "
+                  f"projected/sync {means.get(f'projected H{h}', nan):.4f}; "
                   f"landing a round late: {means.get(f'round-late H{h}', nan):.4f}")
         ovl = worst(means, [f"overlap H{h}" for h in args.overlap_h])
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])

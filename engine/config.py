@@ -169,8 +169,10 @@ class DilocoConfig(_Section):
     # what the working weights take at an overlapped boundary while the mean is in flight: "delayed", the node
     # trains on from its own weights; "eager" (arXiv 2502.12996): its own fresh pseudo-gradient stands in for its
     # share of the mean (1/contributors, through the outer optimizer). Landing one step in, eager cost ~8x more
-    # held-out loss than delayed here (docs/learning.md, "Overlap")
-    overlap_update: Literal["eager", "delayed"] = "delayed"
+    # held-out loss than delayed here (docs/learning.md, "Overlap"); "projected": its own pseudo-gradient scaled by
+    # the least-squares fit of the last landed outer step on its own last one, between delayed (1) and eager
+    # (docs/learning.md, "Overlap on a second corpus")
+    overlap_update: Literal["eager", "delayed", "projected"] = "delayed"
     # when the round in flight lands (its agreed weights, with this node's progress since the boundary carried over
     # onto them): 0, at the first inner step after its outer step is done; N >= 1, exactly N inner steps into the
     # next round, waiting for it there if need be (reproducible); inner_steps: at the next boundary, a whole round

@@ -164,12 +164,13 @@ def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_sa
     """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
     of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
     over = learning.overlap_arms(learning.parse_args(["--overlap"]))
-    assert [a.name for a in over] == ["sync H5", "overlap H5", "eager H5", "round-late H5",
-                                      "sync H20", "overlap H20", "eager H20", "round-late H20"]
+    assert [a.name for a in over] == ["sync H5", "overlap H5", "eager H5", "projected H5", "round-late H5",
+                                      "sync H20", "overlap H20", "eager H20", "projected H20", "round-late H20"]
     assert over[1].overrides()["diloco.overlap_update"] == "delayed" and over[1].baseline == "sync H5"
-    assert over[1].overrides()["diloco.overlap_delay"] == 1 and over[3].overrides()["diloco.overlap_delay"] == 5
+    assert over[1].overrides()["diloco.overlap_delay"] == 1 and over[4].overrides()["diloco.overlap_delay"] == 5
+    assert over[3].overrides()["diloco.overlap_update"] == "projected" and over[3].baseline == "sync H5"
     assert over[2].overrides()["diloco.overlap_update"] == "eager" and over[2].baseline == "sync H5"
-    assert "diloco.overlap_update" not in over[0].overrides() and over[4].inner_steps == 20
+    assert "diloco.overlap_update" not in over[0].overrides() and over[5].inner_steps == 20
     poison = learning.poison_arms(learning.parse_args(["--poison", "--steps", "120", "--inner-steps", "5"]))
     assert {a.poison for a in poison[1:]} == {learning.Poison(1, 100.0, 7, 18), learning.Poison(1, -1.0, 7, 18)}
     assert [a.overrides().get("diloco.sentinel_ratio") for a in poison] == [None, None, None, 0.0, 0.0]
@@ -185,3 +186,32 @@ def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_sa
     assert learning.worst({"a": 1.01, "b": 0.99}, ["a", "b"]) == 1.01
     assert str(learning.worst({"a": float("nan"), "b": 0.99}, ["a", "b"])) == "nan"
     assert learning.steps_text([3, 4, 5, 9]) == "3-5, 9"
+
+
+def test_overlap_study_prints_each_seeds_ratios_and_their_spread(tmp_path, capsys):
+    """`--overlap --seeds`: each seed's overlap/sync and eager/sync, then each ratio's mean, standard error, min and
+    max, on a tiny real run (the in-process engine), checked against the losses the study wrote to its JSON."""
+    import json
+    import math
+    import statistics
+    assert learning.main(["--engine", "sim", "--overlap", "--overlap-h", "2", "--arms", "overlap H2,eager H2",
+                          "--steps", "4", "--seq-len", "32", "--micro-batch", "4", "--eval-batches", "2",
+                          "--eval-interval", "0", "--seeds", "1,2", "--k", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    loss = {(r["arm"]["name"], r["seed"]): r["eval_loss"]
+            for r in json.loads(next(tmp_path.glob("*.json")).read_text())["results"]}
+    table = out.split("each seed's ratio to the synchronous run of that seed, and their spread:\n")[1].splitlines()
+    assert table[0].split() == ["H", "=", "2", "seed", "sync", "overlap", "overlap/sync", "eager", "eager/sync"]
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:8]}
+    ratios = {arm: [loss[(f"{arm} H2", s)] / loss[("sync H2", s)] for s in (1, 2)] for arm in ("overlap", "eager")}
+    for s in (1, 2):
+        assert [float(x) for x in rows[str(s)]] == pytest.approx(
+            [loss[("sync H2", s)], loss[("overlap H2", s)], ratios["overlap"][s - 1], loss[("eager H2", s)],
+             ratios["eager"][s - 1]], abs=6e-5)
+    assert ratios["overlap"] != ratios["eager"] and ratios["overlap"][0] != ratios["overlap"][1]  # not trivially
+    for arm, col in (("overlap", 0), ("eager", 1)):
+        xs = ratios[arm]
+        assert float(rows["mean"][col]) == pytest.approx(statistics.fmean(xs), abs=6e-5)
+        assert float(rows["se"][col]) == pytest.approx(statistics.stdev(xs) / math.sqrt(2), abs=6e-5)
+        assert float(rows["min"][col]) == pytest.approx(min(xs), abs=6e-5)
+        assert float(rows["max"][col]) == pytest.approx(max(xs), abs=6e-5)

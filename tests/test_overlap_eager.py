@@ -147,6 +147,48 @@ def test_a_round_in_flight_lands_overlap_delay_steps_into_the_next_with_the_prog
     assert a.get("in_flight_after_boundary", True) and b.get("in_flight_after_boundary", True)
 
 
+def _projected_delay_worker(rank: int, port: int, queue) -> None:
+    _delay_worker(rank, port, queue, update="projected")
+
+
+def test_projected_stand_in_is_the_nodes_own_progress_scaled_by_the_fit_of_the_last_landed_step():
+    """diloco.overlap_update = "projected": round 2 trains on from the node's own weights (scale 1: nothing landed
+    yet); round 1's landing fits a = <d1, s1> / |d1|^2 (s1 = the step the agreed weights took, here the plain mean of
+    the two nodes' d1), and round 3 trains from the agreed weights minus a d2."""
+    got = spawned_ranks(_projected_delay_worker, 2, timeout=60)
+    a, b = got[0], got[1]
+    d1 = {n: r["s0"] - r["trained3"] for n, r in (("a", a), ("b", b))}
+    agreed1 = a["s0"] - (d1["a"] + d1["b"]) / 2
+    for n, r in (("a", a), ("b", b)):
+        torch.testing.assert_close(r["work3"], r["s0"] - d1[n], rtol=0, atol=1e-6)  # as delayed
+        torch.testing.assert_close(r["snap4"], agreed1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(r["work4"], agreed1 + (r["trained4"] - (r["s0"] - d1[n])), rtol=0, atol=1e-5)
+        scale = float(d1[n] @ (r["s0"] - agreed1)) / float(d1[n] @ d1[n])
+        assert 0.05 < scale < 0.95  # the two nodes disagree: neither delayed (1) nor clamped
+        d2 = agreed1 - r["trained6"]
+        torch.testing.assert_close(r["work6"], r["snap6"] - scale * d2, rtol=0, atol=1e-5)
+    assert torch.equal(a["snap6"], b["snap6"])
+
+
+def test_projected_scale_is_the_fit_clamped_to_between_eager_and_delayed():
+    from engine.outer.overlap import projected_scale
+    d, zero = torch.tensor([1.0, 2.0, 0.0]), torch.zeros(3)
+    assert projected_scale(d, d * 0.75, zero, 0.3) == pytest.approx(0.75)
+    assert projected_scale(d, d, zero, 0.3) == pytest.approx(1.0)
+    assert projected_scale(d, d * 1.01, zero, 0.3) == 1.0  # a step past the node's own: clamped to delayed
+    assert projected_scale(d, d * 0.01, zero, 0.3) == pytest.approx(0.01)
+    assert projected_scale(d, -d * 0.01, zero, 0.3) == 0.0  # against the node's own: clamped to none of it
+    assert projected_scale(d, torch.tensor([2.0, -1.0, 5.0]), zero, 0.3) == pytest.approx(0.0)  # orthogonal
+    assert projected_scale(zero, d, zero, 0.3) == 0.3  # a round not counted (d zeroed): the last scale stays
+    assert projected_scale(d, torch.tensor([float("nan"), 0.0, 0.0]), zero, 0.3) == 0.3
+    # summed over chunks: the same fit as in one piece
+    g = torch.Generator().manual_seed(5)
+    big, step = torch.randn(10_001, generator=g), torch.randn(10_001, generator=g)
+    step = 0.4 * big + 0.1 * step
+    assert projected_scale(big, step, torch.zeros_like(big), 1.0, chunk=1000) == pytest.approx(
+        projected_scale(big, step, torch.zeros_like(big), 1.0), rel=1e-6)
+
+
 def test_overlap_delay_must_land_by_the_next_boundary():
     from engine.config import DilocoConfig
     with pytest.raises(ValueError, match=r"diloco.overlap_delay \(6\) must be at most diloco.inner_steps \(5\)"):
@@ -161,7 +203,7 @@ class _StoppingMesh(FakeMesh):
         raise Stopped("stopped", f"outer step {outer_step} attempt {attempt}")
 
 
-@pytest.mark.parametrize("update", ["delayed", "eager"])
+@pytest.mark.parametrize("update", ["delayed", "eager", "projected"])
 def test_a_round_in_flight_that_was_stopped_leaves_its_progress_measured_from_the_snapshot(update):
     """Nothing of a stopped round landed: the weights hold its progress and the next round's from the snapshot (so
     a checkpoint saved now, or the next boundary, sends both), weighed by both rounds' tokens. Eager had put the

@@ -9,6 +9,12 @@ of round t is in flight (diloco.overlap_update):
     delayed  u_t = d_t: the node trains on from its own weights, no jump at the boundary
     eager    u_t = the outer optimizer's step for d_t / M (M: the contributors of the last mean): the node's own
              pseudo-gradient stands in for its share of the mean (arXiv 2502.12996, "eager updates")
+    projected  u_t = a d_t, a = <d_{t-1}, s_{t-1}> / |d_{t-1}|^2 clamped to [0, 1] (1 until a round has landed):
+             s_{t-1} is the step the agreed weights took when the last round landed (snapshot before - after), so
+             a d_t is the least-squares fit of that step on the node's own pseudo-gradient, carried to this round.
+             Where the nodes agree a is near 1 (delayed); where they differ it falls towards 1/M (eager with the
+             plain mean); it absorbs the outer lr too (projected_scale; docs/learning.md, "Overlap on a second
+             corpus"). The scale is not in the checkpoint: a resumed node starts again at 1
 
 The working weights are also round t+1's anchor. The whole outer step of round t (mesh boundary, exchange, commit,
 retries, hand-offs) runs in a background thread while round t+1 trains; its result (the outer optimizer's new
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -51,7 +58,9 @@ class OverlappedDiloco(DilocoOuter):
         # from) is: snapshot - pgrad when _anchored, else the snapshot
         self._flight_progress: tuple[Progress, Progress, int, int] | None = None
         self._anchored = False
-        self._eager = cfg.overlap_update == "eager"
+        self._eager = cfg.overlap_update in ("eager", "projected")  # u_t is a buffer of its own (_stand_in)
+        self._projected = cfg.overlap_update == "projected"
+        self._scale = 1.0  # projected: a of the top (projected_scale), from the last round that landed
         self._step: torch.Tensor | None = None  # u of the last boundary: the anchor is snapshot - u when _anchored
         self._eager_buf: torch.Tensor | None = None  # u, eager (delayed: u is bufs.pgrad itself)
         self._pgrad_ready = False  # bufs.pgrad already holds this round's pseudo-gradient
@@ -171,6 +180,8 @@ class OverlappedDiloco(DilocoOuter):
     def _rebase(self, landed: bool, *, eager: bool) -> None:
         """pgrad = anchor - params; snapshot = the landed weights; params = snapshot - u (see the top)."""
         params, bufs = self.inner.outer_params(), self.bufs
+        if landed and self._projected:  # bufs.pgrad still holds the landed round's d (it is rewritten below)
+            self._scale = projected_scale(bufs.pgrad, bufs.snapshot, bufs.mean, self._scale)
         if self._anchored:
             assert self._step is not None
             torch.sub(bufs.snapshot, self._step, out=bufs.pgrad)  # the anchor (u may be bufs.pgrad itself)
@@ -185,9 +196,12 @@ class OverlappedDiloco(DilocoOuter):
         self.inner.after_outer_update()
 
     def _stand_in(self, pgrad: torch.Tensor) -> torch.Tensor:
-        """Eager: the outer optimizer's step for this node's share of the mean (its state untouched)."""
-        if self._eager_buf is None:  # 4 bytes per parameter more, only with eager overlap
+        """Eager: the outer optimizer's step for this node's share of the mean (its state untouched). Projected:
+        the node's pseudo-gradient times the scale fitted at the last landing."""
+        if self._eager_buf is None:  # 4 bytes per parameter more, only with eager or projected overlap
             self._eager_buf = torch.empty_like(pgrad)
+        if self._projected:
+            return torch.mul(pgrad, self._scale, out=self._eager_buf)
         torch.mul(pgrad, 1.0 / self.last_contributors, out=self._eager_buf)
         return self.opt.preview(self._eager_buf, out=self._eager_buf)
 
@@ -239,3 +253,20 @@ class OverlappedDiloco(DilocoOuter):
     def _next_round_starts(self, progress: Progress, plan: Any) -> None:
         if not self._in_flight():  # in flight, the next round began at the boundary (_launch)
             super()._next_round_starts(progress, plan)
+
+
+@torch.no_grad()
+def projected_scale(pgrad: torch.Tensor, before: torch.Tensor, after: torch.Tensor, previous: float,
+                    chunk: int = 1 << 20) -> float:
+    """diloco.overlap_update = "projected": <d, s> / |d|^2 for a node's pseudo-gradient d of a round and the step
+    s = before - after the agreed weights took when that round landed, clamped to [0, 1]: the scale of d that
+    comes closest to s. Each chunk's dot products in float32, their sum in float64 (no full-size temporary). `previous` where it is undefined
+    (d zero: a round not counted; not finite)."""
+    num = den = 0.0
+    for lo in range(0, pgrad.numel(), chunk):
+        g = pgrad[lo:lo + chunk]
+        num += float(torch.dot(g, before[lo:lo + chunk] - after[lo:lo + chunk]))
+        den += float(torch.dot(g, g))
+    if not (den > 0 and math.isfinite(den) and math.isfinite(num)):
+        return previous
+    return min(1.0, max(0.0, num / den))
