@@ -188,7 +188,7 @@ def test_the_two_commands_come_first():
     first_block = section[section.index("```bash\n") + 8:]
     assert block_lines(first_block[: first_block.index("```")]) == ["scripts/run.sh", "scripts/test.sh"]
     said = " ".join(section[: section.index("\n## ")].split())
-    for words in ("needs root", "useradd", "network namespaces", "apt", "about 17 minutes on 2 cores", ".ci/run"):
+    for words in ("needs root", "useradd", "network namespaces", "apt", "about 20 minutes on 2 cores", ".ci/run"):
         assert words in said, words
 
 
