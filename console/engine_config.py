@@ -22,7 +22,8 @@ def check_engine_config(profile: Profile) -> None:
     fails, before anything starts. A local host's config is its workdir's; a remote host's is read through this
     checkout's copy (which sync puts there): a bad override of a remote host only failed on that node, after the
     store and the other nodes had started."""
-    from engine.config import ConfigError, load_config, mesh_settings  # the engine's own rules, not a copy
+    from engine.config import ConfigError, load_config  # the engine's own rules, not a copy
+    from engine.digests import mesh_settings
 
     lines = key_lines(Path(profile.path).read_text()) if Path(profile.path).is_file() else {}
     diloco: bool | None = None
@@ -66,7 +67,7 @@ def _engine_config_path(profile: Profile, host: HostSpec) -> Path:
 def _check_shared_settings(profile: Profile, shared: dict[str, dict[str, Any]],
                            lines: dict[tuple[str, ...], int]) -> None:
     """The mesh refuses a node whose model, data.seq_len or run-wide diloco settings differ from the run's
-    (engine.config.mesh_settings; docs/mesh.md, the digest key): say so here, at the override that makes the
+    (engine.digests.mesh_settings; docs/mesh.md, the digest key): say so here, at the override that makes the
     difference, before a half-cluster starts."""
     if len(shared) < 2:
         return

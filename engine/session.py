@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from engine.checkpoint import Checkpointer, export
-from engine.config import Config, digest, flat_settings, grad_accum_steps, shared_settings
+from engine.config import Config, grad_accum_steps
+from engine.digests import digest, flat_settings, shared_settings
 from engine.data import Data, TokenStream, build_data, dataset_name
 from engine.errors import same_on_every_rank
 from engine.mesh.protocol import Stopped

@@ -45,7 +45,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, TextIO
 
-from engine.config import Config, digest, grad_accum_steps, load_config
+from engine.config import Config, grad_accum_steps, load_config
+
+from engine.digests import digest
 from engine.errors import CheckpointFailed, SameOnEveryRank, first_line, same_on_every_rank
 from engine.mesh.protocol import MeshError
 from engine.outer.protocol import Diverged

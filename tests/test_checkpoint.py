@@ -451,7 +451,8 @@ def test_a_diloco_resume_that_changes_only_the_outer_optimizer_is_refused_naming
     configs/debug-diloco.toml run's (its digest and settings from the same config), then the real engine resumes it
     with one outer setting changed: refused before the mesh is asked, one line naming the setting and both values.
     The store's port is 1: a resume let through would fail there instead, with another line."""
-    from engine.config import digest, flat_settings, load_config, shared_settings
+    from engine.config import load_config
+    from engine.digests import digest, flat_settings, shared_settings
     from procs import PYTHON, ROOT
     run_dir = tmp_path / "run"
     common = ["--data.fake=true", f"--run.dir={run_dir}", "--data.seq_len=16", "--train.micro_batch_size=2",

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, digest, grad_accum_steps, load_config, parse_overrides, run_digest
+from engine.config import ConfigError, grad_accum_steps, load_config, parse_overrides
+
+from engine.digests import digest, run_digest
 from engine.errors import toml_value
 
 
@@ -200,7 +202,8 @@ def test_offload_knobs_belong_to_their_strategy(tmp_path, override, strategy, me
 
 
 def test_a_refused_node_names_each_setting_that_differs_from_the_runs():
-    from engine.config import Config, mesh_settings
+    from engine.config import Config
+    from engine.digests import mesh_settings
     from engine.mesh.registration import differences
 
     def value(diloco: dict, seq_len: int = 128, workers: int = 1, wire: int = 5, strategy: str = "ddp") -> str:

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import Config, DataConfig, digest, mesh_settings, run_digest
+from engine.config import Config, DataConfig
+
+from engine.digests import digest, mesh_settings, run_digest
 from engine.data import TokenStream, build_data
 from engine.data.prepare import main as prepare_main
 from engine.data.shards import verify

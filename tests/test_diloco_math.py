@@ -954,7 +954,8 @@ def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
     """Nodes that split the model into other fragments put collectives of other sizes on the wire (a hang until
     allreduce_timeout), and nodes that judge the sentinel otherwise compute other means: the mesh must refuse
     them at start-up, so the digest that build_outer gives the mesh carries those settings."""
-    from engine.config import Config, run_digest
+    from engine.config import Config
+    from engine.digests import run_digest
     from engine.outer.protocol import build_outer
 
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)

@@ -107,7 +107,8 @@ FORBIDDEN = {
 # the console starts engines and reads their events: it imports only these torch-free engine modules (the config
 # rules, the event schema and the node states, errors, the preset shapes and the DeepSpeed config its recipes
 # write, etcd's gateway and its endpoints' parser, the memory estimate the preflight compares with each host's GPUs)
-CONSOLE_MAY_IMPORT = {"engine.config", "engine.telemetry", "engine.states", "engine.errors", "engine.presets",
+CONSOLE_MAY_IMPORT = {"engine.config", "engine.digests", "engine.telemetry", "engine.states", "engine.errors",
+                      "engine.presets",
                       "engine.inner.deepspeed_config", "engine.store.etcd_gateway", "engine.store.endpoints",
                       "engine.memory"}
 

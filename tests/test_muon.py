@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError, OptimConfig, digest, load_config, run_digest
+from engine.config import ConfigError, OptimConfig, load_config
+
+from engine.digests import digest, run_digest
 from engine.inner.optim import MuonAdamW, WholeMatrixMuon, lr_factor, make_optimizer, muon_params
 from engine.model import build_model, decoder_layers
 from procs import PYTHON, ROOT, engine_env

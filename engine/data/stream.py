@@ -7,7 +7,7 @@ token is a target once). Nothing is copied up front: a sequence is sliced when i
 Order: a seeded pseudo-random permutation per epoch, computed index by index (a Feistel network with cycle
 walking), so no table of num_sequences entries is ever built: memory and start-up do not grow with the corpus.
 The seed is train.seed, which every node of a run must share, or their shares of two orders overlap (the mesh
-compares it: engine.config.run_digest).
+compares it: engine.digests.run_digest).
 
 Sharding: the k-th sequence of that global order belongs to shard k % num_shards (see engine.data.shard_of).
 """

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from engine.config import Config, mesh_settings, run_digest
+from engine.config import Config
+
+from engine.digests import mesh_settings, run_digest
 from engine.outer.progress import Progress
 from engine.outer.schedule import Schedule
 
