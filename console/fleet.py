@@ -25,6 +25,9 @@ node cut off by a link fault trains and samples on until its next outer step fin
 than the node's latest such event is history and changes nothing. Only the console's own facts (the process is
 gone, killed) end a node for good (see console/outcome.py).
 
+Two parts hold their own rules: the store's process and its probe's samples (`fleet.store`, console/store_health.py)
+and the outer rounds folded from every node's reports (`fleet.outer_rounds`, console/rounds.py).
+
 `version` is bumped on every change, so the UI redraws only when something changed. Ingest is on the hot path
 (>= 100,000 events/s on one core): one dict dispatch per event, no formatting until a log line is read.
 """
@@ -36,13 +39,14 @@ from collections import deque
 from typing import Any, Callable, Iterable
 
 from console.nodes import (Device, HostState, LazyLine, MembershipEvent, Node, NodeState, OuterRound, RankFigures,
-                           Shown, StoreHealth, Summary, shown)
+                           Shown, Summary, shown)
 from console.outcome import ENDED, run_outcome
+from console.rounds import fold_round, num, shares
+from console.store_health import StoreHealth
 from engine.states import EVENT_STATES
 from engine.telemetry import BadEvent, parse_line
 
 TIMELINE = 500  # membership events kept for the whole cluster
-OUTER_ROUNDS = 240  # outer steps kept for the chart and the headless line
 
 
 # states the console asserts over the engine's own word (see the module docstring)
@@ -52,7 +56,6 @@ _ACTIVE = frozenset({NodeState.TRAINING, NodeState.DRAINING})
 _GONE = frozenset({NodeState.LEFT, NodeState.DEAD, HostState.FAILED, HostState.SPARE, HostState.OFF})
 _RUN_END_STATE: dict[str, Shown] = {"completed": NodeState.LEFT, "drained": NodeState.LEFT,
                                     "stopped": NodeState.LEFT, "failed": HostState.FAILED}
-_NO_SAMPLE = "no new health sample"  # the store's reason while its probe's samples stay old
 # a node's own events that overrule an older mesh "dead" report about it: they show it in the mesh again (so does
 # its own `membership joined`), or are its process's own word on how it ends or that it is new. Not its steps or
 # resource samples: a node cut off from the mesh trains and samples on until its next outer step finds it out
@@ -67,10 +70,10 @@ class Fleet:
         self.members: tuple[str, ...] | None = None  # the mesh's latest member list, as any node reported it
         self.store_status: str | None = None  # set by the cluster's store health probe (etcd backend)
         self.generation: int = -1
-        self.store = StoreHealth()
+        self.store = StoreHealth(clock, self._record)  # the store's process and its probe's samples
         self.outer_rounds: dict[int, OuterRound] = {}  # outer step -> the round, oldest first, bounded
         self.dataset: str | None = None  # the prepared dataset the run trains on (engines that report it)
-        self.version = 0
+        self._changes = 0
         self._clock = clock
         self._handlers: dict[str, Callable[[Node, dict[str, Any]], None]] = {
             "run_start": self._on_run_start, "step": self._on_step, "eval": self._on_log_only,
@@ -80,13 +83,18 @@ class Fleet:
             "error": self._on_error, "run_end": self._on_run_end,
         }
 
+    @property
+    def version(self) -> int:
+        """Bumped on every change (the store's included): the UI redraws only when it moved."""
+        return self._changes + self.store.changes
+
     # ---- nodes -------------------------------------------------------------------------------------------
     def add_node(self, name: str, host: str, state: Shown = HostState.SPARE) -> Node:
         """Add (or return) a node; insertion order is the table's order."""
         node = self.nodes.get(name)
         if node is None:
             node = self.nodes[name] = Node(name=name, host=host, state=state)
-            self.version += 1
+            self._changes += 1
         return node
 
     def _node(self, name: str) -> Node:
@@ -102,7 +110,7 @@ class Fleet:
         if node.state is state and node.mesh_dead_ts is None:
             if node.reason != reason:
                 node.reason = reason
-                self.version += 1
+                self._changes += 1
             return
         node.state = state
         node.reason = reason
@@ -113,7 +121,7 @@ class Fleet:
             node.log.append(f"[console] {state.value}: {reason}")
         if state in _CONSOLE_FACTS or state in (NodeState.STARTING, HostState.SPARE, HostState.OFF):
             self._record(MembershipEvent(self._clock(), state.value, node_name, None, (), "console", reason))
-        self.version += 1
+        self._changes += 1
 
     def set_reachable(self, node_name: str) -> None:
         """The link to the node's host is back: an UNREACHABLE node shows the engine's own state again."""
@@ -122,7 +130,7 @@ class Fleet:
             node.state = node.engine_state or NodeState.STARTING
             node.reason = None
             node.log.append("[console] reachable again")
-            self.version += 1
+            self._changes += 1
 
     def process_ended(self, node_name: str) -> bool:
         """The node's process is gone after the engine said how it ended (run_end): a mesh "dead" reported after
@@ -131,60 +139,13 @@ class Fleet:
         if node is None or node.mesh_dead_ts is None or node.engine_state is None:
             return False
         node.state, node.reason, node.mesh_dead_ts = node.engine_state, node.engine_reason, None
-        self.version += 1
+        self._changes += 1
         return True
 
     def note(self, node_name: str, text: str) -> None:
         """A console line in the node's log (an action taken, a check's result)."""
         self._node(node_name).log.append(f"[console] {text}")
-        self.version += 1
-
-    # ---- the store ---------------------------------------------------------------------------------------
-    def set_store(self, state: str, reason: str | None = None, **facts: Any) -> None:
-        """A fact about the store process (starting, up, down, restarting, stopped); changes go on the timeline."""
-        store = self.store
-        for key, value in facts.items():
-            setattr(store, key, value)
-        if state != store.state:
-            self._record(MembershipEvent(self._clock(), state, "store", None, (), "console", reason))
-            if state in ("down", "stopped", "off"):
-                store.rtt_ms = store.keys = None  # a gone store has no current figures
-        store.state, store.reason = state, reason
-        self.version += 1
-
-    def ingest_store(self, line: str | bytes) -> None:
-        """One line of the store's or its probe's event stream: ready/stopped states, probe samples, warnings."""
-        try:
-            event = parse_line(line)
-        except BadEvent:
-            return  # the store's own stream has no reader to tell; its log keeps the line
-        kind, store = event["type"], self.store
-        if kind == "heartbeat" and store.state == "up":
-            if event["ts"] == store.last_ts:
-                return  # the same sample read again: nothing to redraw
-            rtt, keys = event.get("rtt_ms"), event.get("keys")
-            store.rtt_ms = float(rtt) if isinstance(rtt, (int, float)) else None
-            store.keys = int(keys) if isinstance(keys, int) else None
-            store.last_ts, store.sampled_at = event["ts"], self._clock()
-            if store.reason and store.reason.startswith(_NO_SAMPLE):
-                store.reason = None  # it answers again
-            self.version += 1
-        elif kind == "state" and event["state"] == "ready":
-            self.set_store("up", None, pid=event.get("pid", store.pid))
-        elif kind == "warning" and store.state == "up":
-            store.reason = event["message"]  # the probe could not reach it this time
-            self.version += 1
-
-    def check_store_samples(self, limit: float) -> None:
-        """A store whose probe wrote no new sample for `limit` seconds (its own clock) is up but does not answer:
-        hung, stopped (SIGSTOP), swapping. The header showed its last figures as current."""
-        store = self.store
-        if store.state != "up" or store.sampled_at is None:
-            return
-        age = self._clock() - store.sampled_at
-        if age > limit and not (store.reason or "").startswith(_NO_SAMPLE):
-            store.reason = f"{_NO_SAMPLE} for {age:.0f}s: it does not answer its probe (hung? overloaded?)"
-            self.version += 1
+        self._changes += 1
 
     # ---- ingest ------------------------------------------------------------------------------------------
     def ingest(self, node_name: str, line: str | bytes) -> None:
@@ -196,7 +157,7 @@ class Fleet:
             node.malformed += 1
             if node.malformed <= 3 or node.malformed % 1000 == 0:  # say why, without flooding the log
                 node.log.append(f"[console] malformed line #{node.malformed}: {e}: {_excerpt(line)}")
-            self.version += 1
+            self._changes += 1
             return
         self.ingest_event(node_name, event)
 
@@ -220,7 +181,7 @@ class Fleet:
             node.reason = None
             node.mesh_dead_ts = None
         self._handlers[kind](node, event)
-        self.version += 1
+        self._changes += 1
 
     def _engine_says(self, node: Node, state: Shown, reason: str | None = None) -> None:
         node.engine_state, node.engine_reason = state, reason
@@ -271,7 +232,7 @@ class Fleet:
         index = event.get("index")
         key = f"gpu {index}" if kind == "gpu" and index is not None else f"{kind} r{max(event['rank'], 0)}"
         node.devices[key] = Device(key, kind, float(event["util"]), event["mem_used"], event["mem_total"],
-                                   _num(event.get("temp_c")), _num(event.get("power_w")), event["ts"])
+                                   num(event.get("temp_c")), num(event.get("power_w")), event["ts"])
         if event["rank"] > 0:
             return
         node.device = kind
@@ -298,60 +259,15 @@ class Fleet:
     def _on_outer_step(self, node: Node, event: dict[str, Any]) -> None:
         node.outer_step = event["outer_step"]
         node._outer_steps.append((event["ts"], event["outer_step"]))
-        shares = _shares(event)
-        if shares is not None:
+        share = shares(event)
+        if share is not None:
             weights = dict(zip(event["contributors"], event["weights"]))
             node.round_tokens = float(weights.get(node.name, 0.0))
-            node.round_share = shares.get(node.name, 0.0)
+            node.round_share = share.get(node.name, 0.0)
         self._set_members(event["generation"], event["members"])
         if event["rank"] <= 0:
-            self._outer_round(node, event)
+            fold_round(self.outer_rounds, node, event)
         node.log.append(LazyLine(event))
-
-    def _outer_round(self, node: Node, event: dict[str, Any]) -> None:
-        """Fold one node's report of an outer step into the cluster's round (the slowest node's times)."""
-        number, ts = event["outer_step"], event["ts"]
-        rnd = self.outer_rounds.get(number)
-        if rnd is None:
-            rnd = self._new_round(number, ts, len(event["members"]))
-            if rnd is None:
-                node._outer_ts = ts
-                return
-        allreduce = float(event["allreduce_s"])
-        rnd.reporters += 1
-        rnd.members = max(rnd.members, len(event["members"]))
-        rnd.bytes_sent += event["bytes_sent"]
-        rnd.shares = _shares(event) or rnd.shares
-        rnd.allreduce_s = max(rnd.allreduce_s, allreduce)
-        compute = _num(event.get("compute_s"))
-        if compute is None and node._outer_ts is not None:  # today's engines: the node's own clock
-            compute, rnd.derived = max(0.0, ts - node._outer_ts - allreduce), True
-        if compute is not None:
-            rnd.compute_s = max(rnd.compute_s or 0.0, compute)
-        wire, codec, outer = _num(event.get("wire_s")), _num(event.get("codec_s")), _num(event.get("outer_s"))
-        if wire is not None:
-            rnd.wire_s = max(rnd.wire_s or 0.0, wire)
-        if codec is not None:
-            rnd.codec_s = max(rnd.codec_s or 0.0, codec)
-        if outer is not None:
-            idle = max(0.0, outer - (wire if wire is not None else allreduce) - (codec or 0.0))
-            rnd.idle_s = max(rnd.idle_s or 0.0, idle)
-        node._outer_ts = ts
-
-    def _new_round(self, number: int, ts: float, members: int) -> OuterRound | None:
-        """A round for an outer step not seen yet, kept in outer-step order (the chart and the headless lines read
-        it so); beyond OUTER_ROUNDS the lowest step goes. None for a step older than every kept one: --attach reads
-        one node's file, then the next, whose early reports would otherwise evict good rounds for rounds of one."""
-        rounds = self.outer_rounds
-        if len(rounds) >= OUTER_ROUNDS and number < next(iter(rounds)):
-            return None
-        in_order = not rounds or number > next(reversed(rounds))
-        rnd = rounds[number] = OuterRound(number, ts, members)
-        if not in_order:  # a file replayed after a longer one (a late joiner's steps come first)
-            self.outer_rounds = rounds = dict(sorted(rounds.items()))
-        while len(rounds) > OUTER_ROUNDS:
-            del rounds[next(iter(rounds))]
-        return rnd
 
     def _on_membership(self, node: Node, event: dict[str, Any]) -> None:
         generation, subject, change = event["generation"], event["subject"], event["change"]
@@ -459,11 +375,6 @@ def _at_the_end(nodes: Iterable[Node]) -> list[Node]:
     return [n for n in left if n.step == last]
 
 
-def _num(value: Any) -> float | None:
-    """A number from an optional event field (a bool or a string is not one)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 def _excerpt(line: str | bytes, limit: int = 120) -> str:
     """A malformed line as the log shows it: a user's stray print should be recognisable, not flood the pane."""
     text = (line.decode("utf-8", "replace") if isinstance(line, bytes) else line).strip()
@@ -479,16 +390,6 @@ def _eta(points: deque | None, last: int | None) -> float | None:
     if s1 <= s0 or t1 <= t0:
         return None
     return max(0.0, (last - s1) * (t1 - t0) / (s1 - s0))
-
-
-def _shares(event: dict[str, Any]) -> dict[str, float] | None:
-    """{contributor: its share of the mean} from an outer_step event's weights (the tokens of each round), or None
-    for an engine that does not report them."""
-    names, weights = event.get("contributors"), event.get("weights")
-    if not isinstance(names, list) or not isinstance(weights, list) or len(names) != len(weights):
-        return None
-    total = sum(float(w) for w in weights)
-    return {str(n): float(w) / total for n, w in zip(names, weights)} if total > 0 else {}
 
 
 def compile_text(event: dict[str, Any]) -> str | None:

@@ -1,5 +1,6 @@
 """The cluster model's parts (console/fleet.py puts them together and feeds them events): a node's state and its
-recent history, a store's health, an outer round, the header's summary. Plain data, no I/O.
+recent history, an outer round, the header's summary. Plain data, no I/O (the store's health, with its rules, is
+console/store_health.py).
 """
 
 from __future__ import annotations
@@ -213,22 +214,6 @@ class MembershipEvent:
     members: tuple[str, ...]
     source: str  # the node that reported it, or "console"
     reason: str | None = None
-
-
-@dataclass
-class StoreHealth:
-    """The membership store as the console sees it: its process, and the probe beside it (engine/store/probe.py)."""
-
-    address: str | None = None  # host:port the engines dial
-    bind: str | None = None  # what it listens on, when that differs from the address
-    state: str = "off"  # off, starting, up, down, restarting, stopped
-    reason: str | None = None  # why it is down; what the console is doing about it
-    rtt_ms: float | None = None  # one store round trip, measured on its host
-    keys: int | None = None
-    last_ts: float | None = None  # the probe's clock at its latest sample
-    sampled_at: float | None = None  # the console's clock when that sample was new (a stale one flags the store)
-    restarts: int = 0  # restarts done by the console in this session
-    pid: int | None = None
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,9 @@ class StoreHost:
             return
         self.pid = await self.hosts.live_pid(STORE, self.profile.store_host.name)
         if self.pid is not None:
-            self.fleet.set_store("up", None, pid=self.pid)
+            self.fleet.store.set("up", None, pid=self.pid)
         elif engines_running:
-            self.fleet.set_store("down", "not running while engines are")
+            self.fleet.store.set("down", "not running while engines are")
         self.watch_health()
         if not steer:
             return
@@ -245,7 +245,7 @@ class StoreHost:
             if reason is None:
                 bind = await self.bind()
                 address = f"{self.profile.store_address}:{self.profile.store.port}"
-                self.fleet.set_store("starting", None, address=address,
+                self.fleet.store.set("starting", None, address=address,
                                      bind=None if bind == self.profile.store_address else bind)
                 await t.remove(self.hosts.path(STORE, STOPPED))  # a stop of an earlier run (resumed) is over
                 await t.write_text(self.hosts.path(STORE, OWNER), owner_of(self.profile))  # first: no unowned store
@@ -255,7 +255,7 @@ class StoreHost:
         except TransportError as e:
             reason = str(e)
         if reason is not None:
-            self.fleet.set_store("down", f"could not start on {host.name}: {reason}")
+            self.fleet.store.set("down", f"could not start on {host.name}: {reason}")
             return f"store on {host.name} could not start: {reason}"
         self.task = asyncio.ensure_future(self.watch(ready=False))
         return None
@@ -274,36 +274,36 @@ class StoreHost:
                 lines, offset = await t.read_from(self.hosts.path(STORE, C.EVENTS), offset)
                 for line in lines:
                     was_up = self.fleet.store.state == "up"
-                    self.fleet.ingest_store(line)
+                    self.fleet.store.ingest(line)
                     if not was_up and self.fleet.store.state == "up":
                         ready = ever_ready = True
                         await self._start_probe()
                 sample = await t.read_text(self.hosts.path(PROBE, HEALTH))
                 if sample:
-                    self.fleet.ingest_store(sample)
+                    self.fleet.store.ingest(sample)
                 # the probe samples every other poll interval: three missed samples and a poll say it
-                self.fleet.check_store_samples(self.profile.console.poll_interval * 7)
+                self.fleet.store.check_samples(self.profile.console.poll_interval * 7)
                 if self.hosts.stopping or self.hosts.closed or self.pid is None:
                     return  # stop() ends it, and says so; close() leaves it running
                 if not await t.alive(self.pid, C.TAG):
                     await asyncio.sleep(SETTLE_S)
                     if await t.read_text(self.hosts.path(STORE, STOPPED)) is not None:
-                        self.fleet.set_store("stopped", None)  # another console's stop(): it ends the run
+                        self.fleet.store.set("stopped", None)  # another console's stop(): it ends the run
                         return
                     log = await last_said(t, self.hosts.path(STORE, C.LOG))
                     reason = f"store exited: {log[-1] if log else 'no output'}"
                     if not ever_ready:
-                        self.fleet.set_store("down", reason)
+                        self.fleet.store.set("down", reason)
                         self.failed(reason)
                         return
                     if self.hosts.stopping:
-                        self.fleet.set_store("stopped", None)
+                        self.fleet.store.set("stopped", None)
                         return
                     await self.restart(reason)
                     ready = False
             except TransportError as e:  # the node watchers report the link; say it here too, and keep looking
                 if self.fleet.store.state == "up":
-                    self.fleet.set_store("unreachable", str(e))
+                    self.fleet.store.set("unreachable", str(e))
             await asyncio.sleep(self.profile.console.poll_interval)
 
     async def restart(self, reason: str) -> bool:
@@ -311,7 +311,7 @@ class StoreHost:
         between failed tries, until it runs. Its keys are gone; the engines re-form the run with their state.
         True when it was found running after all (a host that did not answer at attach): nothing was started."""
         host = self.profile.store_host
-        self.fleet.set_store("down", f"{reason}; restarting it")
+        self.fleet.store.set("down", f"{reason}; restarting it")
         probe = await self.hosts.live_pid(PROBE, host.name)
         if probe is not None:  # it watched the dead store and ends by itself; do not let it block the new one's
             await self.hosts.signal_quietly(host.name, probe, "TERM")
@@ -327,7 +327,7 @@ class StoreHost:
                     live = await self.hosts.running_pid(STORE, host.name)
                     if live is not None:  # it ran all along: its host did not answer when it was looked for
                         self.pid = live
-                        self.fleet.set_store("up", None, pid=live)
+                        self.fleet.store.set("up", None, pid=live)
                         return True
                     self.pid = await self.hosts.transport(host.name).start_detached(
                         store_argv(self.profile, self.bind_used), self.hosts.node_dir(STORE), env=host.env,
@@ -336,11 +336,11 @@ class StoreHost:
                 except TransportError as e:
                     error = e
             if error is not None:
-                self.fleet.set_store("down", f"{reason}; restart {failures + 1} failed: {error} (check "
+                self.fleet.store.set("down", f"{reason}; restart {failures + 1} failed: {error} (check "
                                              f"{host.name}; the console keeps trying)")
                 await asyncio.sleep(BACKOFF_S[min(failures, len(BACKOFF_S) - 1)])
                 continue
-            self.fleet.set_store("restarting", f"after: {reason}", restarts=self.fleet.store.restarts + 1,
+            self.fleet.store.set("restarting", f"after: {reason}", restarts=self.fleet.store.restarts + 1,
                                  pid=self.pid)
             return False
         return False  # (the loop only ends by a return)
@@ -356,7 +356,7 @@ class StoreHost:
             await self.hosts.transport(host.name).start_detached(argv, self.hosts.node_dir(PROBE), env=host.env,
                                                                  append=True)
         except TransportError as e:
-            self.fleet.store.reason = f"no health probe: {e}"
+            self.fleet.store.say(f"no health probe: {e}")
 
     async def sample_once(self) -> None:
         """The probe's latest sample, read once, for a running store nobody here follows (a one-shot `status`
@@ -368,7 +368,7 @@ class StoreHost:
         except TransportError:
             return
         if sample:
-            self.fleet.ingest_store(sample)
+            self.fleet.store.ingest(sample)
 
     def watch_health(self) -> None:
         """etcd: poll the members (up, leader) for the header, every console poll interval."""
@@ -433,7 +433,7 @@ class StoreHost:
         left, _ = await self.hosts.end_groups(groups, self.profile.console.stop_timeout)
         if store is not None:
             self.pid = None
-            self.fleet.set_store("stopped", None)
+            self.fleet.store.set("stopped", None)
         running = [f"{host}: the store's process group {pid} (no answer)" for host, pid in left]
         return running, (await self.etcd.stop() if self.etcd is not None else [])
 

@@ -565,7 +565,7 @@ async def test_at_80_columns_the_header_keeps_the_store_line_and_the_table_its_n
                            "tokens": 10 ** 9, "outer_step": 2469, "grad_norm": None}):
                 fleet.ingest(name, json.dumps({"v": 1, "ts": time.time(), "node": name, "rank": 0, **event}))
         fleet.store.address = "127.0.0.1:29610"
-        fleet.set_store("down", "store exited: killed")
+        fleet.store.set("down", "store exited: killed")
         app.tick()
         await pilot.pause()
         header = app.screen.query_one(RunHeader)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from console.fleet import OUTER_ROUNDS, Fleet, HostState, Node, NodeState
+from console.fleet import Fleet, HostState, Node, NodeState
+from console.rounds import OUTER_ROUNDS
 from console.widgets.panes import timeline_line
 from engine.telemetry import encode, make_event
 
@@ -372,10 +373,10 @@ def test_store_health_and_its_alert():
     fleet = Fleet()
     fleet.store.address = "10.0.0.1:29600"
     assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 off"
-    fleet.ingest_store(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
-    fleet.ingest_store(line("heartbeat", "store", rank=-1, seq=1, peers={}, keys=14, rtt_ms=0.42))
+    fleet.store.ingest(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
+    fleet.store.ingest(line("heartbeat", "store", rank=-1, seq=1, peers={}, keys=14, rtt_ms=0.42))
     assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 up | rtt 0.4ms | 14 keys"
-    fleet.set_store("down", "store exited: Killed; restarting it")
+    fleet.store.set("down", "store exited: Killed; restarting it")
     alert = cells.store_text(fleet.store)
     assert alert.plain.startswith("STORE DOWN 10.0.0.1:29600: store exited: Killed; restarting it -- ")
     assert "wait for it" in alert.plain and str(alert.style) == "bold white on red"
@@ -413,16 +414,16 @@ def test_a_store_whose_probe_writes_nothing_new_is_flagged_then_cleared():
     now = [1000.0]
     fleet = Fleet(clock=lambda: now[0])
     fleet.store.address = "10.0.0.1:29600"
-    fleet.ingest_store(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
+    fleet.store.ingest(line("state", "store", rank=-1, state="ready", host="0.0.0.0", port=29600, pid=77))
     sample = line("heartbeat", "store", rank=-1, ts=5.0, seq=1, peers={}, keys=14, rtt_ms=0.42)
-    fleet.ingest_store(sample)
+    fleet.store.ingest(sample)
     for now[0] in (1005.0, 1010.0):  # the same sample read again (the file is re-read every poll)
-        fleet.ingest_store(sample)
-        fleet.check_store_samples(7.0)
+        fleet.store.ingest(sample)
+        fleet.store.check_samples(7.0)
     assert cells.store_text(fleet.store).plain == ("store 10.0.0.1:29600 up | rtt 0.4ms | 14 keys | no new health "
                                                    "sample for 10s: it does not answer its probe (hung? overloaded?)")
-    fleet.ingest_store(line("heartbeat", "store", rank=-1, ts=16.0, seq=2, peers={}, keys=14, rtt_ms=0.5))
-    fleet.check_store_samples(7.0)
+    fleet.store.ingest(line("heartbeat", "store", rank=-1, ts=16.0, seq=2, peers={}, keys=14, rtt_ms=0.5))
+    fleet.store.check_samples(7.0)
     assert cells.store_text(fleet.store).plain == "store 10.0.0.1:29600 up | rtt 0.5ms | 14 keys"
 
 
