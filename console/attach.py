@@ -5,7 +5,7 @@
 
 Every node's pid file says which process to follow: its events file is read from the top (the fleet catches up on
 the run), then its watcher follows it. A host that does not answer is marked unreachable and attached again, with
-backoff, once it does. The store is found the same way (console/store_host.py).
+backoff, once it does. The store is found the same way (console/store/).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import itertools
 from console.fleet import HostState, NodeState
 from console.hosts import BACKOFF_S, Hosts, resting_state
 from console.profile import HostSpec, Profile
-from console.store_host import StoreHost
+from console.store.base import StoreHost
 from console.transport import TransportError
 from console.transport import commands as C
 from console.watchers import Watchers

@@ -21,8 +21,11 @@ The controller is composed of its parts, each in its own room (the arrows run on
     console/hosts.py        Hosts: the profile, one transport per host, the run's folders, pid files, signals
     console/launch.py       the command lines and environment each host runs (pure; console.recipes writes them too)
     console/watchers.py     Watchers: one watcher task per node follows its events and settles its final state
-    console/store_host.py   StoreHost: the store's lifecycle (start, watch, restart, probe, health, stop)
+    console/store/          StoreHost: the store's life by its backend, TCP (start, watch, restart, probe, stop)
+                            or etcd (its members, their health)
     console/attach.py       Attacher: coming back to a running cluster from its pid files
+    console/node_start.py   NodeStarter: one node's launch; --resume's nodes; a fresh start's archive of the last run
+    console/run_stop.py     RunStop: the run's stop (every engine, then the store), waited for on every host
     console/cluster.py      Cluster: start, the operator's actions (drain, kill, restart, add, stop), close
 
 Hosts with nothing running at start or attach are watched too: another console may start a node there.
@@ -35,31 +38,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shlex
-import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from console import etcd as E
 from console.attach import Attacher
+from console.control import Outcome
+from console.engine_config import check_engine_config
 from console.fleet import Fleet, HostState, NodeState
-from console.hosts import (ARCHIVE, KILLED, PROBE, STORE, Hosts, UnknownHost, host_label, new_host_target,
-                           resting_state)
-from console.launch import engine_argv, store_argv
+from console.nodes import Summary
+from console.hosts import KILLED, Hosts, UnknownHost, host_label, resting_state
+from console.node_start import NodeStarter
 from console.outcome import run_outcome
 from console.preflight import PreflightFailed
-from console.engine_config import check_engine_config, data_shard, engine_env
-from console.profile import HostSpec, Profile, ProfileError, add_host, engine_overrides, remove_host
-from console.store_host import StoreHost
-from console.transport import Transport, TransportError, make_transport
+from console.profile import HostSpec, Profile, ProfileError
+from console.run_stop import RunStop
+from console.store import store_backend
+from console.transport import Transport, make_transport
 from console.transport.base import without_backoff
+from console.transport import TransportError
 from console.transport import commands as C
-from console.watchers import Proc, Watchers
-from engine.telemetry import BadEvent, parse_line
-
-# the command builders and the store's folder are still offered here, where they were before the parts moved out
-# (tests/lab/lab.py and the tests import them from console.cluster)
-__all__ = ["STORE", "Cluster", "Outcome", "StartRefused", "engine_argv", "engine_env", "store_argv"]
+from console.watchers import Watchers
 
 
 class StartRefused(PreflightFailed):
@@ -71,17 +68,6 @@ class StartRefused(PreflightFailed):
     def __init__(self, lines: list[str]):
         Exception.__init__(self, " | ".join(lines))
         self.problems, self.lines = [], list(lines)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The result of an action, for the UI and the CLI (actions never raise for a node's trouble)."""
-
-    ok: bool
-    message: str
-
-    def __bool__(self) -> bool:
-        return self.ok
 
 
 class Cluster:
@@ -98,10 +84,12 @@ class Cluster:
         self._stop_under_way = False  # stop() runs: an add or restart now would start what it is ending
         self._store_started_for: str | None = None  # the node an add started the run's store for
         self.warnings: list[str] = []  # what the preflight warned of (rules.exposure_warning), once each
-        self._store = StoreHost(self._hosts, on_failed=self._watchers.fail_all)
+        backend = store_backend(profile)
+        self._store = backend.host(self._hosts, on_failed=self._watchers.fail_all)
         self._attacher = Attacher(self._hosts, self._watchers, self._store)
-        if profile.store.backend == "tcp":  # on etcd the header shows the members' health (fleet.store_status)
-            fleet.store.address = f"{profile.store_address}:{profile.store.port}"
+        self._starter = NodeStarter(self._hosts, self._watchers, self._store)
+        self._stopper = RunStop(self._hosts, self._watchers, self._store, self._attacher)
+        fleet.store.address = backend.header_address()  # etcd: none, the members' health (fleet.store_status)
         for host in profile.hosts.values():
             fleet.add_node(host.name, host_label(host), resting_state(host))
 
@@ -138,7 +126,7 @@ class Cluster:
             for host in self.profile.active_hosts():
                 self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
-        starting = await self._resumed_nodes() if self.resume else self.profile.active_hosts()
+        starting = await self._starter.resumed_nodes() if self.resume else self.profile.active_hosts()
         if self.preflight:  # a problem on any host: nothing starts anywhere
             await self._check_before("start", hosts=[h.name for h in starting])
         # what would end the start at once (the store's port taken, a certificate file missing): before a previous
@@ -148,7 +136,7 @@ class Cluster:
             for host in starting:
                 self.fleet.set_state(host.name, HostState.FAILED, refused[0])
             raise StartRefused(refused)
-        blocked = set() if self.resume else await self._archive_previous()
+        blocked = set() if self.resume else await self._starter.archive_previous()
         active = [h for h in starting if h.name not in blocked]
         if not active:
             return
@@ -157,43 +145,13 @@ class Cluster:
             for host in active:
                 self.fleet.set_state(host.name, HostState.FAILED, reason)
             return
-        await self._hosts.gather(*(self._launch(h, fresh=not self.resume) for h in active))
+        await self._hosts.gather(*(self._starter.launch(h, fresh=not self.resume) for h in active))
         self._watchers.watch_others(self._attacher.retries)
-
-    async def _resumed_nodes(self) -> list[HostSpec]:
-        """--resume: the nodes the run had when it ended, as their events files tell. A host that drained stays
-        out (it left on purpose: `add` brings it back); a standby host that ran (an add) comes back with its
-        checkpoint, one that never ran stays a standby; every other host starts, a fresh one as a joiner."""
-        async def last_end(name: str) -> str | None:
-            """Its last run_end's status; "" when it ran and wrote none (killed); None when it never ran."""
-            try:
-                text = await self.transport(name).last_lines(self._hosts.path(name, C.EVENTS), 20)
-            except TransportError:
-                return None  # it does not answer: as before, a profile host starts and _launch says why not
-            for line in reversed(text.splitlines()):
-                with contextlib.suppress(BadEvent):  # a stray line: the fleet skips it the same way
-                    event = parse_line(line)
-                    if event["type"] == "run_end":
-                        return str(event.get("status"))
-                    if event["type"] == "run_start":  # its last start ended without one (killed)
-                        return ""
-            return "" if text.strip() else None
-
-        hosts = list(self.profile.hosts.values())
-        ends = await asyncio.gather(*(last_end(h.name) for h in hosts))
-        chosen = []
-        for host, end in zip(hosts, ends):
-            if end == "drained":  # left on purpose, and so a success of the run (the outcome reads "drained")
-                self.fleet.set_state(host.name, NodeState.LEFT, "drained")
-                self.fleet.note(host.name, "drained before the run ended: not resumed (add brings it back)")
-            elif end is not None or not host.standby:
-                chosen.append(host)
-        return chosen
 
     async def _check_before(self, mode: str, host: str | None = None, hosts: list[str] | None = None) -> None:
         """The preflight of the hosts a start (or an add) uses; PreflightFailed, with each host's node failed and
         its lines in the node's log, when anything is wrong (docs/operations.md, "Before the first run")."""
-        from console.preflight.runner import PreflightFailed, mark_refused, preflight
+        from console.preflight.runner import mark_refused, preflight
 
         report = await preflight(self.profile, self.transport, mode=mode, hosts=[host] if host else hosts)
         for warning in report.warnings:  # listeners beyond a private network: said once, in the first host's log
@@ -203,32 +161,6 @@ class Cluster:
         if report.problems:
             mark_refused(self.fleet, report)
             raise PreflightFailed(report.problems)
-
-    async def _archive_previous(self) -> set[str]:
-        """A fresh start: move every node's (and the store's) folder of an earlier run, with its checkpoints, to
-        RUN_DIR/_archive/<time>/ on its host, so the new run starts clean and nothing is lost. Returns the nodes
-        that must not start: a host that refused the move (starting on top of an old run would mix the two), or
-        every node when the store's host refused. An unreachable host is left to _launch, which says so."""
-        archive = C.join(self.profile.run.dir, ARCHIVE, time.strftime("%Y%m%d-%H%M%S"))
-        store = self.profile.store_host.name  # the store's folder and its probe's (the last health sample)
-        names = [(h.name, h.name) for h in self.profile.hosts.values()] + [(STORE, store), (PROBE, store)]
-        async def move(name: str, host: str) -> TransportError | None:
-            try:
-                await self.transport(host).archive(self.node_dir(name), archive)
-            except TransportError as e:
-                return e
-            return None
-
-        results = await self._hosts.gather(*(move(name, host) for name, host in names))
-        blocked: set[str] = set()
-        for (name, _), result in zip(names, results):
-            if not isinstance(result, TransportError) or result.link:
-                continue
-            hit = [h.name for h in self.profile.active_hosts()] if name in (STORE, PROBE) else [name]
-            for node in hit:
-                self.fleet.set_state(node, HostState.FAILED, f"previous run not archived: {result}")
-            blocked.update(hit)
-        return blocked
 
     async def attach(self, *, steer_store: bool = True) -> None:
         """Re-attach to a running cluster from its pid files: catch up on every events file, then follow.
@@ -245,45 +177,6 @@ class Cluster:
         if any(n.state not in (HostState.OFF, HostState.SPARE) for n in self.fleet.nodes.values()):
             return None  # a run that ended: the attach found its nodes' ends, the outcome says how it went
         return f"nothing runs for {self.profile.path} (run {self.profile.run.name})"
-
-    # ---- one node ----------------------------------------------------------------------------------------------
-    async def _launch(self, host: HostSpec, append: bool = False, fresh: bool = False) -> bool:
-        """Check the host, start the engine detached, watch it. False (and a node state) if it could not start.
-        fresh: the first start of a new run (no ckpt.resume: launch.engine_argv)."""
-        name, t = host.name, self.transport(host.name)
-        rank, world_size = data_shard(self.profile, name)
-        old = self._procs.get(name)
-        if old is not None and old.watcher is not None and old.done.is_set():
-            old.watcher.cancel()  # it only waits for a start by another console: this one is ours
-        append = append and old is not None and old.pid is not None  # a restart continues the file it followed
-        self.fleet.set_state(name, NodeState.STARTING)
-        try:
-            reason = await t.preflight(self.profile.engine.config)
-            if reason is not None:
-                self.fleet.set_state(name, HostState.FAILED, reason)
-                self._watchers.await_others(name)
-                return False
-            for stale in (C.DRAIN, KILLED):  # a drain file left from before would drain it at once
-                await t.remove(self._hosts.path(name, stale))
-            if self._store.etcd is not None:  # the run's client certificate, mode 0600, in the node's folder
-                await self._store.etcd.hand_client_certs(name, E.client_pki_dir(self.profile, name))
-            argv = engine_argv(self.profile, host, fresh=fresh)
-            pid = await t.start_detached(argv, self.node_dir(name),
-                                         env=engine_env(self.profile, host, rank, world_size), append=append)
-        except TransportError as e:
-            self.fleet.set_state(name, HostState.UNREACHABLE if e.link else HostState.FAILED, str(e))
-            self._watchers.await_others(name)
-            return False
-        offset = old.offset if append and old is not None else 0  # else a fresh file, read from its start
-        self._procs[name] = Proc(pid=pid, offset=offset, killed=self._store.error is not None)
-        if self._store.error is not None:  # the store died while this one was starting
-            self.fleet.set_state(name, HostState.FAILED, self._store.error)
-            await self._hosts.signal_quietly(name, pid, "KILL")
-        node = self.fleet.nodes[name]
-        node.command, node.overrides = shlex.join(argv), engine_overrides(self.profile, host)  # the detail view
-        self.fleet.note(name, f"started pid {pid}")
-        self._watchers.watch(name)
-        return True
 
     # ---- actions ---------------------------------------------------------------------------------------------
     async def drain(self, name: str) -> Outcome:
@@ -361,7 +254,7 @@ class Cluster:
         _, refused = await self._store_refused(name)
         if refused is not None:
             return refused
-        ok = await self._launch(host, append=True)
+        ok = await self._starter.launch(host, append=True)
         if not ok:
             return Outcome(False, f"{name}: could not restart: {self.fleet.nodes[name].reason}")
         return Outcome(True, f"{name}: restarted")
@@ -374,7 +267,7 @@ class Cluster:
             return refused
         if target not in self.profile.hosts:
             try:
-                target, written = self._add_to_profile(target)
+                target, written = self._hosts.add_address(target)
                 note = self._shard_overlap(target)
             except UnknownHost as e:  # a typo of a host, most likely: the profile and the table stay as they are
                 return Outcome(False, str(e))
@@ -387,8 +280,6 @@ class Cluster:
         if target in self._starting:
             return Outcome(False, f"{target}: already being started")
         if self.preflight:
-            from console.preflight import PreflightFailed
-
             self._starting.add(target)  # a second add while this one's checks run is refused above
             try:
                 _, refused = await self._store_refused(target)  # the check dials it: it must run first
@@ -448,18 +339,6 @@ class Cluster:
         done = [n.name for n in self.fleet.nodes.values() if n.state is NodeState.LEFT and n.reason == "completed"]
         return ", ".join(done) or None
 
-    def _add_to_profile(self, target: str) -> tuple[str, bool]:
-        """The host's name, and whether it was written into the profile file now."""
-        user, name, port = new_host_target(self.profile, target)
-        if name in self.profile.hosts:
-            return name, False
-        # a new address is another machine: reached over SSH, whatever [defaults] says for the others
-        fields = {"transport": "ssh", "address": name, "user": user, "port": port}
-        self._hosts.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
-        self.fleet.add_node(name, host_label(self.profile.hosts[name]), HostState.SPARE)
-        self.fleet.note(name, f"added to {self.profile.path}")
-        return name, True
-
     async def _not_added(self, name: str, written: bool, message: str) -> Outcome:
         """A new address that did not start leaves the profile as it was: written there, a typo would be a host
         every later start checks (and fails on), and a place in every node's data shard. Its row is left "off" with
@@ -473,10 +352,9 @@ class Cluster:
         why = without_backoff(node.reason) if node and node.reason else message
         if written:
             try:
-                self._hosts.profile = remove_host(self.profile.path, name)
+                self._hosts.take_out(name)
             except (ProfileError, OSError) as e:
                 return Outcome(False, f"{message}\n{name}: could not take it out of {self.profile.path} again: {e}")
-            self.fleet.note(name, f"taken out of {self.profile.path} again")
             self.fleet.set_state(name, HostState.OFF, f"not added: {why.splitlines()[0]}")
             message += f"\n{name}: taken out of {self.profile.path} again"
         return Outcome(False, message)
@@ -502,72 +380,18 @@ class Cluster:
         written."""
         self._stop_under_way = True
         try:
-            return await self._stop()
+            return await self._stopper.stop()
         finally:
             self._stop_under_way = False
-
-    async def _stop(self) -> Outcome:
-        running = {n: p for n, p in self._procs.items() if p.pid is not None and not p.done.is_set()}
-        asking = any(not retry.done() for retry in self._attacher.retries.values())  # a host that did not answer
-        if not running and not asking and not await self._store.runs():
-            # a profile mistyped, a run already over: "stopped 0 node(s)" read as a success; nothing is written
-            hosts = ", ".join(self.profile.hosts)
-            return Outcome(False, f"nothing to stop: no engine or store of {self.profile.path} runs (run "
-                                  f"{self.profile.run.name}; looked in {self.profile.run.dir} on {hosts})")
-        self._hosts.stopping = True  # the store ends on purpose: its watcher must not restart it
-        await self._store.mark_stopped()  # before the engines end: another console watching them reads it
-        for proc in running.values():
-            proc.stopping = True
-        await self._hosts.gather(*(self._hosts.signal_quietly(n, p.pid, "TERM") for n, p in running.items()
-                                   if p.pid is not None))  # every one has a pid: the test narrows its type
-        timeout = self.profile.console.stop_timeout
-        started = time.monotonic()
-        try:  # the watchers settle each node ("stopped") as its engine ends
-            await asyncio.wait_for(asyncio.gather(*(p.done.wait() for p in running.values())), timeout)
-        except asyncio.TimeoutError:
-            pass
-        left, killed = await self._hosts.end_groups([(n, p.pid) for n, p in running.items() if p.pid is not None],
-                                                    max(0.0, timeout - (time.monotonic() - started)))
-        late = await asyncio.gather(*(self._killed_line(n, timeout) for n, _ in killed))  # one look per host at once
-        store_left, etcd_said = await self._store.stop()
-        # a node whose host did not answer when this console looked for its engine (an attach still retrying) has
-        # no process here to signal: it may well train on (until mesh.store_lost_timeout): say so, not a clean stop
-        # (a standby host, a spare that is often off, is named without failing the stop)
-        unseen = {n: f"{n}: its host did not answer ({self.fleet.nodes[n].reason or 'unreachable'})"
-                  for n, retry in self._attacher.retries.items() if not retry.done() and n not in running}
-        spares = [line for n, line in unseen.items() if self.profile.hosts[n].standby]
-        unseen_active = [line for n, line in unseen.items() if not self.profile.hosts[n].standby]
-        running_still = [f"{n}: process group {pid} (no answer)" for n, pid in left] + unseen_active + store_left
-        message = f"stopped {len(running)} node(s)" + (f"; {'; '.join(late)}" if late else "")
-        message += f"; etcd: {'; '.join(etcd_said)}" if etcd_said else ""
-        if spares:
-            message += f"; spare hosts not reached: {'; '.join(spares)}"
-        if running_still:
-            return Outcome(False, f"{message}, but these may still run: {'; '.join(running_still)}")
-        return Outcome(True, message)
-
-    async def _killed_line(self, name: str, timeout: float) -> str:
-        """What a KILL at the end of stop_timeout cost a node, said rather than hidden in a clean-looking stop. The
-        wrapper writes the engine's exit status when the engine ends: without it, the engine itself was KILLed and
-        saved nothing on its way out; with it, a process the engine left in its group (a hung worker) was."""
-        try:
-            ended = await self.transport(name).read_text(self._hosts.path(name, C.RC)) is not None
-        except TransportError:
-            return f"{name}: KILLed after stop_timeout ({timeout:g}s)"
-        if ended:
-            return f"{name}: a process of its group outlived stop_timeout ({timeout:g}s) and was KILLed"
-        return f"{name}: KILLed after stop_timeout ({timeout:g}s), no checkpoint on the way out"
 
     def running(self) -> list[str]:
         """The nodes whose process the console follows and has not seen end (a mesh "dead" label is not an end)."""
         return self._watchers.running()
 
-    async def status(self) -> Any:
+    async def status(self) -> Summary:
         """Refresh what is known (liveness of each started node) and return the fleet's summary."""
         await self._hosts.gather(*(self._watchers.poke(name, proc) for name, proc in self._procs.items()))
-        if self.profile.store.backend == "etcd" and self.fleet.store_status is None:  # not polled yet: ask once
-            self.fleet.store_status = await E.health_label(self.profile)
-        await self._store.sample_once()
+        await self._store.refresh()
         return self.fleet.summary()
 
     async def close(self) -> None:

@@ -3,13 +3,14 @@
     class Cluster: ...                   # console/cluster.py: the real one (local processes or asyncssh)
     make_app(profile, cluster)           # console/app.py: any object with these methods (the benchmark's SimCluster)
 
-The app calls these and nothing else, each in a worker; an action answers with an `Answer` (console/cluster.py's
-`Outcome`: true when it went as asked, and a line to show) instead of raising for a node's trouble. Pure: no I/O,
+The app calls these and nothing else, each in a worker; an action answers with an `Answer` (the controller's is
+`Outcome`, here: true when it went as asked, and a line to show) instead of raising for a node's trouble. Pure: no I/O,
 no Textual, so the app, the CLI and a test double all type against it without importing the controller.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from console.fleet import Fleet
@@ -22,6 +23,17 @@ class Answer(Protocol):
     def message(self) -> str: ...
 
     def __bool__(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The result of an action, for the UI and the CLI (actions never raise for a node's trouble)."""
+
+    ok: bool
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
 
 
 class ClusterControl(Protocol):
@@ -49,3 +61,4 @@ class ClusterControl(Protocol):
     async def kill(self, name: str) -> Answer: ...
 
     async def restart(self, name: str) -> Answer: ...
+

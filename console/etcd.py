@@ -242,10 +242,8 @@ def client_pki_dir(profile: Any, node: str) -> str:
 
 
 def engine_store_overrides(profile: Any, node: str) -> dict[str, str]:
-    """The engine's mesh.* keys for the profile's store: nothing for tcp (GLOBAL_ADDR/PORT say it)."""
+    """The engine's mesh.* keys for the profile's etcd (console/store/etcd.py's EtcdStore.engine_overrides)."""
     s = profile.store
-    if s.backend != "etcd":
-        return {}
     if s.etcd_endpoints:
         files = {"mesh.etcd_ca": s.etcd_ca, "mesh.etcd_cert": s.etcd_cert, "mesh.etcd_key": s.etcd_key}
     else:
@@ -341,10 +339,11 @@ async def health_label(profile: Any) -> str:
 
 
 def cluster_of(profile: Any, transport: Callable[[str], Any], pki_root: Path) -> EtcdCluster | None:
-    """The members the console runs for this profile (None: tcp, or an etcd the console does not run). The run's
-    CA is made once, in pki_root/<run>/, and kept: members that outlive the console still trust it on --attach."""
+    """The members the console runs for this profile's etcd (None: an etcd the console does not run; asked by
+    console/store/etcd.py only). The run's CA is made once, in pki_root/<run>/, and kept: members that outlive the
+    console still trust it on --attach."""
     s = profile.store
-    if s.backend != "etcd" or not s.etcd_hosts:
+    if not s.etcd_hosts:
         return None
     members = plan_members(profile)
     # made or renewed by a start only (EtcdCluster.renew): an attach, a status or a second console with a copy of

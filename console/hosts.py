@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 from console.fleet import Fleet, HostState
-from console.profile import HostSpec, Profile
+from console.profile import HostSpec, Profile, add_host, remove_host
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -95,6 +95,24 @@ class Hosts:
 
     def node_dir(self, name: str) -> str:
         return C.join(self.profile.run.dir, name)
+
+    def add_address(self, target: str) -> tuple[str, bool]:
+        """`add` of `[user@]address[:port]` or a host's name: the host's name, and whether it was written into the
+        profile file now (a new address; UnknownHost for what looks like a typo of a host, nothing written)."""
+        user, name, port = new_host_target(self.profile, target)
+        if name in self.profile.hosts:
+            return name, False
+        # a new address is another machine: reached over SSH, whatever [defaults] says for the others
+        fields = {"transport": "ssh", "address": name, "user": user, "port": port}
+        self.profile = add_host(self.profile.path, name, **fields)  # every part reads the new one
+        self.fleet.add_node(name, host_label(self.profile.hosts[name]), HostState.SPARE)
+        self.fleet.note(name, f"added to {self.profile.path}")
+        return name, True
+
+    def take_out(self, name: str) -> None:
+        """A new address that did not start, out of the profile file again (ProfileError, OSError if it cannot)."""
+        self.profile = remove_host(self.profile.path, name)
+        self.fleet.note(name, f"taken out of {self.profile.path} again")
 
     def path(self, name: str, file: str) -> str:
         return C.join(self.node_dir(name), file)

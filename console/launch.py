@@ -1,17 +1,17 @@
-"""What the console runs on a host: the engine's, the store's and the store probe's command lines. Pure functions
-of the profile (console/cluster.py starts them; `python -m console.recipes launcher` writes the same lines into a
-script). The engine's environment is console/engine_config.py's (data_shard, engine_env): the profile check loads
-each engine's config with it.
+"""What the console runs on a host for an engine: its command line. Pure functions of the profile
+(console/node_start.py starts it; `python -m console.recipes launcher` writes the same lines into a script). The
+engine's environment is console/engine_config.py's (data_shard, engine_env): the profile check loads each engine's
+config with it.
 
     engine_argv(profile, host, fresh)           python -m engine.train CONFIG --k=v ... (or torch.distributed.run)
-    store_argv(profile, bind)                   python -m engine.store --host BIND --port PORT
-    probe_argv(profile, bind, store_pid, out)   python -m engine.store.probe ... (engine/store/probe.py)
+
+The store's own command lines are its backend's (console/store/tcp.py: store_argv, probe_argv).
 """
 
 from __future__ import annotations
 
-from console import etcd as E
 from console.profile import HostSpec, Profile, engine_overrides, toml_value
+from console.store import store_backend
 from console.transport import commands as C
 
 
@@ -24,7 +24,7 @@ def engine_argv(profile: Profile, host: HostSpec, fresh: bool = False) -> list[s
     # the engine moves them aside too
     resume = {} if fresh else {"ckpt.resume": "auto"}
     overrides = {**resume, **engine_overrides(profile, host), "run.name": profile.run.name,
-                 "run.dir": node_dir, **E.engine_store_overrides(profile, host.name),
+                 "run.dir": node_dir, **store_backend(profile).engine_overrides(host.name),
                  "mesh.drain_file": C.join(node_dir, C.DRAIN)}
     args = [profile.engine.config, *(f"--{k}={toml_value(v)}" for k, v in overrides.items())]
     if host.workers == 1:
@@ -36,15 +36,3 @@ def engine_argv(profile: Profile, host: HostSpec, fresh: bool = False) -> list[s
         rdzv = ["--standalone"]  # its own rendezvous on a free port: nodes sharing a machine never collide
     return [host.python_path, "-m", "torch.distributed.run", *rdzv, f"--nproc_per_node={host.workers}",
             "-m", "engine.train", *args]
-
-
-def store_argv(profile: Profile, bind: str | None = None) -> list[str]:
-    return [profile.store_host.python_path, "-m", "engine.store", "--host", bind or profile.store_bind,
-            "--port", str(profile.store.port)]
-
-
-def probe_argv(profile: Profile, bind: str | None, store_pid: int | None, out: str) -> list[str]:
-    """The store's health probe: samples the store every other poll interval into `out`, ends with the store."""
-    return [profile.store_host.python_path, "-m", "engine.store.probe", bind or profile.store_bind,
-            str(profile.store.port), "--store-pid", str(store_pid),
-            "--interval", str(profile.console.poll_interval * 2), "--out", out]

@@ -27,7 +27,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import tomlkit
 import tomlkit.exceptions
@@ -242,7 +242,7 @@ class Profile(_Spec):
     @property
     def store_bind(self) -> str:
         """What the store listens on: [store] bind, else the address the engines dial (the console checks that
-        the store's host can bind it before starting, see StoreHost.bind in console/store_host.py)."""
+        the store's host can bind it before starting, see TcpStoreHost.bind in console/store/tcp.py)."""
         return self.store.bind or self.store_address
 
     def active_hosts(self) -> list[HostSpec]:
@@ -292,7 +292,7 @@ def _check_hosts(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
     if not profile.active_hosts():
         raise ProfileError(f"{profile.path}:{lines.get(('hosts',), 0)}: hosts: every host is standby, "
                            "nothing would start")
-    _check_etcd(profile, lines)
+    _check_store(profile, lines)
     _check_shared_fs(profile, lines)
 
 
@@ -309,14 +309,25 @@ def _check_shared_fs(profile: Profile, lines: dict[tuple[str, ...], int]) -> Non
                                f"folder (set the same workdir, or shared_fs = false)")
 
 
-def _check_etcd(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+def _check_store(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    """The [store] rules of the profile's backend: each backend's own (StoreSpec.backend names one of _STORE_RULES)."""
+    _STORE_RULES[profile.store.backend](profile, lines)
+
+
+def _store_where(profile: Profile, lines: dict[tuple[str, ...], int]) -> str:
+    return f"{profile.path}:{lines.get(('store', 'backend'), lines.get(('store',), 0))}: store"
+
+
+def _check_tcp_store(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
     s = profile.store
-    where = f"{profile.path}:{lines.get(('store', 'backend'), lines.get(('store',), 0))}: store"
-    if s.backend != "etcd":
-        if s.etcd_hosts or s.etcd_endpoints:
-            raise ProfileError(f"{where}.backend: etcd_hosts / etcd_endpoints are given but backend is "
-                               f"{s.backend!r} (set backend = \"etcd\")")
-        return
+    if s.etcd_hosts or s.etcd_endpoints:
+        raise ProfileError(f"{_store_where(profile, lines)}.backend: etcd_hosts / etcd_endpoints are given but "
+                           f"backend is {s.backend!r} (set backend = \"etcd\")")
+
+
+def _check_etcd_store(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
+    s = profile.store
+    where = _store_where(profile, lines)
     if bool(s.etcd_hosts) == bool(s.etcd_endpoints):
         raise ProfileError(f"{where}: backend etcd needs either etcd_hosts (the console starts the members) or "
                            f"etcd_endpoints (a running etcd), not {'both' if s.etcd_hosts else 'neither'}")
@@ -331,6 +342,11 @@ def _check_etcd(profile: Profile, lines: dict[tuple[str, ...], int]) -> None:
     if s.etcd_endpoints and not (s.etcd_ca and s.etcd_cert and s.etcd_key):
         raise ProfileError(f"{where}: etcd_endpoints needs etcd_ca, etcd_cert and etcd_key (paths on every "
                            f"host): etcd must refuse clients without the run's certificate")
+
+
+
+_STORE_RULES: dict[str, Callable[[Profile, dict[tuple[str, ...], int]], None]] = {
+    "tcp": _check_tcp_store, "etcd": _check_etcd_store}  # a key per StoreSpec.backend
 
 
 def _repeat_line(text: str, message: str) -> int:

@@ -147,7 +147,8 @@ def _node_index(profile, node_rank: int):
 
 
 def launcher_script(profile, node_rank: int, source: str) -> str:
-    from console.launch import engine_argv, store_argv
+    from console.launch import engine_argv
+    from console.store.tcp import store_argv
     from console.engine_config import data_shard, engine_env
     from console.transport.commands import qpath
     host, world = _node_index(profile, node_rank)

@@ -300,7 +300,7 @@ class RecordingCluster:
     """Records the calls the CLI makes; answers like console.cluster.Cluster (Outcome, never raises)."""
 
     def __init__(self, profile, fleet: Fleet, ok: bool = True):
-        from console.cluster import Outcome
+        from console.control import Outcome
 
         self.fleet, self.ok, self.calls, self.Outcome = fleet, ok, [], Outcome
         for name, host in profile.hosts.items():

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from console.cluster import Cluster, engine_argv, engine_env
+from console.cluster import Cluster
+from console.engine_config import engine_env
+from console.launch import engine_argv
 from console.fleet import Fleet, HostState, NodeState
 from console.profile import load_profile, parse_profile
 from procs import free_port, kill_recorded_groups
@@ -364,7 +366,7 @@ async def test_add_a_new_address_writes_it_into_the_profile_and_out_again_when_i
     assert not out and "not added: the preflight found 1 problem(s)" in out.message, out.message
     assert (workdir / "p.toml").read_text() == before
     await checked.close()
-    name, written = cluster._add_to_profile("tester@127.0.0.1:1")  # what add writes before it starts the engine
+    name, written = cluster._hosts.add_address("tester@127.0.0.1:1")  # what add writes before it starts the engine
     host = load_profile(workdir / "p.toml").hosts[name]
     assert written and (workdir / "p.toml").read_text().startswith(before)  # the file kept, the host appended
     assert (host.user, host.port, host.transport, host.python) == ("tester", 1, "ssh", sys.executable)

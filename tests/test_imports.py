@@ -159,12 +159,12 @@ CONSOLE_LAYERS: list[tuple[str, ...]] = [
     # one interface, two implementations: local subprocesses and asyncssh
     ("console.transport",),
     # the hosts and what runs on them: the store, etcd, the engines' commands, watchers, attaching
-    ("console.hosts", "console.etcd", "console.launch", "console.watchers", "console.store_host", "console.attach",
-     "console.recipes", "console.store_backend"),
+    ("console.hosts", "console.etcd", "console.launch", "console.watchers", "console.store", "console.attach",
+     "console.recipes"),
     # before anything starts: the checks, the hosts' keys, and bringing the hosts up to the console's checkout
     ("console.preflight", "console.hostkeys", "console.sync"),
-    # the controller
-    ("console.cluster",),
+    # the controller, and the parts only it drives (a node's start, the run's stop)
+    ("console.cluster", "console.node_start", "console.run_stop"),
     # what the app renders
     ("console.widgets",),
     ("console.screens",),

@@ -12,7 +12,7 @@ import os
 from console.cluster import Cluster
 from console.fleet import Fleet, NodeState
 from console.profile import load_profile
-from console.store_host import OWNER
+from console.store.tcp import OWNER
 from test_cluster import cleanup, make_profile, states, until, workdir  # noqa: F401 (fixtures)
 
 

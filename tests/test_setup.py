@@ -16,7 +16,7 @@ import pytest
 
 from procs import PYTHON, ROOT, engine_env
 
-from console.cluster import engine_argv
+from console.launch import engine_argv
 from console.engine_config import data_shard
 from console.engine_config import engine_env as console_engine_env
 from console.profile import load_profile

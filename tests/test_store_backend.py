@@ -1,4 +1,4 @@
-"""The store's backend as the checks see it (console/store_backend.py): what the console runs for it, by host, with
+"""The store's backend as the checks see it (console/store/): what the console runs for it, by host, with
 the ports each binds, and what every engine host dials; the preflight's plans are built from these alone."""
 
 from __future__ import annotations
@@ -7,7 +7,10 @@ from pathlib import Path
 
 from console.preflight.runner import build_plans
 from console.profile import load_profile
-from console.store_backend import Endpoint, EtcdStore, Server, TcpStore, store_backend
+from console.store import store_backend
+from console.store.base import Endpoint, Server
+from console.store.etcd import EtcdStore
+from console.store.tcp import TcpStore
 from test_console_etcd import _profile as etcd_profile
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,16 +33,14 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-from console import etcd as E
 from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, HostState
-from console.preflight import PreflightFailed  # noqa: F401 (offered here too)
 from console.preflight import probe as P
 from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
                                      exposure_warning, judge, summary)
 from console.profile import HostSpec, Profile, engine_overrides
-from console.store_backend import TcpStore, store_backend
+from console.store import store_backend
 from console.transport import Transport, TransportError
 from console.transport import commands as C
 
@@ -164,8 +162,8 @@ async def listeners(profile: Profile, plans: Sequence[HostPlan],
     its route to the store, as the probe found it). etcd members take only clients with the run's certificate."""
     out = []
     store = next((p for p in plans if "store" in p.roles), None)
-    if store is not None and profile.store.backend == "tcp":
-        address = TcpStore(profile).bind()
+    address = store_backend(profile).open_listener()  # the TCP store's bind; etcd members take none without a cert
+    if store is not None and address is not None:
         for ip in await _resolved(address):
             name = "" if ip == address else f", {address}"
             out.append((f"the store ({store.name}, port {profile.store.port}{name})", ip))
@@ -372,14 +370,13 @@ async def check_profile(profile: Profile, make: Callable[[HostSpec], Transport])
         return transports[name]
     try:
         report = await preflight(profile, transport_of, mode="check")
-        if profile.store.backend == "etcd" and profile.store.etcd_endpoints:  # the etcd client files a start needs
-            try:
-                tls = await E.tls_unreadable(profile, transport_of, [p.name for p in report.plans if p.engine
-                                                                     and report.results[p.name].facts is not None])
-            except TransportError as e:
-                tls = [f"the etcd client files could not be looked for: {e}"]
-            report.problems[:0] = [Problem("profile", "tls", line, "copy the file there, or fix the path in [store]")
-                                   for line in tls]
+        try:  # the client files a start needs (an etcd that runs already: its certificate's)
+            tls = await store_backend(profile).client_files_unreadable(
+                transport_of, [p.name for p in report.plans if p.engine and report.results[p.name].facts is not None])
+        except TransportError as e:
+            tls = [f"the store's client files could not be looked for: {e}"]
+        report.problems[:0] = [Problem("profile", "tls", line, "copy the file there, or fix the path in [store]")
+                               for line in tls]
     finally:
         await asyncio.gather(*(t.close() for t in transports.values()), return_exceptions=True)
     try:

@@ -557,7 +557,8 @@ class Lab:
 
     def start_store(self) -> None:
         """Start the store as the console does (detached, its pid file under RUN_DIR/_store) inside its host."""
-        from console.cluster import STORE, store_argv
+        from console.hosts import STORE
+        from console.store.tcp import store_argv
         from console.profile import load_profile
         from console.transport import commands as C
 

@@ -1,14 +1,15 @@
-"""The membership store's lifecycle on its host: start, watch, restart, probe, health, stop.
+"""The TCP store: `python -m engine.store` on the profile's store host, and its health probe beside it.
 
-    store = StoreHost(hosts, on_failed=watchers.fail_all)
-    reason = await store.start()         # None, or why it could not start (then no node starts)
+    backend = TcpStore(profile)           # console/store/__init__.py's store_backend(profile) makes it
+    backend.links()                       # what every engine dials: the store's address and port
+    store = backend.host(hosts, on_failed=watchers.fail_all)
+    reason = await store.start()          # None, or why it could not start (then no node starts)
     await store.attach(steer=True, engines_running=...)   # a console that comes back to a running cluster
-    left, said = await store.stop()      # end the store and its probe, waited for (and the etcd members)
+    left, _ = await store.stop()          # end the store and its probe, waited for
 
 The store runs detached under RUN_DIR/_store/ on the profile's store host; its health probe (engine/store/probe.py)
 runs beside it under RUN_DIR/_store_probe/ and writes one sample, health.json, which the watcher reads into the
-fleet with the store's own events. With store.backend etcd the members are the business of console/etcd.py; here
-only their health is polled for the header.
+fleet with the store's own events. A store that dies after it was ready is started again (the engines wait for it).
 """
 
 from __future__ import annotations
@@ -20,18 +21,89 @@ import socket
 import time
 from typing import Awaitable, Callable, Sequence
 
-from console import etcd as E
 from console.hosts import BACKOFF_S, HEALTH, PROBE, SETTLE_S, STOPPED, STORE, Hosts
-from console.launch import probe_argv, store_argv
 from console.profile import Profile, key_where
-from console.transport import TransportError, last_said
+from console.store.base import Endpoint, Server, bind_errors
+from console.transport import Transport, TransportError, last_said
 from console.transport import commands as C
 
 OWNER = "owner"  # in the store's folder: which console's profile started it (owner_of)
 STORE_READY_S = 60.0  # how long a store started for a restart may take to say ready (its imports, a loaded host)
 
 
-class StoreHost:
+def store_argv(profile: Profile, bind: str | None = None) -> list[str]:
+    return [profile.store_host.python_path, "-m", "engine.store", "--host", bind or profile.store_bind,
+            "--port", str(profile.store.port)]
+
+
+def probe_argv(profile: Profile, bind: str | None, store_pid: int | None, out: str) -> list[str]:
+    """The store's health probe: samples the store every other poll interval into `out`, ends with the store."""
+    return [profile.store_host.python_path, "-m", "engine.store.probe", bind or profile.store_bind,
+            str(profile.store.port), "--store-pid", str(store_pid),
+            "--interval", str(profile.console.poll_interval * 2), "--out", out]
+
+
+class TcpStore:
+    """`python -m engine.store` on the profile's store host, dialled by every engine at its address and port."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+
+    def servers(self) -> list[Server]:
+        p = self.profile
+        return [Server(p.store_host.name, "store", (Endpoint(self.bind(), p.store.port, "the store"),))]
+
+    def links(self) -> list[Endpoint]:
+        return [Endpoint(self.profile.store_address, self.profile.store.port, "the store")]
+
+    async def runs(self, transport_of: Callable[[str], Transport]) -> bool:
+        """Whether this profile's store runs now (its pid file names a live process of ours)."""
+        p = self.profile
+        t = transport_of(p.store_host.name)
+        try:
+            text = await asyncio.wait_for(t.read_text(C.join(p.run.dir, STORE, C.PID)),
+                                          p.store_host.connect_timeout * 2 + 1)
+            pid = int(text.strip()) if text and text.strip().isdigit() else None
+            return pid is not None and pid > 1 and await t.alive(pid, C.TAG)
+        except (TransportError, asyncio.TimeoutError):
+            return False
+
+    def engine_overrides(self, node: str) -> dict[str, str]:
+        return {}  # GLOBAL_ADDR and GLOBAL_PORT in the engine's environment say where it is (engine_config.py)
+
+    def header_address(self) -> str | None:
+        return f"{self.profile.store_address}:{self.profile.store.port}"
+
+    def open_listener(self) -> str | None:
+        return self.bind()  # the TCP store takes any client that reaches it
+
+    async def client_files_unreadable(self, transport_of: Callable[[str], Transport],
+                                      hosts: Sequence[str]) -> list[str]:
+        return []  # no client files
+
+    def host(self, hosts: Hosts, on_failed: Callable[[str], None]) -> TcpStoreHost:
+        return TcpStoreHost(hosts, on_failed)
+
+    def fixed_bind(self) -> str | None:
+        """What the store listens on when the profile says it ([store] bind or address, the host's address, a
+        local host); None when only its host can tell (TcpStoreHost.bind asks it)."""
+        p = self.profile
+        host = p.store_host
+        if p.store.bind or p.store.address or host.address or host.transport == "local":
+            return p.store_bind
+        return None
+
+    def bind(self) -> str:
+        """What the store will listen on, as far as the profile tells (TcpStoreHost.bind asks the host): an
+        ssh_config alias's HostName may not be an address of the host itself, and then the store listens on every
+        interface."""
+        return self.fixed_bind() or "0.0.0.0"
+
+
+class TcpStoreHost:
+    """The TCP store's life on its host: `python -m engine.store` detached under RUN_DIR/_store/, its health probe
+    beside it under RUN_DIR/_store_probe/."""
+
     def __init__(self, hosts: Hosts, on_failed: Callable[[str], None]):
         self.hosts = hosts
         self.fleet = hosts.fleet
@@ -40,13 +112,10 @@ class StoreHost:
         self.task: asyncio.Task | None = None
         self.error: str | None = None  # why it died before it was ever ready: a node started after that fails too
         self.bind_used: str | None = None  # what the running store was started to listen on
-        self.health_task: asyncio.Task | None = None
         self._ensuring = asyncio.Lock()  # two restarts at once (marked nodes, r) start one store, not two
         # held while a store is being started after a death: stop() waits for it, so a store whose start was in
         # flight when the run was stopped is found and ended (it was left running: the stop had looked already)
         self._restarting = asyncio.Lock()
-        # the etcd members this console runs (store.backend etcd with etcd_hosts), else None
-        self.etcd = E.cluster_of(hosts.profile, hosts.transport, E.pki_root(hosts.profile))
 
     @property
     def profile(self) -> Profile:
@@ -54,17 +123,12 @@ class StoreHost:
 
     async def attach(self, *, steer: bool, engines_running: bool) -> None:
         """A console that comes back: find the store from its pid file. steer: watch it, and restart it if it is
-        dead while engines run (they wait for it); else only say whether it runs. On etcd there is no such store:
-        the members answer for themselves (watch_health polls them for the header)."""
-        if self.profile.store.backend == "etcd":
-            self.watch_health()
-            return
+        dead while engines run (they wait for it); else only say whether it runs."""
         self.pid = await self.hosts.live_pid(STORE, self.profile.store_host.name)
         if self.pid is not None:
             self.fleet.store.set("up", None, pid=self.pid)
         elif engines_running:
             self.fleet.store.set("down", "not running while engines are")
-        self.watch_health()
         if not steer:
             return
         try:
@@ -83,14 +147,9 @@ class StoreHost:
         await self.watch(ready=found, had_store=True)
 
     async def end_stale(self) -> str | None:
-        """A store left running by an earlier run whose engines are all gone: end it, so its port is free (on etcd,
-        the members this console runs: the preflight checks their ports before start would end them). A store that
-        another profile started in this run dir is not this profile's to end (its engines are not this profile's
-        nodes, so nothing here says they are gone): the reason the start must not go on, else None."""
-        if self.profile.store.backend == "etcd":
-            if self.etcd is not None:
-                await self.etcd.stop()
-            return None
+        """A store left running by an earlier run whose engines are all gone: end it, so its port is free. A store
+        that another profile started in this run dir is not this profile's to end (its engines are not this
+        profile's nodes, so nothing here says they are gone): the reason the start must not go on, else None."""
         host = self.profile.store_host.name
         pid = await self.hosts.live_pid(STORE, host)
         if pid is None:
@@ -118,8 +177,9 @@ class StoreHost:
         and then the store listens on every interface (the dashboard says so)."""
         profile, host = self.profile, self.profile.store_host
         address = profile.store_bind
-        if profile.store.bind or profile.store.address or host.address or host.transport == "local":
-            return address
+        fixed = TcpStore(profile).fixed_bind()
+        if fixed is not None:  # the profile says where it listens: nothing to ask the host
+            return fixed
         code = ("import socket,sys; f,_,_,_,a=socket.getaddrinfo(sys.argv[1],0,0,socket.SOCK_STREAM)[0]; "
                 "socket.socket(f).bind(a)")
         rc, _, _ = await self.hosts.transport(host.name).run(f"{C.q(host.python_path)} -c {C.q(code)} "
@@ -127,82 +187,26 @@ class StoreHost:
         return address if rc == 0 else "::" if ":" in address else "0.0.0.0"  # every interface, of its family
 
     async def unstartable(self, hosts: Sequence[str]) -> list[str]:
-        """What would make the store (or etcd) fail once started, checked before a start moves or starts anything
+        """What would make the store fail once started, checked before a start moves or starts anything
         (--no-check skips the preflight, not this): one `FILE:LINE: KEY: ...` line each, naming the value and the
-        host; [] when nothing was found. tcp: the store's host runs its python and can listen on the store's port;
-        etcd run by the console: every member's ports are free; etcd that runs already: the client certificate
-        files are readable here (the console probes etcd with them) and on each host in `hosts` (its engine)."""
-        s = self.profile.store
-        try:
-            if s.backend == "tcp":
-                return await self._tcp_unstartable()
-            if s.etcd_hosts:
-                members = E.plan_members(self.profile)
-                binds = [(m.host, m.address, port, key, f"etcd member {m.name}" + (f" ({key} + {2 * i})" if i else ""))
-                         for i, m in enumerate(members)
-                         for port, key in ((m.client_port, "etcd_client_port"), (m.peer_port, "etcd_peer_port"))]
-                names = list(dict.fromkeys(m.host for m in members))
-                found = await asyncio.gather(*(self._bind_errors(host, [(a, p, k, n) for h, a, p, k, n in binds
-                                                                        if h == host]) for host in names),
-                                             *(self._etcd_missing(host) for host in names))
-                return [line for lines in found for line in lines]
-            return await E.tls_unreadable(self.profile, self.hosts.transport, hosts)
-        except TransportError as e:  # the host does not answer: nothing of the run can start there
-            at = key_where(self.profile, ("store", "host" if s.backend == "tcp" else "backend"), ("store",))
-            return [f"{at}: the store's host cannot be asked before the start: {e}"]
-
-    async def _tcp_unstartable(self) -> list[str]:
+        host; [] when nothing was found. The store's host runs its python and can listen on the store's port."""
         host = self.profile.store_host
-        reason = await self.hosts.transport(host.name).preflight()
-        if reason is not None:
+        try:
+            reason = await self.hosts.transport(host.name).preflight()
+            if reason is not None:
+                at = key_where(self.profile, ("store", "host"), ("store",))
+                return [f"{at}: the store's host {host.name} cannot run it: {reason}"]
+            return await bind_errors(self.hosts, host.name,
+                                     [(await self.bind(), self.profile.store.port, "port", "the store")])
+        except TransportError as e:  # the host does not answer: nothing of the run can start there
             at = key_where(self.profile, ("store", "host"), ("store",))
-            return [f"{at}: the store's host {host.name} cannot run it: {reason}"]
-        return await self._bind_errors(host.name, [(await self.bind(), self.profile.store.port, "port", "the store")])
-
-    async def _etcd_missing(self, name: str) -> list[str]:
-        """The etcd binary runs on member host `name` (its workdir's PATH, as the member will start there)."""
-        binary, host = self.profile.store.etcd_binary, self.profile.hosts[name]
-        rc, _, _ = await self.hosts.transport(name).run(f"cd {C.qpath(host.workdir)} 2>/dev/null; "
-                                                        f"command -v {C.qpath(binary)} >/dev/null")
-        if rc == 0:
-            return []
-        at = key_where(self.profile, ("store", "etcd_binary"), ("store", "etcd_hosts"))
-        return [f"{at}: {binary} is not found on {name} (an etcd member runs there; Debian: apt install etcd-server, "
-                f"or set store.etcd_binary to its path)"]
-
-    async def _bind_errors(self, name: str, binds: Sequence[tuple[str, int, str, str]]) -> list[str]:
-        """Whether host `name` can listen on each (address, port) now, as the store and etcd will; a line per one
-        it cannot, at the profile key that sets it."""
-        host = self.profile.hosts[name]
-        args = " ".join(f"{C.q(a)} {p}" for a, p, _, _ in binds)
-        rc, out, err = await self.hosts.transport(name).run(
-            f"cd {C.qpath(host.workdir)} && {C.qpath(host.python_path)} -c {C.q(BIND_CHECK)} {args}")
-        if rc not in (0, 1):
-            raise TransportError(f"{host.python_path} could not check its ports: {err.strip() or f'status {rc}'}")
-        said = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
-        lines = []
-        for address, port, key, what in binds:
-            error = said.get(f"{address}:{port}")
-            if error is None:
-                continue
-            if "EADDRNOTAVAIL" in error:
-                keys = [k for k in ("bind", "address") if getattr(self.profile.store, k)] if key == "port" else []
-                at = key_where(self.profile, ("store", keys[0]) if keys else ("hosts", name, "address"),
-                               ("hosts", name))
-                lines.append(f"{at}: {address} is not an address of {name} ({what} cannot listen on it: {error})")
-            else:
-                at = key_where(self.profile, ("store", key), ("store",))
-                lines.append(f"{at}: {port} is taken on {name} ({what} cannot listen on {address}:{port}: {error}); "
-                             f"end what listens there (ss -ltnp 'sport = :{port}') or choose another store.{key}")
-        return lines
+            return [f"{at}: the store's host cannot be asked before the start: {e}"]
 
     async def ensure(self, engines_running: Callable[[], Awaitable[bool]]) -> tuple[bool, str | None]:
         """Before a node starts alone (restart, add): the store it dials runs. One that does not (the run ended, or
         its start was refused) is started when no engine of the run runs, and waited for until it is ready; while
         engines run without it, the node is refused (they wait for a store of their run, with its keys). (whether
-        a store was started now, None or why the node must not start). On etcd the members answer for themselves."""
-        if self.profile.store.backend != "tcp":
-            return False, None
+        a store was started now, None or why the node must not start)."""
         host = self.profile.store_host.name
         async with self._ensuring:
             try:
@@ -234,10 +238,6 @@ class StoreHost:
     async def start(self) -> str | None:
         """Start the store detached and watch it; the reason if it could not start."""
         self.error = None  # a new store: an earlier one's death before it was ready is over
-        if self.profile.store.backend == "etcd":
-            reason = await E.prepare(self.profile, self.etcd)
-            self.watch_health()
-            return reason
         host = self.profile.store_host
         t = self.hosts.transport(host.name)
         try:
@@ -358,10 +358,13 @@ class StoreHost:
         except TransportError as e:
             self.fleet.store.say(f"no health probe: {e}")
 
-    async def sample_once(self) -> None:
+    async def prepare_node(self, name: str) -> None:
+        return None  # the engines dial the store with nothing of their own
+
+    async def refresh(self) -> None:
         """The probe's latest sample, read once, for a running store nobody here follows (a one-shot `status`
         showed "rtt - | - keys" beside "up")."""
-        if self.profile.store.backend != "tcp" or self.fleet.store.state != "up" or self.fleet.store.rtt_ms:
+        if self.fleet.store.state != "up" or self.fleet.store.rtt_ms:
             return
         try:
             sample = await self.hosts.transport(self.profile.store_host.name).read_text(self.hosts.path(PROBE, HEALTH))
@@ -370,39 +373,24 @@ class StoreHost:
         if sample:
             self.fleet.store.ingest(sample)
 
-    def watch_health(self) -> None:
-        """etcd: poll the members (up, leader) for the header, every console poll interval."""
-        if self.profile.store.backend != "etcd" or self.health_task is not None:
-            return
-
-        async def poll() -> None:
-            while True:
-                self.fleet.store_status = await E.health_label(self.profile)
-                await asyncio.sleep(max(1.0, self.profile.console.poll_interval))
-        self.health_task = asyncio.ensure_future(poll())
-
     def failed(self, reason: str) -> None:
         """The store died before it was ready: no mesh can form, so every node started with it fails (and ends)."""
         self.error = reason
         self._on_failed(reason)
 
     async def runs(self) -> bool:
-        """Whether anything of the run's store runs: the store or its probe (tcp), a member this console runs (etcd);
-        a host that cannot be asked may run it (True)."""
+        """Whether anything of the run's store runs: the store or its probe; a host that cannot be asked may run it
+        (True)."""
+        host = self.profile.store_host.name
         try:
-            if self.profile.store.backend == "tcp":
-                host = self.profile.store_host.name
-                return (await self.hosts.running_pid(STORE, host) is not None
-                        or await self.hosts.running_pid(PROBE, host) is not None)
-            return self.etcd is not None and bool(await self.etcd.running())
+            return (await self.hosts.running_pid(STORE, host) is not None
+                    or await self.hosts.running_pid(PROBE, host) is not None)
         except TransportError:
             return True
 
     async def mark_stopped(self) -> None:
         """The run's stop, said in the store's folder until a store starts again: a console watching the store does
         not restart it, and one watching a node that a stop ends settles it "stopped", whatever its exit status."""
-        if self.profile.store.backend != "tcp":
-            return
         host = self.profile.store_host.name
         try:
             await self.hosts.transport(host).touch(self.hosts.path(STORE, STOPPED))
@@ -420,8 +408,8 @@ class StoreHost:
 
     async def stop(self) -> tuple[list[str], list[str]]:
         """End the store and its probe (stop() has ended the engines first): TERM, wait until their process groups
-        are empty, KILL after console.stop_timeout; then the etcd members. Returns what may still run (a host that
-        did not answer) and what etcd had to say."""
+        are empty, KILL after console.stop_timeout. Returns what may still run (a host that did not answer), and
+        nothing to say."""
         host = self.profile.store_host.name
         async with self._restarting:  # a restart in flight ends first: its store is found below (none starts after)
             store = await self.hosts.live_pid(STORE, host)
@@ -435,30 +423,10 @@ class StoreHost:
             self.pid = None
             self.fleet.store.set("stopped", None)
         running = [f"{host}: the store's process group {pid} (no answer)" for host, pid in left]
-        return running, (await self.etcd.stop() if self.etcd is not None else [])
+        return running, []
 
     def tasks(self) -> list[asyncio.Task]:
-        return [t for t in (self.task, self.health_task) if t is not None]
-
-
-# run on a host with its python: address port pairs; prints "address:port ERRNAME: why" for each it cannot listen on
-# (SO_REUSEADDR as the store sets it: a port in TIME_WAIT after the last run is free for it)
-BIND_CHECK = """\
-import errno, socket, sys
-bad = 0
-for address, port in zip(sys.argv[1::2], sys.argv[2::2]):
-    s = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((address, int(port)))
-        s.listen(1)
-    except OSError as e:
-        bad = 1
-        print("%s:%s %s: %s" % (address, port, errno.errorcode.get(e.errno or 0, "?"), e.strerror or e))
-    finally:
-        s.close()
-sys.exit(bad)
-"""
+        return [self.task] if self.task is not None else []
 
 
 def owner_of(profile: Profile, resolve: Callable[[str], str] = os.path.realpath) -> str:
