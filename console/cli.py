@@ -28,9 +28,10 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Sequence, TextIO
+from typing import TYPE_CHECKING, Awaitable, Callable, Sequence, TextIO
 
 from console import hostkeys
+from console.control import Answer, ShellControl
 from console.dependency_warnings import route_dependency_warnings
 from console.fleet import Fleet, HostState, Node
 from console.preflight import PreflightFailed
@@ -38,6 +39,9 @@ from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERR
                              EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
 from console.widgets import cells
 from console.widgets.cells import summary_text  # pure: shells and --headless never import Textual
+
+if TYPE_CHECKING:  # read when a profile is loaded (pydantic, tomlkit): not for --help or a usage error
+    from console.profile import Profile
 
 COMMANDS = ("status", "drain", "kill", "add", "stop", "check", "sync")
 
@@ -133,7 +137,7 @@ def _usage_error(message: str) -> int:
 
 
 # ---- wiring -------------------------------------------------------------------------------------------------
-def load(path: str) -> Any:
+def load(path: str) -> Profile:
     """The profile, or SystemExit(2) after one line naming file:line: key."""
     from console.profile import ProfileError, load_profile
 
@@ -144,7 +148,7 @@ def load(path: str) -> Any:
         raise SystemExit(EXIT_USAGE) from None
 
 
-async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: float, out: TextIO,
+async def run_headless(cluster: ShellControl, fleet: Fleet, *, attach: bool, interval: float, out: TextIO,
                        heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
     """Start (or attach), print a status line every `interval`, return the run's outcome.
 
@@ -168,9 +172,9 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             print(f"zeroband-console: {'attach' if attach else 'start'} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
             return EXIT_FAILED
-        for warning in getattr(cluster, "warnings", []):  # the start's preflight: a port open beyond a private net
+        for warning in cluster.warnings:  # the start's preflight: a port open beyond a private net
             print(f"zeroband-console: {warning}", file=sys.stderr)
-        said = _nothing_runs(cluster) if attach else None
+        said = cluster.nothing_runs() if attach else None
         if said:  # nothing to follow: it would print "off" for ever
             print(f"zeroband-console: {said}: nothing to attach to (start it without --attach)", file=sys.stderr)
             return EXIT_FAILED
@@ -185,7 +189,7 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
             for line in lines:  # each outer step: compute against communication (is H right? compression?)
                 print(line, file=out, flush=True)
             outcome = EXIT_INTERRUPTED if interrupted.is_set() else run_outcome(fleet)
-            if outcome not in (None, EXIT_INTERRUPTED) and _still_running(cluster):
+            if outcome not in (None, EXIT_INTERRUPTED) and cluster.running():
                 outcome = None  # the fleet's view says over, but a process it started runs: never end that one
             if outcome is not None:
                 for node in fleet.nodes.values():
@@ -196,23 +200,20 @@ async def run_headless(cluster: Any, fleet: Fleet, *, attach: bool, interval: fl
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await _close(cluster)
+        await cluster.close()  # stop watching (tails, connections); the engines keep running
 
 
-def _nothing_runs(cluster: Any) -> str | None:
-    """After an attach: the cluster's line when it found no engine of the profile running (a cluster that cannot
-    say is taken to follow something)."""
-    nothing_runs = getattr(cluster, "nothing_runs", None)
-    return nothing_runs() if callable(nothing_runs) else None
+# the one-shot actions on a node or the run, each a call of the cluster's typed interface (console/control.py)
+ACTIONS: dict[str, Callable[[ShellControl, argparse.Namespace], Awaitable[Answer]]] = {
+    "drain": lambda cluster, args: cluster.drain(args.node),
+    "kill": lambda cluster, args: cluster.kill(args.node),
+    "add": lambda cluster, args: cluster.add(args.host),
+    "stop": lambda cluster, args: cluster.stop(),
+}
 
 
-def _still_running(cluster: Any) -> bool:
-    """Whether the cluster still follows a live engine process (one it has not seen end)."""
-    running = getattr(cluster, "running", None)
-    return bool(running()) if callable(running) else False
-
-
-async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out: TextIO) -> int:
+async def run_command(cluster: ShellControl, fleet: Fleet, args: argparse.Namespace, out: TextIO,
+                      heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT) -> int:
     """One action on a running cluster: attach (catch up on the events files), act, report, detach.
 
     The engines keep running whatever happens here; exit 0 when the action was done, 1 when the cluster
@@ -223,47 +224,33 @@ async def run_command(cluster: Any, fleet: Fleet, args: argparse.Namespace, out:
         if args.command == "status":
             await cluster.status()
             print(status_line(fleet), file=out)
-            timeout = heartbeat_timeout_of(cluster.profile) if hasattr(cluster, "profile") else \
-                DEFAULT_HEARTBEAT_TIMEOUT  # the ages coloured as the dashboard colours them
-            for node in fleet.nodes.values():
-                print("  " + node_line(node, timeout), file=out)
+            for node in fleet.nodes.values():  # the ages coloured as the dashboard colours them
+                print("  " + node_line(node, heartbeat_timeout), file=out)
             return EXIT_OK
         if args.command in ("drain", "kill") and args.node not in fleet.nodes:
             print(f"zeroband-console: {args.command}: unknown node {args.node!r} (nodes: {', '.join(fleet.nodes)})",
                   file=sys.stderr)
             return EXIT_USAGE
-        if args.command in ("drain", "kill"):
-            outcome = await getattr(cluster, args.command)(args.node)
-        elif args.command == "add":
-            outcome = await cluster.add(args.host)
-        else:
-            outcome = await cluster.stop()
+        outcome = await ACTIONS[args.command](cluster, args)
     except BrokenPipeError:
         raise  # the reader went away (`| head`): not a failure of the command; main() ends quietly
     except Exception as e:  # noqa: BLE001 -- the boundary: one line, exit 1
         print(f"zeroband-console: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
-        await _close(cluster)
-    ok, message = bool(outcome), getattr(outcome, "message", None) or args.command
+        await cluster.close()
+    ok, message = bool(outcome), outcome.message or args.command
     print(message if ok else f"zeroband-console: {message}", file=out if ok else sys.stderr)
     return EXIT_OK if ok else EXIT_FAILED
 
 
-async def _close(cluster: Any) -> None:
-    """Stop watching (tails, connections); the engines keep running."""
-    close = getattr(cluster, "close", None)
-    if close is not None:
-        await close()
-
-
-def make_cluster(profile: Any, fleet: Fleet, resume: bool = False, check: bool = True) -> Any:
+def make_cluster(profile: Profile, fleet: Fleet, resume: bool = False, check: bool = True) -> ShellControl:
     from console.cluster import Cluster
 
     return Cluster(profile, fleet, resume=resume, preflight=check)
 
 
-async def run_check(profile: Any, out: TextIO) -> int:
+async def run_check(profile: Profile, out: TextIO) -> int:
     """`check`: a line per problem (exit 1), else the table of what every host has (exit 0)."""
     from console.preflight.runner import check_profile
     from console.transport import make_transport
@@ -278,7 +265,7 @@ async def run_check(profile: Any, out: TextIO) -> int:
     return EXIT_FAILED if report.problems else EXIT_OK
 
 
-async def run_sync(profile: Any, out: TextIO) -> int:
+async def run_sync(profile: Profile, out: TextIO) -> int:
     """`sync`: a progress line per host and step; exit 1 when a host could not be brought up to date."""
     from console.sync import sync
     from console.transport import make_transport
@@ -287,7 +274,7 @@ async def run_sync(profile: Any, out: TextIO) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
-def _refused(profile: Any, args: argparse.Namespace) -> str | None:
+def _refused(profile: Profile, args: argparse.Namespace) -> str | None:
     """What makes the command wrong before any host is reached: a missing identity file or ssh_config, or `add` of a
     name that is neither a host of the profile nor an address (a typo: the profile stays byte-identical)."""
     from console.hosts import UnknownHost, new_host_target
@@ -305,7 +292,7 @@ def _refused(profile: Any, args: argparse.Namespace) -> str | None:
     return None
 
 
-def engine_config_error(profile: Any) -> str | None:
+def engine_config_error(profile: Profile) -> str | None:
     """What makes the engines refuse this profile (a misspelt override, a wrong type), as one `file:line: key`
     line; checked before anything starts (a start, `add`), so nothing is started that would die at once."""
     from console.engine_config import check_engine_config
@@ -318,7 +305,7 @@ def engine_config_error(profile: Any) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, Fleet], Any] = make_cluster,
+def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[..., ShellControl] = make_cluster,
          out: TextIO | None = None) -> int:
     route_dependency_warnings()  # first, before asyncssh is imported: a library's deprecations go to the debug log
     args = parse_args(argv)
@@ -351,7 +338,7 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[[Any, F
                               **({"check": False} if args.no_check else {}))
     try:
         if args.command:
-            return asyncio.run(run_command(cluster, fleet, args, out))
+            return asyncio.run(run_command(cluster, fleet, args, out, heartbeat_timeout_of(profile)))
         if args.headless:
             return asyncio.run(run_headless(cluster, fleet, attach=args.attach, interval=args.interval, out=out,
                                             heartbeat_timeout=heartbeat_timeout_of(profile)))

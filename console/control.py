@@ -2,6 +2,7 @@
 
     class Cluster: ...                   # console/cluster.py: the real one (local processes or asyncssh)
     make_app(profile, cluster)           # console/app.py: any object with these methods (the benchmark's SimCluster)
+    cli.run_command(cluster, ...)        # console/cli.py: a ShellControl, these and the shell's two more
 
 The app calls these and nothing else, each in a worker; an action answers with an `Answer` (the controller's is
 `Outcome`, here: true when it went as asked, and a line to show) instead of raising for a node's trouble. Pure: no I/O,
@@ -62,3 +63,12 @@ class ClusterControl(Protocol):
 
     async def restart(self, name: str) -> Answer: ...
 
+
+class ShellControl(ClusterControl, Protocol):
+    """What the CLI needs besides (`--headless` and the one-shot commands, console/cli.py): the start's warnings and
+    a one-shot refresh of what is known."""
+
+    @property
+    def warnings(self) -> Sequence[str]: ...
+
+    async def status(self) -> object: ...

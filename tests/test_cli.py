@@ -303,8 +303,18 @@ class RecordingCluster:
         from console.control import Outcome
 
         self.fleet, self.ok, self.calls, self.Outcome = fleet, ok, [], Outcome
+        self.warnings: list[str] = []
         for name, host in profile.hosts.items():
             fleet.add_node(name, "local", HostState.SPARE)
+
+    async def start(self):
+        self.calls.append("start")
+
+    def running(self):
+        return []  # the processes ended as the fleet says
+
+    def nothing_runs(self):
+        return None
 
     async def attach(self, **kw):
         self.calls.append("attach")
@@ -563,3 +573,12 @@ def test_resume_reaches_the_cluster(unit_profile):
     assert cli.main([unit_profile, "--resume", "status"], cluster_factory=factory, out=io.StringIO()) == 0
     assert cli.main([unit_profile, "status"], cluster_factory=factory, out=io.StringIO()) == 0
     assert seen == [{"resume": True}, {}]  # a fresh run unless asked
+
+
+def test_every_action_subcommand_has_its_typed_call():
+    """The CLI calls the cluster through ACTIONS (a typed call each, no getattr by the command's name): every
+    subcommand that acts on the run has one, and the parser offers no action without one."""
+    acting = set(cli.COMMANDS) - {"status", "check", "sync"}
+    assert set(cli.ACTIONS) == acting == {"drain", "kill", "add", "stop"}
+    for argv in (["drain", "node-a"], ["kill", "node-a"], ["add", "10.0.0.9"], ["stop"]):
+        assert cli.parse_args(["p.toml", *argv]).command == argv[0]
