@@ -23,7 +23,8 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 
 from console.control import Answer, ClusterControl
-from console.outcome import DEFAULT_HEARTBEAT_TIMEOUT, EXIT_INTERRUPTED, heartbeat_timeout_of, run_outcome
+from console.exit_codes import EXIT_INTERRUPTED, run_outcome
+from console.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, heartbeat_timeout_of
 from console.fleet import Fleet, HostState, NodeState
 from console.screens.dashboard import DashboardScreen
 from console.screens.detail import NodeDetailScreen
@@ -248,7 +249,7 @@ class ConsoleApp(App[int]):
     async def _quit(self, stop: bool) -> None:
         """Stop the engines (if asked), then stop watching them: tails and connections close, engines live on.
 
-        The exit status follows --headless's rules (console/outcome.py): the run's outcome once every node has
+        The exit status follows --headless's rules (console/exit_codes.py): the run's outcome once every node has
         ended (0 completed or drained, 1 a node failed or died, 3 stopped), 130 while training is left running.
         """
         if stop or (not self.readonly and self._run_over()):

@@ -35,8 +35,9 @@ from console.control import Answer, ShellControl
 from console.dependency_warnings import route_dependency_warnings
 from console.fleet import Fleet, HostState, Node
 from console.preflight import PreflightFailed
-from console.outcome import (DEFAULT_HEARTBEAT_TIMEOUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK,  # noqa: F401
-                             EXIT_STOPPED, EXIT_USAGE, heartbeat_timeout_of, run_outcome)
+from console.heartbeat import DEFAULT_HEARTBEAT_TIMEOUT, heartbeat_timeout_of
+from console.exit_codes import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED,  # noqa: F401 (tests read it)
+                                EXIT_USAGE, run_outcome)
 from console.widgets import cells
 from console.widgets.cells import summary_text  # pure: shells and --headless never import Textual
 
@@ -356,7 +357,7 @@ def main(argv: Sequence[str] | None = None, *, cluster_factory: Callable[..., Sh
     app = make_app(profile, cluster, fleet=fleet, readonly=args.readonly, attach=args.attach or args.readonly,
                    heartbeat_timeout=heartbeat_timeout_of(profile))
     app.run()
-    return app.return_code or 0  # the run's outcome (console/outcome.py); Textual sets 1 when the app crashed
+    return app.return_code or 0  # the run's outcome (console/exit_codes.py); Textual sets 1 when the app crashed
 
 
 if __name__ == "__main__":

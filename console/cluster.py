@@ -47,7 +47,7 @@ from console.fleet import Fleet, HostState, NodeState
 from console.nodes import Summary
 from console.hosts import KILLED, Hosts, UnknownHost, host_label, resting_state
 from console.node_start import NodeStarter
-from console.outcome import run_outcome
+from console.exit_codes import run_outcome
 from console.preflight import PreflightFailed
 from console.profile import HostSpec, Profile, ProfileError
 from console.run_stop import RunStop

@@ -23,7 +23,7 @@ again: a heartbeat (its beat reached the store), an outer step, a state change, 
 its process's own last word (`run_end`), or a new process's `run_start`. Its steps and resource samples do not: a
 node cut off by a link fault trains and samples on until its next outer step finds it out. A dead report older
 than the node's latest such event is history and changes nothing. Only the console's own facts (the process is
-gone, killed) end a node for good (see console/outcome.py).
+gone, killed) end a node for good (see console/exit_codes.py).
 
 Two parts hold their own rules: the store's process and its probe's samples (`fleet.store`, console/store_health.py)
 and the outer rounds folded from every node's reports (`fleet.outer_rounds`, console/rounds.py).
@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable
 
 from console.nodes import (Device, HostState, LazyLine, MembershipEvent, Node, NodeState, OuterRound, RankFigures,
                            Shown, Summary, shown)
-from console.outcome import ENDED, run_outcome
+from console.exit_codes import ENDED, run_outcome
 from console.rounds import fold_round, num, shares
 from console.store_health import StoreHealth
 from engine.states import EVENT_STATES

@@ -10,7 +10,7 @@ The store's own command lines are its backend's (console/store/tcp.py: store_arg
 
 from __future__ import annotations
 
-from console.profile import HostSpec, Profile, engine_overrides, toml_value
+from console.profile import HostSpec, Profile, engine_overrides, override_args
 from console.store import store_backend
 from console.transport import commands as C
 
@@ -26,7 +26,7 @@ def engine_argv(profile: Profile, host: HostSpec, fresh: bool = False) -> list[s
     overrides = {**resume, **engine_overrides(profile, host), "run.name": profile.run.name,
                  "run.dir": node_dir, **store_backend(profile).engine_overrides(host.name),
                  "mesh.drain_file": C.join(node_dir, C.DRAIN)}
-    args = [profile.engine.config, *(f"--{k}={toml_value(v)}" for k, v in overrides.items())]
+    args = [profile.engine.config, *override_args(overrides)]
     if host.workers == 1:
         return [host.python_path, "-m", "engine.train", *args]
     if host.rdzv_port is not None:

@@ -228,4 +228,4 @@ class Summary:
     max_steps: int | None
     store: str | None = None  # the store's health where it is known (etcd: "etcd 3/3 up, leader node-a")
     rounds: int | None = None  # time rounds: the run's length in outer steps (max_steps is then no node's end)
-    ended: str | None = None  # once no node of the run runs: "completed", "stopped" or "failed" (console/outcome.py)
+    ended: str | None = None  # once no node of the run runs: "completed", "stopped" or "failed" (console/exit_codes.py)

@@ -524,8 +524,13 @@ def remove_host(path: str | os.PathLike, name: str) -> Profile:
 
 
 # ---- the engine config -----------------------------------------------------------------------------------
-def toml_value(value: Any) -> str:
-    """A value as the engine's override parser reads it back (a string stays a string, even "1e-3")."""
+def override_args(overrides: dict[str, Any]) -> list[str]:
+    """`--key=value` for each override, as the engine's command line takes it (engine/config.py reads each value
+    back as TOML: a string stays a string, even "1e-3")."""
+    return [f"--{key}={_override_value(value)}" for key, value in overrides.items()]
+
+
+def _override_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -209,12 +209,11 @@ def _sbatch_word(value: str, flag: str) -> str:
 
 def _slurm_engine_args(profile, host, layout: str, nodes: int) -> list[str]:
     """The engine command line words after `-m engine.train`, with the node's name left to the shell."""
-    from console.profile import toml_value
-    from console.profile import engine_overrides
+    from console.profile import engine_overrides, override_args
     overrides = {**engine_overrides(profile, host), "run.name": profile.run.name}
     if layout == "diloco":  # the job's nodes are the DiLoCo nodes; the first outer step waits for all of them
         overrides.update({"diloco.enabled": True, "diloco.min_nodes": nodes})
-    words = [q(profile.engine.config), *(q(f"--{k}={toml_value(v)}") for k, v in overrides.items())]
+    words = [q(profile.engine.config), *(q(word) for word in override_args(overrides))]
     node_dir = q(profile.run.dir.rstrip("/")) + '/"$NODE_NAME"'
     return [*words, f"--run.dir={node_dir}", f"--mesh.drain_file={node_dir}/drain"]
 

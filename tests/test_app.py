@@ -194,7 +194,7 @@ async def test_live_cluster_drain_kill_restart(local_profile):
         assert isinstance(app.screen, QuitScreen)
         await pilot.press("s")
         await until(pilot, lambda: not app.is_running, 90, "the console to stop the cluster and exit")
-    assert app.return_code == 3  # as --headless: stopped before completing (console/outcome.py)
+    assert app.return_code == 3  # as --headless: stopped before completing (console/exit_codes.py)
     assert {fleet.nodes[n].state for n in ("node-a", "node-c")} == {NodeState.LEFT}
 
 

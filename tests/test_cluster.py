@@ -523,7 +523,7 @@ async def test_a_stop_while_nodes_start_is_a_stop_not_a_failure(workdir, cleanup
     """A stop that lands before an engine installed its SIGTERM handler ends it with status 143: that node was
     stopped, not failed (exit 1 instead of 3), for the console that stops and for one that watches (the store's
     stopped marker, written before the engines are signalled, says so)."""
-    from console.outcome import EXIT_STOPPED, run_outcome
+    from console.exit_codes import EXIT_STOPPED, run_outcome
 
     profile = make_profile(workdir, b_extra='env = { FAKE_MODE = "slow-start" }')
     fleet = Fleet()

@@ -194,7 +194,7 @@ async def _settled(events: list[str], files: dict[str, str]) -> Node:
 async def test_a_drained_node_killed_writing_its_last_checkpoint_failed():
     """`drained` says the last round was sent, not that the process ended well: OOM-killed while it writes its final
     checkpoint (exit 137, no `state left`, no run_end), it failed, and --headless must not exit 0."""
-    from console.outcome import EXIT_FAILED, EXIT_OK, run_outcome
+    from console.exit_codes import EXIT_FAILED, EXIT_OK, run_outcome
 
     draining = [start("a"), line("state", state="training"), line("state", state="draining"),
                 line("membership", change="drained", subject="a", generation=2, members=["a"]),

@@ -1,11 +1,10 @@
-"""What the run came to, and how long a heartbeat may be silent: shared by the dashboard, `--headless` and shells.
+"""The console's exit codes, and the one a run came to: shared by the dashboard, `--headless` and shells.
 
 Pure (no Textual, no I/O): console/app.py and console/cli.py both import it, and neither imports the other at
 module level (cli builds the app lazily, only when a screen is wanted). The fleet imports it too (its summary says
 how the run ended), so it takes a fleet without importing console.fleet: no import circle.
 
     run_outcome(fleet)            None while a started node still runs; then an exit code (EXIT_*)
-    heartbeat_timeout_of(profile) the mesh's heartbeat timeout the ages are coloured against
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ from typing import Any
 from console.nodes import HostState, NodeState
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_STOPPED, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
-ENDED: dict[int | None, str] = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}  # the header's word for an outcome
-DEFAULT_HEARTBEAT_TIMEOUT = 6.0
+# the header's word for an outcome
+ENDED: dict[int | None, str] = {EXIT_OK: "completed", EXIT_FAILED: "failed", EXIT_STOPPED: "stopped"}
 RUNNING = frozenset({NodeState.STARTING, NodeState.JOINING, NodeState.TRAINING, NodeState.DRAINING,
                      HostState.UNREACHABLE})  # unreachable: the engine may well still be training
 _SUCCESS_REASONS = frozenset({"completed", "drained"})
@@ -40,20 +39,3 @@ def run_outcome(fleet: Any) -> int | None:
     if all(n.state is NodeState.LEFT and n.reason in _SUCCESS_REASONS for n in nodes):
         return EXIT_OK
     return EXIT_STOPPED
-
-
-def heartbeat_timeout_of(profile: Any) -> float:
-    """The mesh's heartbeat timeout the ages are coloured against: the engine config with the profile's overrides."""
-    overrides = getattr(getattr(profile, "engine", None), "overrides", {}) or {}
-    value = overrides.get("mesh.heartbeat_timeout")
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value)
-    from engine.config import ConfigError, load_config
-
-    from console.profile import toml_value
-
-    try:
-        words = [f"--{k}={toml_value(v)}" for k, v in overrides.items()]  # the engine's command line
-        return float(load_config(profile.engine.config, words).mesh.heartbeat_timeout)
-    except (ConfigError, OSError, AttributeError):  # a remote-only config is not readable here: the default
-        return DEFAULT_HEARTBEAT_TIMEOUT
