@@ -153,9 +153,9 @@ def test_the_forbidden_arrow_checker_sees_one():
 # a folder or a module; the longest part that names a module places it, and every console module must be placed.
 CONSOLE_LAYERS: list[tuple[str, ...]] = [
     # pure: the profile, the model of the fleet and its nodes, the interface the app drives (no I/O)
-    ("console", "console.profile", "console.sshconfig", "console.nodes", "console.exit_codes", "console.heartbeat", "console.rounds",
-     "console.store_health", "console.fleet",
-     "console.engine_config", "console.dependency_warnings", "console.etcd_pki", "console.control"),
+    ("console", "console.profile", "console.sshconfig", "console.nodes", "console.exit_codes", "console.heartbeat",
+     "console.rounds", "console.store_health", "console.fleet", "console.engine_config", "console.dependency_warnings",
+     "console.etcd_pki", "console.control"),
     # one interface, two implementations: local subprocesses and asyncssh
     ("console.transport",),
     # the hosts and what runs on them: the store, etcd, the engines' commands, watchers, attaching
