@@ -23,9 +23,9 @@ created at its first record, kept under 1 MB (one older file beside it, debug.lo
 instead, give Python any warning option (`PYTHONWARNINGS=default zeroband-console PROFILE check`, or
 `python -W default -m console ...`): the routing then steps aside, as the user asked for warnings.
 
-A host's python (the preflight probe, scripts/setup.sh under sync, an engine, the store) prints its warnings on
+A host's python (the preflight's host script, scripts/setup.sh under sync, an engine, the store) prints its warnings on
 stderr in Python's format, `FILE:LINE: CATEGORY: MESSAGE` and an indented source line. Where the console quotes
-such stderr (a probe's error, setup's output, the last line of an engine's or the store's log as its reason),
+such stderr (the host script's error, setup's output, the last line of an engine's or the store's log as its reason),
 without_dependency_warnings() leaves out the same warnings by the same rule, the origin read from FILE (the module
 path under site-packages, dist-packages or lib/pythonX.Y). The logs on the hosts keep everything.
 """

@@ -51,7 +51,7 @@ class NodeStarter:
         append = append and old is not None and old.pid is not None  # a restart continues the file it followed
         self.fleet.set_state(name, NodeState.STARTING)
         try:
-            reason = await t.preflight(self.profile.engine.config)
+            reason = await t.launch_check(self.profile.engine.config)
             if reason is not None:
                 self.fleet.set_state(name, HostState.FAILED, reason)
                 self._watchers.await_others(name)

@@ -138,7 +138,7 @@ class ConsoleSpec(_Spec):
 
 class CheckSpec(_Spec):
     """`zeroband-console PROFILE check`, and the same preflight before every start (console/preflight/)."""
-    timeout: float = Field(default=30.0, gt=0)  # seconds for one host's probe (connecting has connect_timeout)
+    timeout: float = Field(default=30.0, gt=0)  # seconds for one host's check script (connecting has connect_timeout)
     link_timeout: float = Field(default=5.0, gt=0)  # seconds an engine host tries to reach the store's port
     min_free_gb: float = Field(default=2.0, ge=0)  # free disk wanted under the run folder on every host
     max_clock_skew: float = Field(default=3.0, gt=0)  # seconds a host's clock may be off the console's

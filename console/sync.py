@@ -5,8 +5,8 @@
 Every destination at once (a host's workdir; with `[sync] shared_fs` one folder for all hosts, written through the
 first that answers; hosts on this machine share a folder by its real path):
 
-1. connect; make the workdir; the probe's `files` mode answers the git blob id and executable bit of each of HEAD's
-   tracked files there, and the engine/**/*.py files HEAD does not have;
+1. connect; make the workdir; the host script's `files` mode answers the git blob id and executable bit of each of
+   HEAD's tracked files there, and the engine/**/*.py files HEAD does not have;
 2. send what differs, HEAD's content (git cat-file: the working tree may hold edits that are not the commit),
    over SFTP on the host's SSH connection (a file write on this machine), each file to a temporary name and
    renamed over (a reader never sees half a file); remove those stray engine files (the version `check` compares
@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 from console.preflight.checkout import Checkout, CheckoutError, TrackedFile
 from console.dependency_warnings import without_dependency_warnings
 from console.preflight.rules import PACKAGES, same_torch
-from console.preflight.runner import FALLBACK_PYTHON, console_torch, identity_missing, run_probe
+from console.preflight.runner import FALLBACK_PYTHON, console_torch, identity_missing, run_host_script
 from console.profile import HostSpec, Profile
 from console.transport import Transport, TransportError
 from console.transport import commands as C
@@ -148,7 +148,7 @@ async def _send(t: Transport, host: HostSpec, root: str, checkout: Checkout, say
     """Send the tracked files that differ; the number sent, or None for the console's own checkout."""
     started = time.monotonic()
     args = {"mode": "files", "workdir": root, "paths": [f.path for f in checkout.files]}
-    rc, answer, error = await run_probe(t, root, host.python, args, 120)  # the venv may not exist yet
+    rc, answer, error = await run_host_script(t, root, host.python, args, 120)  # the venv may not exist yet
     if answer is None:
         raise TransportError(f"cannot list the files in {root}: {error}")
     if checkout.is_this(answer["machine"], answer["workdir"]):
@@ -233,7 +233,7 @@ async def _setup_due(t: Transport, host: HostSpec) -> str | None:
     """Why the host's python needs scripts/setup.sh, or None when it is up to date."""
     args = {"mode": "venv", "workdir": host.workdir, "venv": host.venv or ".", "packages": list(PACKAGES),
             "pythonpath": host.env.get("PYTHONPATH"), "fake_gpus": host.env.get("ZEROBAND_FAKE_GPUS")}
-    rc, answer, error = await run_probe(t, host.workdir, host.python_path, args, 60)
+    rc, answer, error = await run_host_script(t, host.workdir, host.python_path, args, 60)
     if rc in (126, 127):
         return "does not exist"
     if answer is None:
@@ -262,7 +262,7 @@ async def _registry_blocked(t: Transport, host: HostSpec, env: dict[str, str]) -
             return None  # a mirror on the host's own disk: nothing to reach
         address, port = parts.hostname or address, parts.port or (80 if parts.scheme == "http" else 443)
     args = {"mode": "connect", "targets": [[address, port]], "seconds": REGISTRY_TIMEOUT_S}
-    _, answer, error = await run_probe(t, host.workdir, FALLBACK_PYTHON, args, REGISTRY_TIMEOUT_S + 20)
+    _, answer, error = await run_host_script(t, host.workdir, FALLBACK_PYTHON, args, REGISTRY_TIMEOUT_S + 20)
     if answer is None:
         return f"{address}:{port} (the test did not run: {error})"
     _, _, status, detail = answer["links"][0]

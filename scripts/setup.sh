@@ -63,7 +63,7 @@ if [ ! -s corpus-large/stdlib_sources.jsonl ]; then
   "$PY" scripts/make_corpus.py --sources >/dev/null
 fi
 
-# Install again only when the dependency list or the lock changed (console/preflight/probe.py's setup_digest is this
+# Install again only when the dependency list or the lock changed (console/preflight/host_script.py's setup_digest is this
 # digest: sync compares the two to decide whether a host's venv is stale).
 stamp="$VENV/.zeroband-setup"
 want=$(sha256sum pyproject.toml "$LOCK" scripts/setup.sh | sha256sum | cut -c1-16)

@@ -106,20 +106,20 @@ def test_a_hosts_stderr_loses_the_dependency_deprecations_and_keeps_everything_e
     assert D.without_dependency_warnings(noise) == ""
 
 
-async def test_a_probe_that_fails_names_its_error_not_the_warnings_printed_after_it(tmp_path):
-    """runner.run_probe quotes the last line of a failed probe's stderr: a python whose dependencies warn as it
-    ends (here: a wrapper that imports the real asyncssh after the error) still says its error."""
-    from console.preflight.runner import run_probe
+async def test_a_host_script_that_fails_names_its_error_not_the_warnings_printed_after_it(tmp_path):
+    """runner.run_host_script quotes the last line of a failed host script's stderr: a python whose dependencies warn
+    as it ends (here: a wrapper that imports the real asyncssh after the error) still says its error."""
+    from console.preflight.runner import run_host_script
     from console.transport.local import LocalTransport
     from console.profile import HostSpec
 
     wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/sh\necho 'python: the probe cannot run here' >&2\n"
+    wrapper.write_text(f"#!/bin/sh\necho 'python: the host script cannot run here' >&2\n"
                        f"{sys.executable} -c 'import asyncssh'\nexit 3\n")
     wrapper.chmod(0o755)
     t = LocalTransport(HostSpec(name="here", transport="local", workdir=str(tmp_path)))
-    rc, answer, error = await run_probe(t, str(tmp_path), str(wrapper), {"mode": "facts"}, 60)
-    assert (rc, answer, error) == (3, None, "python: the probe cannot run here")
+    rc, answer, error = await run_host_script(t, str(tmp_path), str(wrapper), {"mode": "facts"}, 60)
+    assert (rc, answer, error) == (3, None, "python: the host script cannot run here")
 
 
 async def test_a_dead_engines_reason_quotes_its_last_words_not_a_librarys_source_line(tmp_path):

@@ -205,8 +205,8 @@ def test_no_console_import_runs_up_a_layer():
 
 def test_the_layer_checker_sees_an_upward_arrow():
     """The oracle: an arrow like the one this rule was written for (console/checkout.py, beside the hosts, reaching
-    into the preflight's probe) is found, and the same arrow downward is not; a module no layer names is found."""
-    graph = {"console.hosts": {"console.preflight.probe"}, "console.preflight.runner": {"console.hosts"}}
-    assert upward_arrows(graph) == ["console.hosts (2) -> console.preflight.probe (3)"]
+    into the preflight's host script) is found, and the same arrow downward is not; a module no layer names is found."""
+    graph = {"console.hosts": {"console.preflight.host_script"}, "console.preflight.runner": {"console.hosts"}}
+    assert upward_arrows(graph) == ["console.hosts (2) -> console.preflight.host_script (3)"]
     assert console_layer("console.checkout") is None and console_layer("console") == 0
     assert console_layer("console.widgets.cells") == 5 and console_layer("console.transport.commands") == 1

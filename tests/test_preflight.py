@@ -3,7 +3,7 @@ console/sync.py).
 
     pure rules            facts in, one line per problem out (GPUs against workers with the fake count, disk,
                           clock, interfaces, manifests, links, host keys)
-    on this machine       the probe through the local transport: planted problems named, a clean profile's table;
+    on this machine       the host script through the local transport: planted problems named, a clean profile's table;
                           a start refused with nothing started (headless, and the dashboard's rows); sync of
                           HEAD into other folders, idempotent, never into the console's own checkout
 
@@ -30,7 +30,7 @@ import pytest
 from console import cli
 from console.preflight.checkout import Checkout
 from console.fleet import Fleet, HostState
-from console.preflight import PreflightFailed, probe
+from console.preflight import PreflightFailed, host_script
 from console.preflight.rules import Expect, HostPlan, HostResult, Target, clock_skew, exposed, ifname_matches, judge
 from console.profile import ProfileError, load_profile, parse_profile
 from procs import ROOT, free_port
@@ -168,8 +168,8 @@ def test_unreachable_hosts_carry_the_transport_reason_and_a_fix():
         assert lines([plan("n")], [HostResult("n", reach=reason)]) == [line]
 
 
-def test_the_probe_parses_on_old_pythons_and_never_imports_torch():
-    source = Path(probe.__file__).read_text()
+def test_the_host_script_parses_on_old_pythons_and_never_imports_torch():
+    source = Path(host_script.__file__).read_text()
     import ast
 
     tree = ast.parse(source, feature_version=(3, 6))  # old pythons must be able to say they are old
@@ -179,16 +179,16 @@ def test_the_probe_parses_on_old_pythons_and_never_imports_torch():
     assert not any(isinstance(n, ast.AnnAssign) or getattr(n, "returns", None) for n in ast.walk(tree))
 
 
-def test_the_console_digest_of_head_equals_the_probe_digest_of_heads_files(tmp_path):
+def test_the_console_digest_of_head_equals_the_host_scripts_digest_of_heads_files(tmp_path):
     here = Checkout.find()
     assert here is not None and here.is_git and here.engine
     engine = [f for f in here.files if f.path.startswith("engine/")]
     for f, data in here.read(engine).items():
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_bytes(data)
-    assert probe.engine_digest(str(tmp_path))[0] == here.engine
+    assert host_script.engine_digest(str(tmp_path))[0] == here.engine
     (tmp_path / "engine" / "stray.py").write_text("x = 1\n")
-    assert probe.engine_digest(str(tmp_path))[0] != here.engine
+    assert host_script.engine_digest(str(tmp_path))[0] != here.engine
 
 
 # ---- the profile keys -------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def test_an_address_that_is_not_private_is_one_warning_for_the_run_naming_the_wa
 
 async def test_the_store_and_each_engines_collectives_are_judged_where_they_listen(tmp_path):
     """The store on its bind address (a name as this machine resolves it), each engine host on the address its
-    gloo listens on (the probe's `peer`); etcd members take only the run's certificate and are left out."""
+    gloo listens on (the host script's `peer`); etcd members take only the run's certificate and are left out."""
     from console.preflight.runner import build_plans, listeners
 
     text = write_profile(tmp_path).read_text()
@@ -382,8 +382,8 @@ def test_check_names_each_planted_problem_on_this_machine(tmp_path):
 
 
 async def test_a_port_taken_before_the_checks_listener_is_a_note_not_a_link_problem(tmp_path, monkeypatch):
-    """Defect: the facts probe finds a free port for each engine host's collectives, and the link test's listener
-    binds it a probe later. A port taken in between left nothing of the check listening there, and every other
+    """Defect: the host script's facts find a free port for each engine host's collectives, and the link test's
+    listener binds it a moment later. A port taken in between left nothing of the check listening there, and every other
     host's refusal read as a link problem ("refused while the check listened there"). Now that port is a note:
     not tested. Here the port is taken by a socket bound without listening (what refuses a connection)."""
     from console.preflight import runner
@@ -598,17 +598,17 @@ def test_a_config_that_cannot_fit_the_gpus_is_one_line_with_the_largest_part_and
     # nothing fits a 1 GiB GPU (less than the CUDA context and the headroom): the fix says what is left
     assert verdict(GiB)[0].endswith("fix: a larger GPU, more workers with a sharded inner.strategy, or a smaller "
                                         "model")
-    # unknown memory (an old probe, nvidia-smi without the query) or the CPU: no verdict
+    # unknown memory (an old host script, nvidia-smi without the query) or the CPU: no verdict
     assert verdict(None) == []
     assert lines([plan(engine_config=cfg, device="cpu", workers=2)], [HostResult(
         "node-a", facts=facts(), sent=100, received=100)]) == []
 
 
 def test_fake_gpus_carry_a_memory_size():
-    assert probe.gpus("8x80", None) == {"count": 8, "source": "fake (ZEROBAND_FAKE_GPUS)", "note": None,
+    assert host_script.gpus("8x80", None) == {"count": 8, "source": "fake (ZEROBAND_FAKE_GPUS)", "note": None,
                                         "memory": 80 * 2**30}
-    assert probe.gpus("2x0.5GiB", "0")["memory"] == 2**29 and probe.gpus("2x0.5GiB", "0")["count"] == 1
-    assert probe.gpus("2", None)["memory"] is None and probe.gpus("0x80", None)["memory"] is None
+    assert host_script.gpus("2x0.5GiB", "0")["memory"] == 2**29 and host_script.gpus("2x0.5GiB", "0")["count"] == 1
+    assert host_script.gpus("2", None)["memory"] is None and host_script.gpus("0x80", None)["memory"] is None
 
 
 def test_check_refuses_a_config_that_cannot_fit_the_fake_gpus(tmp_path):

@@ -10,7 +10,7 @@ setup.sh runs against stubs: a venv whose python records each call (pip answers 
 that has every package installed, `nvidia-smi` that finds no GPU. Nothing is installed.
 
 The lock: every line `name==version`, the project's requirements all in it (torch not), passed to pip with -c, and
-covered by the venv's set-up stamp, which is the digest sync compares (console/preflight/probe.py's setup_digest):
+covered by the venv's set-up stamp, which is the digest sync compares (console/preflight/host_script.py's setup_digest):
 a changed lock makes setup.sh install again and sync take a host's venv for stale.
 """
 
@@ -27,7 +27,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from console.preflight.probe import setup_digest
+from console.preflight.host_script import setup_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = "requirements.lock"

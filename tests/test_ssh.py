@@ -150,7 +150,7 @@ async def test_a_login_shell_that_is_not_sh_runs_every_command(shell):
                     break
                 await asyncio.sleep(0.05)
             assert not pid_alive(pid)
-            assert await t.preflight() is None
+            assert await t.launch_check() is None
             assert not list(server.home.rglob("PWNED"))
         finally:
             await t.close()
@@ -160,7 +160,7 @@ async def test_a_login_shell_that_is_not_sh_runs_every_command(shell):
 
 async def test_a_host_that_cannot_decode_the_commands_is_an_error_not_a_yes(sshd):
     """A host without base64 (every command travels as base64: console/transport/commands.py) ran an empty command,
-    status 0: every process alive, every kill delivered, the preflight fine. Now each command is an error naming
+    status 0: every process alive, every kill delivered, the launch check fine. Now each command is an error naming
     the host and what it lacks. (sshd's SetEnv gives the session a PATH with sh and no base64.)"""
     bare = sshd.root / "bare-bin"
     bare.mkdir()
@@ -170,7 +170,7 @@ async def test_a_host_that_cannot_decode_the_commands_is_an_error_not_a_yes(sshd
     sshd.start()
     t = make_transport(sshd.host_spec("node z"))
     try:
-        for ask in (t.run("true"), t.alive(os.getpid()), t.preflight()):
+        for ask in (t.run("true"), t.alive(os.getpid()), t.launch_check()):
             with pytest.raises(TransportError, match=r"^node z: zeroband: cannot decode a command of the console: "
                                                      r"base64 -d failed \(the host needs coreutils or busybox\)$"):
                 await ask
@@ -338,8 +338,8 @@ async def test_a_line_longer_than_the_channel_window_is_followed(sshd):
 async def test_missing_python_on_the_host(sshd):
     t = make_transport(sshd.host_spec("n", python="/opt/none/bin/python3"))
     try:
-        assert await t.preflight() == "python not found on the host: /opt/none/bin/python3"
-        assert await make_transport(sshd.host_spec("n", python=sshd.user_python())).preflight() is None
+        assert await t.launch_check() == "python not found on the host: /opt/none/bin/python3"
+        assert await make_transport(sshd.host_spec("n", python=sshd.user_python())).launch_check() is None
     finally:
         await t.close()
 

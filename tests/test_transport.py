@@ -113,15 +113,15 @@ def test_builders_are_pure_and_reject_bad_values():
         C.detached_command([], workdir=".", run_dir="r")
 
 
-def test_preflight_reasons(tmp_path):
+def test_launch_check_reasons(tmp_path):
     (tmp_path / "c.toml").write_text("")
-    assert sh(C.preflight_command(workdir=str(tmp_path), python="sh", config="c.toml"), tmp_path).returncode == 0
+    assert sh(C.launch_check_command(workdir=str(tmp_path), python="sh", config="c.toml"), tmp_path).returncode == 0
     cases = [({"workdir": str(tmp_path / "nope"), "python": "sh"}, 3, "working directory"),
              ({"workdir": str(tmp_path), "python": "/no/python 'x'"}, 4, "python not found on the host: /no/python"),
              ({"workdir": str(tmp_path), "python": "sh", "config": "missing.toml"}, 5, "engine config missing.toml")]
     for kw, rc, text in cases:
-        assert sh(C.preflight_command(**kw), tmp_path).returncode == rc
-        assert text in C.preflight_reason(rc, **kw)  # type: ignore[operator]
+        assert sh(C.launch_check_command(**kw), tmp_path).returncode == rc
+        assert text in C.launch_check_reason(rc, **kw)  # type: ignore[operator]
 
 
 def test_alive_command_sees_through_zombies(tmp_path):
@@ -256,9 +256,9 @@ async def test_local_run_exit_status_timeout_and_exit_code(tmp_path):
     assert "boom" in await t.last_lines("r/engine.log")
     await t.touch("r/drain")
     assert (tmp_path / "r" / "drain").exists()
-    assert await t.preflight() is None
+    assert await t.launch_check() is None
     missing = LocalTransport(local_host(tmp_path, python="/nowhere/python3"))
-    assert await missing.preflight() == "python not found on the host: /nowhere/python3"
+    assert await missing.launch_check() == "python not found on the host: /nowhere/python3"
 
 
 async def test_detached_survives_its_starter(tmp_path):

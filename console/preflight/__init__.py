@@ -1,6 +1,6 @@
 """Before anything starts: a preflight of every host (`zeroband-console PROFILE check`, and before every start).
 
-    probe.py     runs on each host with the host's python (standard library only, never torch): one JSON of facts
+    host_script.py  runs on each host with the host's python (standard library only, never torch): one JSON of facts
     rules.py     pure: facts and the console's expectations -> one Problem (host, what, fix) per thing to fix
     checkout.py  the console's own version (commit, engine digest) and HEAD's files, for `check` and `sync`
     runner.py    every host at once over its transport, bounded in time; the store link test; a Report

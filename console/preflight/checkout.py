@@ -1,7 +1,8 @@
 """The console's own checkout: what `check` compares every host with, and what `sync` sends them.
 
     here = Checkout.find()               # the folder holding console/ and engine/; None outside a checkout
-    here.commit, here.engine             # HEAD's commit and the digest of its engine/**/*.py (probe.engine_digest)
+    here.commit, here.engine             # HEAD's commit and the digest of its engine/**/*.py
+                                         # (host_script.engine_digest)
     here.files                           # HEAD's tracked files: [TrackedFile(path, mode, blob, size)]
     here.read(files)                     # their content at HEAD (git cat-file --batch), never the working tree's
     here.changed()                       # tracked files edited since HEAD (sync warns: the hosts get HEAD)
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from console.preflight import probe
+from console.preflight import host_script
 
 GIT_TIMEOUT_S = 30.0
 
@@ -52,7 +53,7 @@ class Checkout:
 
     @cached_property
     def machine(self) -> str:
-        return probe.machine_id()
+        return host_script.machine_id()
 
     @cached_property
     def commit(self) -> str | None:
@@ -80,9 +81,9 @@ class Checkout:
     def engine(self) -> str | None:
         """The digest of the engine's source at HEAD (on disk outside git): what every host must have."""
         if not self.is_git:
-            return probe.engine_digest(str(self.root))[0]
+            return host_script.engine_digest(str(self.root))[0]
         entries = [(f.path, f.blob) for f in self.files if f.path.startswith("engine/") and f.path.endswith(".py")]
-        return probe.digest_of(entries) if entries else None
+        return host_script.digest_of(entries) if entries else None
 
     def label(self) -> str:
         return f"commit {self.commit[:10]}" if self.commit else f"engine {self.engine}"

@@ -1,4 +1,4 @@
-"""What the preflight concludes: pure functions from what each host reported (console/preflight/probe.py) and what
+"""What the preflight concludes: pure functions from what each host reported (console/preflight/host_script.py) and what
 the console expects, to one Problem per thing to fix. No I/O here; tests/test_preflight.py feeds it facts.
 
     problems = judge(plans, results, expect)     # [Problem(host, kind, what, fix)], in profile order
@@ -69,11 +69,11 @@ class HostPlan:
 class HostResult:
     """What came back from one host: its facts (None if it could not be asked) and the link test."""
     name: str
-    reach: str | None = None  # why the host could not be reached (or the probe not run)
+    reach: str | None = None  # why the host could not be reached (or its script not run)
     facts: dict[str, Any] | None = None
     python_missing: bool = False  # the profile's python did not run; facts came from python3 if at all
-    probe_error: str | None = None
-    sent: float = 0.0  # the console's clock around the probe (the host's clock is read in between)
+    script_error: str | None = None
+    sent: float = 0.0  # the console's clock around the host script (the host's clock is read in between)
     received: float = 0.0
     links: list[list[Any]] = field(default_factory=list)  # [address, port, status, detail] per Target
     listening: set[str] = field(default_factory=set)  # targets a listener of the check held during the link test
@@ -111,8 +111,8 @@ def judge_host(plan: HostPlan, result: HostResult, expect: Expect, torch: str | 
     if result.python_missing:
         out.append(_python_missing(plan, expect))
     if result.facts is None:
-        if result.probe_error:
-            out.append(Problem(plan.name, "python", f"the check could not run on the host: {result.probe_error}",
+        if result.script_error:
+            out.append(Problem(plan.name, "python", f"the check could not run on the host: {result.script_error}",
                                f"run `{plan.python} -V` there; the check needs a python 3"))
         return out
     f = result.facts

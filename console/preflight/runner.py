@@ -5,8 +5,8 @@
     report.table()                                                    # when there are none
 
 1. Per host, at once: connect (the profile's connect_timeout; a missing identity_file is said before trying), then
-   the probe (probe.py) with the profile's python, bounded by `check.timeout`. A python that does not run is a
-   problem of its own; the probe then runs again with `python3` so the host's other problems are still named.
+   the host script (host_script.py) with the profile's python, bounded by `check.timeout`. A python that does not
+   run is a problem of its own; the script then runs again with `python3` so the host's other problems are still named.
 2. The link test, once every host answered: the store's host (each etcd member's host) listens on the store's
    address and port with a listener the check starts and that ends by itself, after every engine host connected
    or after `check.link_timeout` + 3 s; each engine host opens a TCP connection to it. Where the port is taken, or
@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 from console.preflight.checkout import Checkout
 from console.dependency_warnings import without_dependency_warnings
 from console.fleet import Fleet, HostState
-from console.preflight import probe as P
+from console.preflight import host_script
 from console.preflight.rules import (PACKAGES, Expect, HostPlan, HostResult, Problem, Target, exposed,
                                      exposure_warning, judge, summary)
 from console.profile import HostSpec, Profile, engine_overrides
@@ -159,7 +159,7 @@ async def listeners(profile: Profile, plans: Sequence[HostPlan],
                     results: dict[str, HostResult]) -> list[tuple[str, str]]:
     """(what, address) for each listener of the run that carries no authentication: the TCP store (its bind address;
     a name as this machine resolves it) and each engine host's collectives (gloo listens on the host's address on
-    its route to the store, as the probe found it). etcd members take only clients with the run's certificate."""
+    its route to the store, as the host script found it). etcd members take only clients with the run's certificate."""
     out = []
     store = next((p for p in plans if "store" in p.roles), None)
     address = store_backend(profile).open_listener()  # the TCP store's bind; etcd members take none without a cert
@@ -224,16 +224,16 @@ async def _ask(profile: Profile, plan: HostPlan, host: HostSpec, t: Transport) -
             "route_to": [plan.links[0].address, plan.links[0].port] if plan.engine and plan.links else None}
     timeout = profile.check.timeout
     result.sent = time.time()
-    rc, answer, error = await run_probe(t, host.workdir, plan.python, args, timeout)
+    rc, answer, error = await run_host_script(t, host.workdir, plan.python, args, timeout)
     result.received = time.time()
     if rc in (126, 127):  # the shell could not run that python: say so, and ask python3 for the rest
         result.python_missing = True
         result.sent = time.time()
-        rc, answer, error = await run_probe(t, host.workdir, FALLBACK_PYTHON, args, timeout)
+        rc, answer, error = await run_host_script(t, host.workdir, FALLBACK_PYTHON, args, timeout)
         result.received = time.time()
         if rc in (126, 127):
             return result
-    result.facts, result.probe_error = answer, error
+    result.facts, result.script_error = answer, error
     return result
 
 
@@ -244,15 +244,15 @@ def identity_missing(host: HostSpec) -> str | None:
     return None
 
 
-async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout: float) -> tuple[int, dict | None,
-                                                                                                   str | None]:
-    """Run probe.py on the host with `python` (a relative path is the workdir's, as for the engine); (exit status,
+async def run_host_script(t: Transport, workdir: str, python: str, args: dict,
+                          timeout: float) -> tuple[int, dict | None, str | None]:
+    """Run host_script.py on the host with `python` (a relative path is the workdir's, as for the engine); (exit status,
     its JSON answer or None, why not)."""
-    program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{_probe_source()}".encode()
+    program = f"import json\nARGS = json.loads({json.dumps(json.dumps(args))})\n{_script_source()}".encode()
     try:
-        # in the workdir when it exists (a relative python is the workdir's), and the probe is told so: a relative
+        # in the workdir when it exists (a relative python is the workdir's), and the script is told so: a relative
         # workdir resolved again from inside would name a folder under itself
-        rc, out, err = await t.run(f"if cd {C.qpath(workdir)} 2>/dev/null; then export {P.IN_WORKDIR}=1; fi; "
+        rc, out, err = await t.run(f"if cd {C.qpath(workdir)} 2>/dev/null; then export {host_script.IN_WORKDIR}=1; fi; "
                                    f"exec {C.qpath(python)} -", timeout=timeout, stdin=program)
     except TransportError as e:
         return -1, None, str(e)
@@ -266,16 +266,16 @@ async def run_probe(t: Transport, workdir: str, python: str, args: dict, timeout
 
 
 @cache
-def _probe_source() -> str:
-    return Path(P.__file__).read_text()
+def _script_source() -> str:
+    return Path(host_script.__file__).read_text()
 
 
 # ---- the link test ------------------------------------------------------------------------------------------------
 async def _link_test(profile: Profile, plans: list[HostPlan], results: dict[str, HostResult],
                      transport_of: Callable[[str], Transport], listen: bool, peers: bool = True) -> list[str]:
     """Every engine host dials the store's port (and each other's collectives' port) while a listener of the check
-    holds it. Returns notes: a port a listener could not hold after all (taken between the probe that found it free
-    and the listener's start) was not tested, and a refusal there is not the link's fault."""
+    holds it. Returns notes: a port a listener could not hold after all (taken between the host script that found it
+    free and the listener's start) was not tested, and a refusal there is not the link's fault."""
     seconds = profile.check.link_timeout
     dialers = [p for p in plans if p.links and results[p.name].facts is not None]
     if not dialers:
@@ -316,7 +316,7 @@ async def _listen(host: HostSpec, binds: list, t: Transport, seconds: float, exp
                   plan: HostPlan) -> tuple[str, list[str]]:
     """(host, the binds it could not hold): a port found free by the facts may be taken by the time this listens."""
     args = {"mode": "listen", "binds": binds, "seconds": seconds, "expect": expect}
-    _, answer, _ = await run_probe(t, host.workdir, _python_of(result, plan), args, seconds + 10)
+    _, answer, _ = await run_host_script(t, host.workdir, _python_of(result, plan), args, seconds + 10)
     held = {f"{a}:{p}" for a, p, error in (answer or {}).get("bound", []) if error is None}
     return host.name, [f"{a}:{p}" for a, p in binds if f"{a}:{p}" not in held]
 
@@ -325,7 +325,7 @@ async def _dial(plan: HostPlan, t: Transport, seconds: float, result: HostResult
     host = profile.hosts[plan.name]
     targets = [*plan.links, *result.peers]
     args = {"mode": "connect", "targets": [[x.address, x.port] for x in targets], "seconds": seconds}
-    _, answer, error = await run_probe(t, host.workdir, _python_of(result, plan), args, seconds + 15)
+    _, answer, error = await run_host_script(t, host.workdir, _python_of(result, plan), args, seconds + 15)
     if answer is None:
         result.links = [[x.address, x.port, "error", f"the link test did not run: {error}"] for x in targets]
     else:

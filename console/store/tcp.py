@@ -192,7 +192,7 @@ class TcpStoreHost:
         host; [] when nothing was found. The store's host runs its python and can listen on the store's port."""
         host = self.profile.store_host
         try:
-            reason = await self.hosts.transport(host.name).preflight()
+            reason = await self.hosts.transport(host.name).launch_check()
             if reason is not None:
                 at = key_where(self.profile, ("store", "host"), ("store",))
                 return [f"{at}: the store's host {host.name} cannot run it: {reason}"]
@@ -241,7 +241,7 @@ class TcpStoreHost:
         host = self.profile.store_host
         t = self.hosts.transport(host.name)
         try:
-            reason = await t.preflight()
+            reason = await t.launch_check()
             if reason is None:
                 bind = await self.bind()
                 address = f"{self.profile.store_address}:{self.profile.store.port}"

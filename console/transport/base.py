@@ -165,12 +165,12 @@ class Transport(abc.ABC):
         if rc != 0:
             raise TransportError(f"could not move {path} to {archive_dir}: {err.strip()}")
 
-    async def preflight(self, config: str | None = None) -> str | None:
+    async def launch_check(self, config: str | None = None) -> str | None:
         """None when the host can run the engine; else why not (missing workdir, python or config)."""
         python = self.host.python_path
-        rc, _, err = await self.run(C.preflight_command(workdir=self.workdir, python=python, config=config))
-        reason = C.preflight_reason(rc, workdir=self.workdir, python=python, config=config)
-        return reason if rc in C.PREFLIGHT_REASONS or rc == 0 else f"{reason}: {err.strip()}"
+        rc, _, err = await self.run(C.launch_check_command(workdir=self.workdir, python=python, config=config))
+        reason = C.launch_check_reason(rc, workdir=self.workdir, python=python, config=config)
+        return reason if rc in C.LAUNCH_CHECK_REASONS or rc == 0 else f"{reason}: {err.strip()}"
 
 
 async def last_said(t: Transport, path: str, lines: int = 3) -> list[str]:

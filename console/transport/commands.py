@@ -52,7 +52,7 @@ def through_sh(cmd: str) -> str:
     through the user's login shell, which parses it first: fish and csh read sh's `if`, `$(...)` and quoting their
     own way (fish even answers status 0 after its parse error). The text travels as base64, whose letters every
     shell leaves alone inside single quotes; sh decodes and evaluates it. A host that cannot decode it says so
-    (UNDECODED): an empty command would have answered status 0 to everything (alive, kill, preflight)."""
+    (UNDECODED): an empty command would have answered status 0 to everything (alive, kill, launch_check)."""
     encoded = base64.b64encode(cmd.encode("utf-8", "surrogateescape")).decode()
     return (f"sh -c 'c=$(echo {encoded} | base64 -d) || {{ echo \"{UNDECODED_SAYS}: base64 -d failed (the host "
             f"needs coreutils or busybox)\" >&2; exit {UNDECODED}; }}; eval \"$c\"'")
@@ -60,8 +60,8 @@ def through_sh(cmd: str) -> str:
 
 _SIGNALS = frozenset(s.name.removeprefix("SIG") for s in signal.Signals)
 
-# preflight exit statuses -> what they mean
-PREFLIGHT_REASONS = {
+# launch_check exit statuses -> what they mean
+LAUNCH_CHECK_REASONS = {
     3: "working directory {workdir} does not exist on the host",
     4: "python not found on the host: {python}",
     5: "engine config {config} not found in {workdir}",
@@ -203,17 +203,17 @@ def archive_command(path: str, archive_dir: str, workdir: str = ".") -> str:
     return f"cd {qpath(workdir)} && if [ -e {src} ]; then mkdir -p {dst} && mv {src} {dst}/; fi"
 
 
-def preflight_command(*, workdir: str, python: str, config: str | None = None) -> str:
-    """Check a host before starting on it; the exit status keys PREFLIGHT_REASONS."""
+def launch_check_command(*, workdir: str, python: str, config: str | None = None) -> str:
+    """Check a host before starting on it; the exit status keys LAUNCH_CHECK_REASONS."""
     check_config = f" && {{ [ -f {qpath(config)} ] || exit 5; }}" if config else ""
     return (f"{{ cd {qpath(workdir)} 2>/dev/null || exit 3; }}"
             f" && {{ command -v {qpath(python)} >/dev/null 2>&1 || exit 4; }}{check_config}")
 
 
-def preflight_reason(rc: int, *, workdir: str, python: str, config: str | None = None) -> str | None:
+def launch_check_reason(rc: int, *, workdir: str, python: str, config: str | None = None) -> str | None:
     if rc == 0:
         return None
-    template = PREFLIGHT_REASONS.get(rc, "host check failed with status {rc}")
+    template = LAUNCH_CHECK_REASONS.get(rc, "host check failed with status {rc}")
     return template.format(workdir=workdir, python=python, config=config, rc=rc)
 
 

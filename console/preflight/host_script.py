@@ -1,6 +1,6 @@
-"""The preflight's probe: what runs on each host, with the host's own python, before anything starts there.
+"""The preflight's host script: what runs on each host, with the host's own python, before anything starts there.
 
-The console never imports torch (tests/test_console_torch_free.py), and neither does this probe: the versions of
+The console never imports torch (tests/test_console_torch_free.py), and neither does this script: the versions of
 torch and the other packages come from their installed metadata. It is one file of the standard library only, and
 old pythons parse it (3.6+, no annotations), because it has to run to say that a python is too old or a venv
 lacks torch. The console sends it on the channel's stdin after one line that sets its arguments:
@@ -43,7 +43,7 @@ MANIFEST = "manifest.json"  # engine/data/shards.py: a prepared folder's manifes
 STAMP = ".zeroband-setup"  # scripts/setup.sh: in the venv, the digest of what it was set up from
 SETUP_INPUTS = ("pyproject.toml", "requirements.lock", "scripts/setup.sh")  # what that digest covers, in order
 SUBPROCESS_S = 5.0
-IN_WORKDIR = "ZEROBAND_PROBE_IN_WORKDIR"  # set by runner.run_probe when it started the probe in the workdir
+IN_WORKDIR = "ZEROBAND_HOST_SCRIPT_IN_WORKDIR"  # set by runner.run_host_script when it started it in the workdir
 
 
 # ---- digests shared with the console ----------------------------------------------------------------------------
@@ -115,9 +115,9 @@ def machine_id():
 
 
 def the_workdir(a):
-    """The workdir's real path. runner.run_probe starts the probe inside it when it exists (and says so): a relative
-    workdir is then the current folder, not a folder under it; otherwise it is resolved from where the probe runs
-    (the login folder over SSH, the console's folder locally), as the engine's `cd` would."""
+    """The workdir's real path. runner.run_host_script starts the script inside it when it exists (and says so): a
+    relative workdir is then the current folder, not a folder under it; otherwise it is resolved from where the
+    script runs (the login folder over SSH, the console's folder locally), as the engine's `cd` would."""
     if os.environ.get(IN_WORKDIR):
         return os.path.realpath(os.getcwd())
     return os.path.realpath(os.path.expanduser(a["workdir"]))
@@ -313,7 +313,7 @@ def facts(a):
         "binds": [[address, port, bind_error(address, port)] for address, port in a.get("binds", [])],
         "peer": peer_address(a.get("route_to")),
     }
-    out["time"] = time.time()  # last: the console brackets it between sending this probe and reading its answer
+    out["time"] = time.time()  # last: the console brackets it between sending this script and reading its answer
     return out
 
 
@@ -432,5 +432,5 @@ def main(a):
     sys.stdout.write(json.dumps(result) + "\n")
 
 
-if __name__ in ("__main__", "__probe__") and "ARGS" in globals():
+if __name__ == "__main__" and "ARGS" in globals():
     main(globals()["ARGS"])  # set by the line the console puts before this file
