@@ -64,7 +64,7 @@ def _event_pool(names: list[str], per_node: int) -> dict[str, list[str]]:
 
 @dataclass(frozen=True)
 class Outcome:
-    """An action's answer, as console/cluster.py's Outcome (console/control.py's Answer); the console is imported
+    """An action's answer, as console/control.py's Outcome (its Answer); the console is imported
     only in the child."""
 
     ok: bool
