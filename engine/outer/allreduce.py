@@ -66,8 +66,9 @@ COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # hand-off's fingerprint check follows plan.forming, two fingerprints per member; 5: "none" on a GPU as on the
 # host, one all-reduce, and the pieces scaled by weight / 2^k; 6: the sentinel's rows carry each member's tokens
 # and the verdict judges norms per token: engines of 5 would leave out other members; 7: the digest carries the
-# inner strategy, /sS, and an engine without it is refused as of another wire protocol, which says why).
-WIRE_PROTOCOL = 7
+# inner strategy, /sS, and an engine without it is refused as of another wire protocol, which says why; 8:
+# compression "sparse", its messages all-gathered (engine/outer/gather.py): an engine of 7 knows no such setting).
+WIRE_PROTOCOL = 8
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
 # One message on the wire. A transfer of one large message each way between two hosts moves at about half the

@@ -94,22 +94,18 @@ from typing import Any, Sequence
 
 import torch
 
-BITS = (2, 4, 8)
-MIN_CHUNK, MAX_CHUNK = 16, 1 << 16
+from engine.config import SPARSE_BITS as BITS, SPARSE_MAX_CHUNK as MAX_CHUNK, SPARSE_MIN_CHUNK as MIN_CHUNK, \
+    sparse_problem
+
 _SCALE = 4  # bytes of a chunk's scale (fp32)
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{key}: {value!r} is not a finite number")
-    return value
 
 
 @dataclass(frozen=True)
 class SparseSpec:
     """The settings every node must share (they shape the wire): chunk, density, bits; and beta, the decay of the
     accumulator (a node's own state, but the run's rule). Defaults: the paper's 64 of every 4096 values at 2 bits,
-    beta 0.95 (tplr-ai's SparseLoCo sweeps)."""
+    beta 0.95 (tplr-ai's SparseLoCo sweeps). The rules are the config's (engine/config.py, sparse_problem): a bad
+    value is one line naming its key and the value."""
 
     chunk: int = 4096
     density: float = 0.0156
@@ -117,21 +113,17 @@ class SparseSpec:
     beta: float = 0.95
 
     def __post_init__(self) -> None:
-        chunk = _number("diloco.sparse_chunk", self.chunk)
-        if not isinstance(chunk, int) or chunk < MIN_CHUNK or chunk > MAX_CHUNK or chunk & (chunk - 1):
-            raise ValueError(f"diloco.sparse_chunk: {self.chunk!r} is not an integer power of two from {MIN_CHUNK} to "
-                             f"{MAX_CHUNK} (the indices are packed at log2(chunk) bits; e.g. 4096)")
-        density = _number("diloco.density", self.density)
-        if not 0 < density <= 1:
-            raise ValueError(f"diloco.density: {self.density!r} is not in (0, 1] (the fraction of each chunk sent; "
-                             f"the paper's 0.01-0.03)")
-        if isinstance(self.bits, bool) or self.bits not in BITS:
-            raise ValueError(f"diloco.sparse_bits: {self.bits!r} is not one of {', '.join(map(str, BITS))} "
-                             f"(the bits of a kept value)")
-        beta = _number("diloco.sparse_beta", self.beta)
-        if not 0 <= beta <= 1:
-            raise ValueError(f"diloco.sparse_beta: {self.beta!r} is not in [0, 1] (the accumulator's decay; the "
-                             f"paper's 0.95)")
+        for key, value in (("sparse_chunk", self.chunk), ("density", self.density), ("sparse_bits", self.bits),
+                           ("sparse_beta", self.beta)):
+            problem = sparse_problem(key, value)
+            if problem:
+                raise ValueError(f"diloco.{key}: {problem}")
+
+    @classmethod
+    def of(cls, diloco: Any) -> "SparseSpec":
+        """The spec of a DilocoConfig (diloco.sparse_chunk, density, sparse_bits, sparse_beta)."""
+        return cls(chunk=diloco.sparse_chunk, density=diloco.density, bits=diloco.sparse_bits,
+                   beta=diloco.sparse_beta)
 
     @property
     def k(self) -> int:
