@@ -126,7 +126,7 @@ class Exchange:
         for the slowest (a first touch of a 15m model's 80 MB of wire buffers took 0.05 s of the run's first
         outer step; docs/performance.md). Beside a GPU that is the pinned host memory the wire reads and writes
         (pinning is slower still); the device's scratch comes from the caching allocator at first use."""
-        if size < 2:
+        if size < 2 or compression == "sparse":  # sparse: engine/outer/gather.py's prepare, sized by its codec
             return
         if compression == "none":
             specs = [("sum", (numel + size,), torch.float32, True)]
@@ -430,6 +430,7 @@ def _decode_span(job: _Job, chunk: int, c0: int, c1: int, src: torch.Tensor) -> 
 
 
 def _check(flat: torch.Tensor, weight: float, compression: str, out: torch.Tensor | None) -> None:
+    assert compression != "sparse", "sparse messages are gathered, not reduced: engine/outer/gather.py"
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: unknown {compression!r} (known: {', '.join(COMPRESSIONS)})")
     assert flat.dtype == torch.float32 and flat.dim() == 1

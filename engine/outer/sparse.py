@@ -13,7 +13,7 @@
     ef.abort()                           # or it did not (left out, step dropped): e = e', nothing subtracted
     ef.reset()                           # a hand-off or a non-finite accumulator: e = 0
 
-torch only (no torch.distributed): the collective that moves the messages is the exchange's (issue #42).
+torch only (no torch.distributed): the collective that moves the messages is engine/outer/gather.py's gather_mean.
 
 The method. Each node keeps an accumulator e of its pseudo-gradients, e' = beta * e + delta, and sends only the
 k = max(1, round(density * chunk)) entries of largest magnitude in each chunk of e', quantized; what it did not send
@@ -424,17 +424,25 @@ class NothingGathered(Exception):
 class RankOrderedSum:
     """The weighted sum of the members' messages, added in rank order whatever order they arrive in: a message is
     decoded as soon as every rank before it is in (added or not counted), so decoding overlaps the transfer and the
-    sum is the same bytes on every rank."""
+    sum is the same bytes on every rank. `weights`: every rank's weight, or the number of ranks when each weight
+    comes with its message (engine/outer/gather.py: it travels in the message's first bytes)."""
 
-    def __init__(self, codec: SparseCodec, weights: Sequence[float], out: torch.Tensor):
-        self.codec, self.weights, self.out = codec, [float(w) for w in weights], out
+    def __init__(self, codec: SparseCodec, weights: Sequence[float] | int, out: torch.Tensor):
+        self.codec, self.out = codec, out
+        given = not isinstance(weights, int)
+        self.weights: list[float | None] = [float(w) for w in weights] if given else [None] * int(weights)
         self._waiting: dict[int, torch.Tensor | Sent | None] = {}
         self._next = 0
         out.zero_()
 
-    def arrive(self, rank: int, msg: torch.Tensor | Sent | None) -> None:
-        """Rank's message (None: it sent none; it must then have weight 0). This node's own may be its Sent."""
+    def arrive(self, rank: int, msg: torch.Tensor | Sent | None, weight: float | None = None) -> None:
+        """Rank's message (None: it sent none; it must then have weight 0), with its weight unless the weights were
+        given at the start. This node's own may be its Sent."""
         assert 0 <= rank < len(self.weights) and rank not in self._waiting and rank >= self._next, f"rank {rank}"
+        if weight is not None:
+            assert self.weights[rank] is None, f"rank {rank}'s weight was given twice"
+            self.weights[rank] = float(weight)
+        assert self.weights[rank] is not None, f"rank {rank} arrived without its weight"
         self._waiting[rank] = msg
         while self._next in self._waiting:
             m, w = self._waiting.pop(self._next), self.weights[self._next]
@@ -443,10 +451,15 @@ class RankOrderedSum:
                 self.codec.decode_add(m, self.out, w)
             self._next += 1
 
+    def total(self) -> float:
+        """The total weight of the contributors (weight 0 or less: not counted): an exact sum, then one rounding,
+        so the same on every rank whatever the order."""
+        assert self._next == len(self.weights), f"messages of ranks {self._next}.. never arrived"
+        return math.fsum(w for w in self.weights if w > 0)
+
     def finish(self) -> float:
         """Divide by the total weight of the contributors; returns it."""
-        assert self._next == len(self.weights), f"messages of ranks {self._next}.. never arrived"
-        total = math.fsum(w for w in self.weights if w > 0)  # exact sum, then one rounding: the same everywhere
+        total = self.total()
         if total <= 0:
             raise NothingGathered("every member's weight was 0")
         # the whole buffer: a dense pass (2.4 ms for a 15m model) beats dividing the sum's support by index (20-60)
