@@ -14,11 +14,12 @@ dense codecs (allreduce.py):
        (size - 1) x (4 + M) per rank;
     2. every receive is posted before the first send; then each piece goes to every peer in turn, starting with the
        next rank, so every link carries bytes both ways from the start (docs/performance.md, "Pieces");
-    3. the messages are waited for in rank order, and each is decoded and added in fp32 as soon as it is in
-       (sparse.RankOrderedSum), this rank's own from its `Sent` (the same values, unpacked from nothing), while the
-       later ones travel: the sum is added in rank order whatever order the bytes land in;
-    4. the sum is divided by the total weight of the contributors (an exact sum of the weights as they came over
-       the wire, rounded once; a true division, by a tensor on the device).
+    3. the first pieces, which hold the weights, are waited for first: W, the total weight of the contributors
+       (an exact sum of the weights as they came over the wire, rounded once), is then known on every rank;
+    4. the messages are waited for in rank order, and each is decoded, scaled by its sender's w_i / W and added in
+       fp32 as soon as it is in (sparse.RankOrderedSum), this rank's own from its `Sent` (the same values, unpacked
+       from nothing), while the later ones travel: the mean is added in rank order whatever order the bytes land
+       in, and needs no pass over the whole buffer to divide it afterwards.
 
 A member of weight 0 (a joiner, a node whose pseudo-gradient is not finite or which the sentinel left out) sends a
 message of the same length (zeros, when it has none: `message=None`), so that every rank posts the same receives;
@@ -26,8 +27,8 @@ its message is never decoded. If every weight is 0 there is no mean: allreduce.N
 rank once all its messages are done.
 
 Bit-identical on every rank: every rank adds the same products (a decoded value is one fp32 product, times the
-sender's weight as the fp32 it travelled as, one product) in the same order into the same fp32 buffer, and divides
-by the same total. The arrival order never enters. The collective runs through the group's own methods
+sender's share w_i / W of the weights as they travelled, one product) in the same order into the same fp32 buffer.
+The arrival order never enters. The collective runs through the group's own methods
 (pg.send / pg.recv) and raises the backend's error as it comes (a RuntimeError): the caller decides whether the
 outer step failed (engine/outer/exchange.py), and the group's timeout (diloco.allreduce_timeout) bounds each wait.
 
@@ -65,7 +66,8 @@ class GatherPieces:
 
 def gather_pieces(codec: SparseCodec) -> GatherPieces:
     length = _WEIGHT + codec.bytes
-    pieces = max(1, min(allreduce.MAX_PIECES, -(-length // allreduce.PIECE_BYTES)))  # read now: tests cut small ones
+    # read now: tests cut small ones; never so small that the first piece does not hold the whole weight
+    pieces = max(1, min(allreduce.MAX_PIECES, -(-length // allreduce.PIECE_BYTES), length // _WEIGHT))
     pc = -(-length // pieces)
     pieces = -(-length // pc)  # a rounding up of pc may leave the last piece empty: fewer pieces then
     return GatherPieces(length, pieces, pc)
@@ -106,8 +108,8 @@ def gather_mean(codec: SparseCodec, message: torch.Tensor | None, weight: float,
     size = 1 if pg is None else pg.size()
     mine = own if own is not None else message
     if size == 1:
-        acc = RankOrderedSum(codec, 1, out)
-        acc.arrive(0, mine if weight > 0 else None, weight)
+        acc = RankOrderedSum(codec, [weight], out)
+        acc.arrive(0, mine if weight > 0 else None)
         total = _finish(acc)
         seconds = time.perf_counter() - start
         return ReduceStats(0, seconds, total, [weight], codec_s=seconds)
@@ -127,23 +129,22 @@ def gather_mean(codec: SparseCodec, message: torch.Tensor | None, weight: float,
         send[_WEIGHT:].copy_(message)  # device -> pinned host on a GPU (synchronous: gloo reads it next)
     codec_s = time.perf_counter() - t0
     sends = [pg.send([send[g.span(c)]], j, c) for c in range(g.pieces) for j in peers]
-    acc = RankOrderedSum(codec, size, out)
-    weights = [0.0] * size
-    for j in range(size):  # rank order: the order the sum is added in, so waiting in it costs no decode time
-        if j == rank:
-            weights[j] = weight
-            t0 = time.perf_counter()
-            acc.arrive(j, mine if weight > 0 else None, weight)
-            codec_s += time.perf_counter() - t0
-            continue
-        for c in range(g.pieces):
-            _landed(arrivals[j], c)
-        t0 = time.perf_counter()
+    weights = [weight] * size
+    for j in peers:  # every weight rides in its message's first piece, the first to leave: the total is known early
+        _landed(arrivals[j], 0)
         weights[j] = float(recv[j, :_WEIGHT].clone().view(torch.float32).item())  # an aligned copy of 4 bytes
-        msg = recv[j, _WEIGHT:]
-        if weights[j] > 0 and msg.device != out.device:
+    t0 = time.perf_counter()
+    acc = RankOrderedSum(codec, weights, out)
+    codec_s += time.perf_counter() - t0
+    for j in range(size):  # rank order: the order the sum is added in, so waiting in it costs no decode time
+        if j != rank:
+            for c in range(1, g.pieces):
+                _landed(arrivals[j], c)
+        t0 = time.perf_counter()
+        msg = mine if j == rank else recv[j, _WEIGHT:]
+        if weights[j] > 0 and j != rank and msg.device != out.device:
             msg = ex.to_device("gather_msg", msg)
-        acc.arrive(j, msg if weights[j] > 0 else None, weights[j])
+        acc.arrive(j, msg if weights[j] > 0 else None)
         codec_s += time.perf_counter() - t0
     for c in range(len(sends)):  # all of it, also when there is no mean
         _landed(sends, c)
@@ -161,6 +162,6 @@ def _weight_bytes(weight: float) -> torch.Tensor:
 
 
 def _finish(acc: RankOrderedSum) -> float:
-    if not acc.total() > 0:  # every rank read the same weights: every rank stops here, its messages all done
+    if not acc.total > 0:  # every rank read the same weights: every rank stops here, its messages all done
         raise NothingToAverage("every rank of the group has weight 0")
     return acc.finish()

@@ -54,11 +54,12 @@ bias either way. The scale is fp32, not fp16: a chunk's largest pseudo-gradient 
 range (6e-5), and 4 bytes a chunk are 1/4096 of B at chunk 4096.
 
 Bit-identical on every rank. Every rank decodes the same bytes with the same ops: a value is one fp32 product of
-(m + 1) by s / L (the division by a power of two is exact), times the sender's weight (one product), added into an
-fp32 accumulator one message at a time in rank order (within one message the positions are distinct, so its
-index_add adds each once, on a GPU as well), and divided by the total weight of the contributors (a tensor on the
-device: CUDA divides by a Python number as a multiplication by its reciprocal). The arrival order of the messages
-never enters (`RankOrderedSum` holds early arrivals until the ranks before them are in).
+(m + 1) by s / L (the division by a power of two is exact), times the sender's share w_i / W of the total weight W
+of the contributors (computed in float64, the same on every host, then one fp32 product), added into an fp32
+accumulator one message at a time in rank order (within one message the positions are distinct, so its scatter
+adds each once, on a GPU as well). Every weight is known before the first message is added (each rides in its
+message's first piece), so the mean needs no division over the whole buffer afterwards. The arrival order of the
+messages never enters (`RankOrderedSum` holds early arrivals until the ranks before them are in).
 
 Top-k without torch.topk over whole chunks (it costs ~13 ns a value on this CPU, 0.2 s a 15m model's outer step):
 each chunk is cut into G strided groups (value i of the chunk in group i mod G); the k groups of largest maximum
@@ -474,55 +475,46 @@ class NothingGathered(Exception):
 
 
 class RankOrderedSum:
-    """The weighted sum of the members' messages, added in rank order whatever order they arrive in: a message is
+    """The weighted mean of the members' messages, added in rank order whatever order they arrive in: a message is
     decoded as soon as every rank before it is in (added or not counted), so decoding overlaps the transfer and the
-    sum is the same bytes on every rank. `weights`: every rank's weight, or the number of ranks when each weight
-    comes with its message (engine/outer/gather.py: it travels in the message's first bytes)."""
+    mean is the same bytes on every rank. Every weight is known before the first message is added (gather.py: each
+    rides in its message's first piece), so each message's values are scaled by w_i / W as they are added (W: the
+    total weight of the contributors) and no pass over the whole buffer divides afterwards."""
 
-    def __init__(self, codec: SparseCodec, weights: Sequence[float] | int, out: torch.Tensor):
+    def __init__(self, codec: SparseCodec, weights: Sequence[float], out: torch.Tensor):
         self.codec, self.out = codec, out
-        given = not isinstance(weights, int)
-        self.weights: list[float | None] = [float(w) for w in weights] if given else [None] * int(weights)
+        self.weights = [float(w) for w in weights]
+        # an exact sum, then one rounding: the same total on every rank whatever the order
+        self.total = math.fsum(w for w in self.weights if w > 0)
         self._waiting: dict[int, torch.Tensor | Sent | None] = {}
         self._next = 0
         out.zero_()
 
-    def arrive(self, rank: int, msg: torch.Tensor | Sent | None, weight: float | None = None) -> None:
-        """Rank's message (None: it sent none; it must then have weight 0), with its weight unless the weights were
-        given at the start. This node's own may be its Sent."""
+    def arrive(self, rank: int, msg: torch.Tensor | Sent | None) -> None:
+        """Rank's message (None: it sent none; it must then have weight 0). This node's own may be its Sent."""
         assert 0 <= rank < len(self.weights) and rank not in self._waiting and rank >= self._next, f"rank {rank}"
-        if weight is not None:
-            assert self.weights[rank] is None, f"rank {rank}'s weight was given twice"
-            self.weights[rank] = float(weight)
-        assert self.weights[rank] is not None, f"rank {rank} arrived without its weight"
         self._waiting[rank] = msg
         while self._next in self._waiting:
             m, w = self._waiting.pop(self._next), self.weights[self._next]
             if w > 0:
                 assert m is not None, f"rank {self._next} has weight {w} and no message"
-                self.codec.decode_add(m, self.out, w)
+                # w / W in float64 (the same on every host), then one fp32 product per value: the same bytes on a
+                # CPU and a GPU (a mean of one member is its message exactly: w / w = 1)
+                self.codec.decode_add(m, self.out, w / self.total)
             self._next += 1
 
-    def total(self) -> float:
-        """The total weight of the contributors (weight 0 or less: not counted): an exact sum, then one rounding,
-        so the same on every rank whatever the order."""
-        assert self._next == len(self.weights), f"messages of ranks {self._next}.. never arrived"
-        return math.fsum(w for w in self.weights if w > 0)
-
     def finish(self) -> float:
-        """Divide by the total weight of the contributors; returns it."""
-        total = self.total()
-        if total <= 0:
+        """Every message is in: the mean is complete. Returns the total weight of the contributors."""
+        assert self._next == len(self.weights), f"messages of ranks {self._next}.. never arrived"
+        if not self.total > 0:
             raise NothingGathered("every member's weight was 0")
-        # the whole buffer: a dense pass (2.4 ms for a 15m model) beats dividing the sum's support by index (20-60)
-        self.out.div_(torch.tensor(total, dtype=torch.float32, device=self.out.device))
-        return total
+        return self.total
 
 
 def gathered_mean(codec: SparseCodec, messages: Sequence[torch.Tensor | Sent | None], weights: Sequence[float],
                   out: torch.Tensor) -> float:
-    """out = sum_i(w_i * decode(m_i)) / sum_i(w_i) over the members in rank order (weight 0 or less: not counted);
-    the same bytes on every rank. Returns the total weight."""
+    """out = sum_i((w_i / W) * decode(m_i)), W = sum_i(w_i), over the members in rank order (weight 0 or less: not
+    counted); the same bytes on every rank. Returns W."""
     assert len(messages) == len(weights), "one weight per message"
     acc = RankOrderedSum(codec, weights, out)
     for rank, msg in enumerate(messages):
