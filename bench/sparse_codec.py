@@ -18,14 +18,21 @@ with 2 hosts; on a GPU at 150m, 0.02 s). Figures are the minimum over the rounds
 adds time, never removes it) with the median beside it. On CUDA every phase ends in a synchronize.
 
 Its last line: `sparse codec PRESET Nx: encode E s + decode D s = C s per outer step (goal G s: C/G R); B b`.
+
+`--against REV` measures the codec of engine/outer/sparse.py as of git revision REV side by side, in the same
+process and the same rounds (old and new alternate on the same pseudo-gradients), and prints its figures first
+(`REV: encode E s + decode D s = C s`): on a shared machine only numbers measured side by side compare. Both must
+send the same bytes (checked every round).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,6 +59,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=SparseSpec.bits)
     p.add_argument("--rounds", type=int, default=6, help="measured rounds, after one warm-up round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the lab's engines run one each)")
+    p.add_argument("--against", metavar="REV", help="also measure engine/outer/sparse.py of this git revision, "
+                   "side by side")
     a = p.parse_args(argv)
     if a.hosts < 1 or a.rounds < 1 or a.threads < 1:
         p.error("--hosts, --rounds and --threads must be at least 1")
@@ -70,54 +79,97 @@ def shapes(preset: str) -> list[torch.Size]:
 
 
 def _timed(device: torch.device, fn):
-    t = time.perf_counter()
+    """fn's result and its seconds: wall clock, and this thread's CPU time (on a machine shared with other work the
+    wall clock counts the time the scheduler gave others; the CPU time does not)."""
+    t, c = time.perf_counter(), time.thread_time()
     out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t
+    return out, (time.perf_counter() - t, time.thread_time() - c)
 
 
-def run(a: argparse.Namespace) -> dict[str, list[float]]:
-    torch.set_num_threads(a.threads)
-    device = torch.device(a.device)
-    spec = SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
-    layout = ChunkLayout(shapes(a.preset), spec)
-    codec = SparseCodec(spec, layout, device)
-    hosts = [ErrorFeedback(codec) for _ in range(a.hosts)]
-    mean = torch.zeros(layout.padded, dtype=torch.float32, device=device)
-    weights = [float(1000 + 7 * h) for h in range(a.hosts)]
-    g = torch.Generator(device=device).manual_seed(0)
-    times: dict[str, list[float]] = {"stage": [], "encode": [], "decode": [], "commit": []}
-    for rnd in range(a.rounds + 1):
-        deltas = [torch.randn(layout.numel, generator=g, device=device).mul_(1e-3) for _ in hosts]
+def revision(rev: str) -> types.ModuleType:
+    """engine/outer/sparse.py as of git revision `rev`, loaded as a module of its own."""
+    try:
+        source = subprocess.run(["git", "show", f"{rev}:engine/outer/sparse.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"sparse_codec.py: error: --against {rev}: no engine/outer/sparse.py there "
+                         f"({(getattr(e, 'stderr', '') or str(e)).strip()})") from None
+    module = types.ModuleType(f"sparse_at_{rev}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, f"{rev}:engine/outer/sparse.py", "exec"), module.__dict__)
+    return module
+
+
+class Arm:
+    """One implementation's codec and hosts, and its times."""
+
+    def __init__(self, mod: types.ModuleType, a: argparse.Namespace, device: torch.device):
+        spec = mod.SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
+        self.mod, self.layout = mod, mod.ChunkLayout(shapes(a.preset), spec)
+        self.codec = mod.SparseCodec(spec, self.layout, device)
+        self.hosts = [mod.ErrorFeedback(self.codec) for _ in range(a.hosts)]
+        self.mean = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        self.times: dict[str, list[float]] = {"stage": [], "encode": [], "decode": [], "commit": []}
+        self.cpu: dict[str, list[float]] = {k: [] for k in self.times}
+
+    def round(self, device: torch.device, deltas: list[torch.Tensor], weights: list[float], keep: bool) -> torch.Tensor:
         others = []
-        for ef, d in zip(hosts[1:], deltas[1:]):  # the other hosts' messages, untimed
+        for ef, d in zip(self.hosts[1:], deltas[1:]):  # the other hosts' messages, untimed
             ef.stage(d)
             msg, sent = ef.encode()
             ef.commit(sent)
             others.append(msg)
-        me = hosts[0]
+        me = self.hosts[0]
         _, t_stage = _timed(device, lambda: me.stage(deltas[0]))
         (msg, sent), t_enc = _timed(device, me.encode)
         # this host's own message as its Sent (the same values, bit for bit, without unpacking its bytes)
-        _, t_dec = _timed(device, lambda: gathered_mean(codec, [sent, *others], weights, mean))
+        _, t_dec = _timed(device, lambda: self.mod.gathered_mean(self.codec, [sent, *others], weights, self.mean))
         _, t_commit = _timed(device, lambda: me.commit(sent))
-        if rnd:  # round 0 warms the allocator and the code paths up
-            for k, v in zip(times, (t_stage, t_enc, t_dec, t_commit)):
-                times[k].append(v)
-    return times
+        if keep:
+            for k, (wall, cpu) in zip(self.times, (t_stage, t_enc, t_dec, t_commit)):
+                self.times[k].append(wall)
+                self.cpu[k].append(cpu)
+        return msg
+
+
+def run(a: argparse.Namespace) -> list[Arm]:
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    arms = [Arm(sys.modules["engine.outer.sparse"], a, device)]
+    if a.against:
+        arms.append(Arm(revision(a.against), a, device))
+    weights = [float(1000 + 7 * h) for h in range(a.hosts)]
+    g = torch.Generator(device=device).manual_seed(0)
+    for rnd in range(a.rounds + 1):
+        deltas = [torch.randn(arms[0].layout.numel, generator=g, device=device).mul_(1e-3) for _ in range(a.hosts)]
+        order = arms if rnd % 2 else arms[::-1]  # each goes first in every other round
+        sent = {id(arm): arm.round(device, deltas, weights, keep=rnd > 0) for arm in order}  # round 0 warms up
+        if len(arms) == 2 and not torch.equal(arms[0].codec.decode(sent[id(arms[0])]),
+                                              arms[1].codec.decode(sent[id(arms[1])])):
+            raise SystemExit(f"sparse_codec.py: error: round {rnd}: this tree's message says other values than "
+                             f"{a.against}'s")
+    return arms
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    times = run(a)
+    arms = run(a)
+    times = arms[0].times
     spec = SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
     layout = ChunkLayout(shapes(a.preset), spec)
     print(f"{a.preset}: {layout.numel:,} values in {len(layout.numels)} tensors, {layout.chunks:,} chunks of "
           f"{spec.chunk}, k {spec.k}, {spec.bits} bits; message {SparseCodec(spec, layout).bytes:,} bytes "
           f"(B {bytes_ratio(spec, layout):.4f}); {a.hosts} hosts, {a.device}, {a.threads} thread(s)")
     for k, v in times.items():
-        print(f"  {k:7s} min {min(v):.4f} s  median {statistics.median(v):.4f} s")
+        print(f"  {k:7s} min {min(v):.4f} s  median {statistics.median(v):.4f} s  (CPU time: min "
+              f"{min(arms[0].cpu[k]):.4f} s)")
+    for name, arm in zip((a.against, "this tree"), arms[::-1]) if a.against else ():
+        w, c = arm.times, arm.cpu
+        print(f"{name}: encode {min(w['encode']):.4f} s + decode {min(w['decode']):.4f} s = "
+              f"{min(w['encode']) + min(w['decode']):.4f} s (median {statistics.median(w['encode']) + statistics.median(w['decode']):.4f} s; "
+              f"CPU time {min(c['encode']):.4f} + {min(c['decode']):.4f} = {min(c['encode']) + min(c['decode']):.4f} s)")
     enc, dec = min(times["encode"]), min(times["decode"])
     goal = GOALS[a.device]
     codec = enc + dec

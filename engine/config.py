@@ -11,6 +11,7 @@ optim.lr?)`.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import sys
 import tomllib
@@ -143,6 +144,38 @@ class InnerConfig(_Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
+# diloco.compression = "sparse" (engine/outer/sparse.py, docs/sparse.md): its settings' rules live here, where a
+# config is read without torch; the codec's SparseSpec applies the same ones
+SPARSE_KEYS = ("sparse_chunk", "density", "sparse_bits", "sparse_beta")
+SPARSE_BITS = (2, 4, 8)
+SPARSE_MIN_CHUNK, SPARSE_MAX_CHUNK = 16, 1 << 16
+
+
+def sparse_problem(key: str, value: Any) -> str | None:
+    """What is wrong with diloco.<key> = value, a setting of compression "sparse" (one of SPARSE_KEYS), or None.
+    The text names the value, not the key: the config's line and SparseSpec's put the key before it."""
+    if key in ("density", "sparse_beta") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                              or not math.isfinite(value)):
+        return f"{value!r} is not a finite number"
+    if key == "sparse_chunk":
+        if isinstance(value, bool) or not isinstance(value, int) or not SPARSE_MIN_CHUNK <= value <= SPARSE_MAX_CHUNK \
+                or value & (value - 1):
+            return (f"{value!r} is not an integer power of two from {SPARSE_MIN_CHUNK} to {SPARSE_MAX_CHUNK} (the "
+                    f"indices are packed at log2(chunk) bits; e.g. 4096)")
+    elif key == "density":
+        if not 0 < value <= 1:
+            return f"{value!r} is not in (0, 1] (the fraction of each chunk sent; the paper's 0.01-0.03)"
+    elif key == "sparse_bits":
+        if isinstance(value, bool) or not isinstance(value, int) or value not in SPARSE_BITS:
+            return f"{value!r} is not one of {', '.join(map(str, SPARSE_BITS))} (the bits of a sent value)"
+    elif key == "sparse_beta":
+        if not 0 <= value <= 1:
+            return f"{value!r} is not in [0, 1] (the accumulator's decay; the paper's 0.95)"
+    else:
+        raise AssertionError(f"not a sparse setting: {key}")
+    return None
+
+
 class DilocoConfig(_Section):
     enabled: bool = False
     inner_steps: int = Field(default=50, gt=0)  # H
@@ -152,7 +185,14 @@ class DilocoConfig(_Section):
     outer_optimizer: Literal["nesterov", "sgd", "average"] = "nesterov"
     outer_lr: float = Field(default=1.0, gt=0)
     outer_momentum: float = Field(default=0.0, ge=0, lt=1)
-    compression: Literal["none", "bf16", "fp16", "int8"] = "none"
+    # "sparse" (SparseLoCo, docs/sparse.md): each node sends the top density x sparse_chunk values of every chunk of
+    # its error-feedback accumulator, sparse_bits bits each; the accumulator (decay sparse_beta) keeps the rest and
+    # plays the outer momentum's part, so the default outer step (nesterov, outer_momentum 0) is the paper's rule
+    compression: Literal["none", "bf16", "fp16", "int8", "sparse"] = "none"
+    sparse_chunk: int = 4096  # values per chunk (a power of two, 16 to 65536); a chunk never crosses a tensor
+    density: float = 0.0156  # the fraction of each chunk sent, in (0, 1]: the paper's 64 of 4096
+    sparse_bits: int = 2  # bits of a sent value: 2, 4 or 8
+    sparse_beta: float = 0.95  # the accumulator's decay, in [0, 1]: e' = beta * e + pseudo-gradient
     min_nodes: int = Field(default=1, gt=0)  # nodes the first outer step waits for (bounded by mesh.start_timeout)
     allreduce_timeout: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=5, gt=0)  # redo an outer step at most this often after failures
@@ -201,6 +241,21 @@ class DilocoConfig(_Section):
     # time rounds: the planner waits for a member this long past the deadline, then plans without it (it
     # contributes at a later outer step, or re-joins); 0: a quarter of round_seconds
     straggler_grace: float = Field(default=0.0, ge=0)
+
+    @field_validator(*SPARSE_KEYS)
+    @classmethod
+    def _sparse_rules(cls, value: Any, info: ValidationInfo) -> Any:
+        # run for a key that was given only (a default is not validated): a sparse setting beside another
+        # compression would be ignored without a word
+        compression = info.data.get("compression")
+        if compression is not None and compression != "sparse":
+            raise ValueError(f"{toml_value(value)} is a setting of diloco.compression = \"sparse\", but "
+                             f"diloco.compression is \"{compression}\" (set it to \"sparse\", or leave "
+                             f"diloco.{info.field_name} out)")
+        problem = sparse_problem(str(info.field_name), value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _time_rounds_need_seconds(self) -> "DilocoConfig":

@@ -8,13 +8,16 @@ import hashlib
 import json
 from typing import Any
 
-from engine.config import Config, DilocoConfig, TrainConfig
+from engine.config import SPARSE_KEYS, Config, DilocoConfig, TrainConfig
 
 
 # the diloco settings a checkpoint's run is resumed with (digest); min_nodes, timeouts and how each node lands
 # an overlapped round or mixes a fragment (overlap_update, overlap_delay, fragment_alpha, fragment_delay) may differ
 # between nodes without harm
 DILOCO_SHARED = ("enabled", "inner_steps", "outer_optimizer", "outer_lr", "outer_momentum", "compression", "overlap")
+# and with compression "sparse" its settings (they shape the wire, and beta the accumulator a checkpoint holds). They
+# count only with sparse, as the Muon keys with Muon: every other run's digest stays as it was before they existed
+DILOCO_SPARSE = SPARSE_KEYS
 # and those the nodes of a run must share while they run together (run_digest), or their outer steps disagree: the
 # fragment each outer step syncs and its size, when a round ends, and the sentinel's verdict, which every member
 # computes from the same rows. A resume may change them: the checkpoint's state is the same whatever they are.
@@ -32,7 +35,7 @@ OPTIM_MUON = ("muon_adjust_lr", "muon_momentum", "muon_ns_steps")
 def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq_len", "diloco", "optim"), *,
                     run_wide: bool = False) -> dict[str, Any]:
     """The parts of the config a checkpoint is resumed with: the model, data.seq_len, the DILOCO_SHARED settings
-    and the inner optimizer (OPTIM_SHARED, and OPTIM_MUON with Muon); with run_wide also the DILOCO_RUN_WIDE ones
+    (and DILOCO_SPARSE with compression "sparse") and the inner optimizer (OPTIM_SHARED, and OPTIM_MUON with Muon); with run_wide also the DILOCO_RUN_WIDE ones
     (what the nodes of a running run must share)."""
     dumped = cfg.model_dump()
     picked: dict[str, Any] = {}
@@ -41,7 +44,8 @@ def shared_settings(cfg: Config, sections: tuple[str, ...] = ("model", "data.seq
         picked[name] = dumped[head][tail] if tail else dumped[head]
     if "diloco" in picked:
         defaults = DilocoConfig()
-        picked["diloco"] = {k: v for k, v in picked["diloco"].items() if k in DILOCO_SHARED or (
+        shared = DILOCO_SHARED + (DILOCO_SPARSE if cfg.diloco.compression == "sparse" else ())
+        picked["diloco"] = {k: v for k, v in picked["diloco"].items() if k in shared or (
             # a run-wide setting at its default leaves the digest as it was before run-wide settings counted
             run_wide and k in DILOCO_RUN_WIDE and v != getattr(defaults, k))}
     if "optim" in picked:

@@ -24,7 +24,8 @@ The parts (docs/performance.md, "Memory estimate", says how to read the table):
     master      ZeRO's fp32 master partition (the model is fp32 elsewhere: no separate master)
     diloco      snapshot, pseudo-gradient and mean (3 fp32 copies of what this process trains, engine/outer/
                 buffers.py), + the outer momentum (nesterov or sgd with momentum > 0), + the codec's device buffers
-                (engine/outer/allreduce.py Exchange; "none" on a GPU goes through pinned host memory)
+                (engine/outer/allreduce.py Exchange; "none" on a GPU goes through pinned host memory); "sparse":
+                + its accumulator (one more fp32 copy), its messages and the top-k's scratch (sparse_parts)
     activations saved for backward, for one micro-batch: per token and layer, coefficients measured on this
                 model with autograd's saved-tensor hooks (tests/test_memory.py re-measures them); with activation
                 checkpointing only each layer's input, plus one layer recomputed in backward
@@ -339,7 +340,10 @@ def estimate(cfg: Any, *, workers: int, device: str = "cuda", optim: str | None 
         if momentum:
             add("outer momentum", 4 * local, f"{d.outer_optimizer} momentum {d.outer_momentum:g}", host=on_host)
         members = max(2, d.min_nodes)
-        if d.compression == "none":
+        if d.compression == "sparse":
+            for name, nbytes, note, host in sparse_parts(d, local, members, device):
+                add(name, nbytes, note, host=host or on_host)
+        elif d.compression == "none":
             add("exchange", 4 * local, "the all-reduce's buffer (pinned, on the host beside a GPU)", host=True)
         else:
             width = 1 if d.compression == "int8" else 2
@@ -358,6 +362,31 @@ def estimate(cfg: Any, *, workers: int, device: str = "cuda", optim: str | None 
                        precision=t.precision, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
                        ac=t.activation_checkpointing, optim=optim, device=device)
     return est
+
+
+def sparse_parts(d: Any, local: float, members: int, device: str) -> list[tuple[str, float, str, bool]]:
+    """compression "sparse" (engine/outer/sparse.py, gather.py): (name, bytes, note, on the host) of what it keeps
+    for `local` values. Its accumulator is one more fp32 copy of them (each tensor's last chunk padded besides:
+    0.5 % at 15m); its wire buffers, this member's message and every member's (pinned beside a GPU), are M =
+    4 B bytes a value each; the top-k's group maxima and candidates (SparseCodec._topk) are 1/8 of the values each
+    at chunk 4096 and density 1.56 %, kept between steps: on a GPU over the whole buffer, on a CPU a block of
+    2 MiB of chunks. The mean's buffer is the "diloco buffers"' own, and the outer momentum is not there unless
+    diloco.outer_momentum > 0."""
+    c, k = d.sparse_chunk, max(1, round(d.density * d.sparse_chunk))
+    chunks = math.ceil(local / c)
+    sent = chunks * min(k, c)  # K: the values sent (a shard's short last chunks send fewer: an upper bound)
+    message = 4 * chunks + math.ceil(sent * (c.bit_length() - 1) / 8) + math.ceil(sent * d.sparse_bits / 8)
+    groups = 1 << max(0, round(math.log2(math.sqrt(k * c))))  # as SparseCodec picks them
+    if 2 * k <= c and k <= groups < c:
+        block = chunks if device != "cpu" else min(chunks, max(1, (2 << 20) // (4 * c)))
+        minima = 0 if (c // groups) * k >= groups else groups  # the group minima share the candidates' buffer
+        scratch = 4 * block * (groups + (c // groups) * k + minima)
+    else:  # torch.topk over whole chunks: the magnitudes' copy, transient
+        scratch = 4 * chunks * c
+    return [("sparse accumulator", 4 * local, f"error feedback e, fp32 (decay {d.sparse_beta:g})", False),
+            ("exchange", (1 + members) * (4 + message), f"sparse messages of {message / 4 / max(1, local):.4f} x "
+             f"fp32 + weight: this member's and one per member ({members}; pinned beside a GPU)", True),
+            ("sparse scratch", scratch, "the top-k's group maxima and candidates", False)]
 
 
 # ---- the verdict ------------------------------------------------------------------------------------------

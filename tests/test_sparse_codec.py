@@ -363,3 +363,17 @@ def test_own_message_as_its_sent_gives_the_same_bytes():
     gathered_mean(codec, [m0, m1, m2], weights, a)
     gathered_mean(codec, [s0, m1, m2], weights, b)
     assert torch.equal(_bits(a), _bits(b))
+
+
+def test_bench_measures_a_revision_side_by_side():
+    """--against REV: that revision's codec in the same rounds (its messages must say the same values), its line
+    first; a revision without the codec is one line."""
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--preset", "debug", "--rounds", "1",
+                        "--against", "HEAD"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[-3].startswith("HEAD: encode ") and "CPU time " in lines[-3]
+    assert lines[-2].startswith("this tree: encode ") and lines[-1].startswith("sparse codec debug 2x: ")
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "sparse_codec.py"), "--preset", "debug", "--against",
+                          "no-such-rev"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 1 and bad.stderr.strip().startswith("sparse_codec.py: error: --against no-such-rev: no ")

@@ -66,8 +66,9 @@ COMPRESSIONS = ("none", "bf16", "fp16", "int8")
 # hand-off's fingerprint check follows plan.forming, two fingerprints per member; 5: "none" on a GPU as on the
 # host, one all-reduce, and the pieces scaled by weight / 2^k; 6: the sentinel's rows carry each member's tokens
 # and the verdict judges norms per token: engines of 5 would leave out other members; 7: the digest carries the
-# inner strategy, /sS, and an engine without it is refused as of another wire protocol, which says why).
-WIRE_PROTOCOL = 7
+# inner strategy, /sS, and an engine without it is refused as of another wire protocol, which says why; 8:
+# compression "sparse", its messages all-gathered (engine/outer/gather.py): an engine of 7 knows no such setting).
+WIRE_PROTOCOL = 8
 _META = 8  # int8: (scale, offset) per chunk, two fp32 = 8 bytes
 _WEIGHT = 4  # the sender's weight, one fp32
 # One message on the wire. A transfer of one large message each way between two hosts moves at about half the
@@ -125,7 +126,7 @@ class Exchange:
         for the slowest (a first touch of a 15m model's 80 MB of wire buffers took 0.05 s of the run's first
         outer step; docs/performance.md). Beside a GPU that is the pinned host memory the wire reads and writes
         (pinning is slower still); the device's scratch comes from the caching allocator at first use."""
-        if size < 2:
+        if size < 2 or compression == "sparse":  # sparse: engine/outer/gather.py's prepare, sized by its codec
             return
         if compression == "none":
             specs = [("sum", (numel + size,), torch.float32, True)]
@@ -429,6 +430,7 @@ def _decode_span(job: _Job, chunk: int, c0: int, c1: int, src: torch.Tensor) -> 
 
 
 def _check(flat: torch.Tensor, weight: float, compression: str, out: torch.Tensor | None) -> None:
+    assert compression != "sparse", "sparse messages are gathered, not reduced: engine/outer/gather.py"
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression: unknown {compression!r} (known: {', '.join(COMPRESSIONS)})")
     assert flat.dtype == torch.float32 and flat.dim() == 1

@@ -103,6 +103,8 @@ def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer
     (imported only when asked for: they need torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
+    if cfg.diloco.compression == "sparse":  # the codec and its collective are built, the loop's parts not yet
+        raise ValueError('diloco.compression = "sparse": not wired into the outer loop yet (docs/sparse.md)')
     if cfg.diloco.overlap:
         from engine.outer.overlap import OverlappedDiloco as Loop
     elif cfg.diloco.fragments > 1:
