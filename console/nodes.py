@@ -118,6 +118,9 @@ class OuterRound:
     ts: float
     members: int
     bytes_sent: int = 0
+    # what the same exchanges would have sent uncompressed, summed over the reporters that said (fp32_reporters)
+    fp32_bytes: int = 0
+    fp32_reporters: int = 0
     allreduce_s: float = 0.0
     compute_s: float | None = None
     wire_s: float | None = None
@@ -146,6 +149,10 @@ class Node:
     outer_step: int | None = None
     round_tokens: float | None = None  # the tokens its last round counted for in the mean (0: not counted)
     round_share: float | None = None  # ... and their share of that outer step's total
+    # diloco.compression = "sparse": the error-feedback accumulator's norm against the agreed weights', after each
+    # outer step (residual_history keeps the last few, to say whether it grows)
+    residual_ratio: float | None = None
+    residual_history: deque = field(default_factory=lambda: deque(maxlen=8))
     # train.compile: "compiling" while the first step compiles, then "compiled in N s" or "eager (...)"
     compile: str | None = None
     pid: int | None = None

@@ -28,6 +28,9 @@ def fold_round(rounds: dict[int, OuterRound], node: Node, event: dict[str, Any])
     rnd.reporters += 1
     rnd.members = max(rnd.members, len(event["members"]))
     rnd.bytes_sent += event["bytes_sent"]
+    if isinstance(event.get("fp32_bytes"), int):
+        rnd.fp32_bytes += event["fp32_bytes"]
+        rnd.fp32_reporters += 1
     rnd.shares = shares(event) or rnd.shares
     rnd.allreduce_s = max(rnd.allreduce_s, allreduce)
     compute = num(event.get("compute_s"))

@@ -77,7 +77,12 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "resource": {"index": (int, str), "temp_c": _num, "power_w": _num},
     "heartbeat": {"keys": (int,), "rtt_ms": _num},
     "outer_step": {"wire_s": _num, "codec_s": _num, "compute_s": _num, "outer_s": _num, "contributors": (list,),
-                   "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,)},
+                   "weights": (list,), "left_out": (list,), "fragment": (int,), "fragments": (int,),
+                   # what the same exchange would have sent uncompressed (compression "none"): the factor the
+                   # console shows; with diloco.compression = "sparse", the norms of the node's error-feedback
+                   # accumulator after the step and of the agreed weights it covers (a residual that keeps growing
+                   # against the weights says the density is too low)
+                   "fp32_bytes": (int,), "residual_norm": _num, "weights_norm": _num},
 }
 
 NODE_STATES = tuple(s.value for s in NodeState if s in EVENT_STATES)  # a node's `state` event (rank >= 0)

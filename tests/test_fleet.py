@@ -574,3 +574,47 @@ def _grid_text(renderables) -> str:
     for r in renderables:
         console.print(r)
     return console.export_text()
+
+
+def test_bytes_against_fp32_and_the_sparse_residual():
+    """An outer step's bytes and their part of what the same exchanges would have sent uncompressed, in the headless
+    line and the outer chart's legend; only when every reporter said (an older engine beside a new one: bytes
+    only). The node detail shows the error-feedback accumulator against the weights, and says when it keeps
+    growing (4 outer steps in a row), not when it only grew once."""
+    from console.cli import outer_lines
+    from console.screens.detail import detail_tables
+    from console.widgets.cells import bytes_text
+
+    fleet = Fleet()
+    for name in ("a", "b"):
+        fleet.add_node(name, "h")
+        fleet.ingest(name, line("state", name, ts=100.0, state="training"))
+    # a sends 1000 bytes of 98,000, b 1000 of 98,000: 2000 of 196,000 = 1/98
+    fleet.ingest("a", outer(1, 110.0, "a", fp32_bytes=98_000, residual_norm=0.5, weights_norm=10.0))
+    fleet.ingest("b", outer(1, 111.0, "b", fp32_bytes=98_000))
+    lines, _ = outer_lines(fleet, -1)
+    assert lines[0].endswith("| 2 members | 2.0K sent (1/98 of fp32)"), lines
+    fleet.ingest("a", outer(2, 120.0, "a", fp32_bytes=98_000))
+    fleet.ingest("b", outer(2, 121.0, "b"))  # an engine that does not say: no factor made of half the reporters
+    assert bytes_text(fleet.outer_rounds[2]) == "2.0K sent"
+
+    node = fleet.nodes["a"]
+    assert node.residual_ratio == pytest.approx(0.05)
+
+    def residual_row() -> str:
+        import io
+
+        from rich.console import Console
+
+        out = Console(width=200, record=True, file=io.StringIO())
+        for part in detail_tables(node, now=200.0):
+            out.print(part)
+        return next(t for t in out.export_text().splitlines() if t.startswith("residual"))
+
+    assert "|e|/|w| = 0.05 " in residual_row() and "raise diloco.density" not in residual_row()
+    for n, r in ((3, 0.6), (4, 0.7), (5, 0.65)):  # grew twice, then fell: not "keeps growing"
+        fleet.ingest("a", outer(n, 100.0 + 10 * n, "a", residual_norm=r, weights_norm=10.0))
+    assert "raise diloco.density" not in residual_row()
+    for n, r in ((6, 0.7), (7, 0.8), (8, 0.9)):  # 0.65 < 0.7 < 0.8 < 0.9: four in a row grew
+        fleet.ingest("a", outer(n, 100.0 + 10 * n, "a", residual_norm=r, weights_norm=10.0))
+    assert "|e|/|w| = 0.09 " in residual_row() and "grew at each of the last 4 outer steps" in residual_row()

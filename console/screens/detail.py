@@ -18,6 +18,7 @@ from console.screens.node_screen import NodeScreen
 from console.widgets import cells
 
 EVENTS = 15  # the node's newest log lines shown
+GROWING = 4  # outer steps in a row over which a sparse run's residual grew: the density may be too low
 
 
 def detail_tables(node: Any, now: float | None = None) -> list[Any]:
@@ -38,7 +39,7 @@ def detail_tables(node: Any, now: float | None = None) -> list[Any]:
             ("workers", run.get("world_size")), ("dataset", run.get("dataset")),
             ("overrides", " ".join(f"{k}={v}" for k, v in node.overrides.items()) or None),
             ("data position", _position(node)), ("last round", _round(node)),
-            ("compile", getattr(node, "compile", None))]
+            ("compile", getattr(node, "compile", None)), ("residual", _residual(node))]
     for label, value in rows:
         info.add_row(Text(label, style="dim"), Text("-" if value is None else str(value)))
     out.append(info)
@@ -81,6 +82,18 @@ def _round(node: Any) -> str | None:
     if not node.round_tokens:
         return f"outer step {node.outer_step}: not counted (joining, or its round diverged)"
     return f"outer step {node.outer_step}: {node.round_tokens:,.0f} tokens, {100 * node.round_share:.0f}% of the mean"
+
+
+def _residual(node: Any) -> str | None:
+    """diloco.compression = "sparse": the error-feedback accumulator's norm against the weights', and whether it
+    grew over every one of the last outer steps (a residual that keeps growing says the density is too low)."""
+    ratio = getattr(node, "residual_ratio", None)
+    if ratio is None:
+        return None
+    last = list(getattr(node, "residual_history", ()))[-GROWING:]
+    growing = len(last) == GROWING and all(b > a for a, b in zip(last, last[1:]))
+    trend = f", grew at each of the last {GROWING} outer steps: raise diloco.density" if growing else ""
+    return f"|e|/|w| = {ratio:.3g} (the unsent accumulator against the weights){trend}"
 
 
 def _position(node: Any) -> str | None:

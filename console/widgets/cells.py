@@ -156,7 +156,17 @@ def outer_line(rnd: Any) -> str:
     shares = getattr(rnd, "shares", None)
     split = f" | shares {share_text(shares)}" if shares and len(shares) > 1 else ""
     return (f"outer {rnd.outer_step}: compute {compute} {comm} idle {s(rnd.idle_s)}{ratio} | "
-            f"{rnd.members} members | {human_bytes(rnd.bytes_sent)} sent{split}")
+            f"{rnd.members} members | {bytes_text(rnd)}{split}")
+
+
+def bytes_text(rnd: Any) -> str:
+    """An outer step's bytes on the wire (every reporter's), and their part of what the same exchanges would have
+    sent uncompressed when every reporter said: "1.2M sent (1/98 of fp32)". An older engine's step: the bytes."""
+    sent = f"{human_bytes(rnd.bytes_sent)} sent"
+    fp32, told = getattr(rnd, "fp32_bytes", 0), getattr(rnd, "fp32_reporters", 0)
+    if not fp32 or not rnd.bytes_sent or told < rnd.reporters:
+        return sent
+    return f"{sent} (1/{fp32 / rnd.bytes_sent:.3g} of fp32)"
 
 
 def share_text(shares: dict[str, float]) -> str:

@@ -52,15 +52,17 @@ class OuterChart(PlotextPlot):
         self.series: dict[str, list[float]] = {}
         self.caption = ""
         self.hint = ""  # a key the dashboard names after the legend (`c: loss` when one chart fits)
+        self.sent = ""  # the newest outer step's bytes and their part of fp32's, at the legend's end
 
     def show(self, fleet: Any) -> None:
         rounds = list(fleet.outer_rounds.values())[-BARS:]
         steps = [r.outer_step for r in rounds]
         series = bar_series(rounds)
         caption = cells.outer_line(rounds[-1]) if rounds else "no outer step yet"
-        if (steps, series, caption) == (self.steps, self.series, self.caption):
+        sent = cells.bytes_text(rounds[-1]) if rounds else ""
+        if (steps, series, caption, sent) == (self.steps, self.series, self.caption, self.sent):
             return
-        self.steps, self.series, self.caption = steps, series, caption
+        self.steps, self.series, self.caption, self.sent = steps, series, caption, sent
         plt = self.plt
         plt.clear_data()
         # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
@@ -79,7 +81,7 @@ class OuterChart(PlotextPlot):
 
     def _subtitle(self) -> None:
         legend = " ".join(f"[rgb{COLORS[part]}]█[/] {part}" for part in self.series) if self.steps else ""
-        self.border_subtitle = "  ".join(part for part in (legend, self.hint) if part)
+        self.border_subtitle = "  ".join(part for part in (legend, self.sent if self.steps else "", self.hint) if part)
 
     def render(self) -> RenderResult:
         try:
