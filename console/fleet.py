@@ -264,9 +264,9 @@ class Fleet:
             weights = dict(zip(event["contributors"], event["weights"]))
             node.round_tokens = float(weights.get(node.name, 0.0))
             node.round_share = share.get(node.name, 0.0)
-        residual, weights = num(event.get("residual_norm")), num(event.get("weights_norm"))
-        if residual is not None and weights:
-            node.residual_ratio = residual / weights
+        residual, norm = num(event.get("residual_norm")), num(event.get("weights_norm"))
+        if residual is not None and norm:
+            node.residual_ratio = residual / norm
             node.residual_history.append(node.residual_ratio)
         self._set_members(event["generation"], event["members"])
         if event["rank"] <= 0:
