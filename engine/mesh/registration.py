@@ -85,6 +85,14 @@ class Registration:
         self.m.node_state = st
         s.set(self.keys.state(self.node_id), st.to_json())
 
+    def announce(self, state: NodeState, reason: str = "") -> None:
+        """This node's lifecycle moves to `state` (its waits move it): its state/<id> says so, over the caller
+        thread's client, the rest of the record as last written."""
+        self.m.state = state
+        st = self.m.node_state
+        self.write_state(StateRecord(state, st.token, st.at, st.contributing, st.draining, st.ok, st.group, reason),
+                         self.m.store)
+
     def info_json(self) -> str:
         return json.dumps({**self.info, "node": self.node_id}, sort_keys=True, default=str)
 
