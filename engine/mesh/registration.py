@@ -21,11 +21,11 @@ import json
 import uuid
 from typing import Any, Callable
 
-from engine.errors import toml_value
 from engine.mesh.membership import UPDATE_WITHIN_S, Membership, Registry, text
 from engine.mesh.planner import Planner
 from engine.mesh.protocol import Keys, MeshError, StateRecord
 from engine.states import NodeState
+from engine.toml_text import toml_value
 
 # a peer in a running run (a member, or one that stepped out and will ask again), and one that runs none (yet)
 _RUNNING = (NodeState.TRAINING, NodeState.DRAINING, NodeState.STANDBY)
