@@ -178,6 +178,8 @@ class Mesh:
         """Stop the heartbeat thread (without a goodbye: call leave() first for a clean exit)."""
         self.heartbeat.stop()
 
+    # ---- what the outer loop's collectives ask while they wait (engine/outer/groups.py) --------------------------
+
     def dead_members(self, plan: Plan) -> list[str]:
         """Members of the plan this node sees dead now (no store operation: the heartbeat's table)."""
         return self.planner.dead_members(plan)
