@@ -111,7 +111,7 @@ class Cluster:
             clock.t = max(clock.t, t)
             if what == "tick":
                 before = self.counts[i]["ops"]
-                self.meshes[i].tick()
+                self.meshes[i].heartbeat.tick()
                 self.tick_ops += self.counts[i]["ops"] - before
                 self.at(max(t + self.cfg.heartbeat_interval, clock.t), i, "tick")
             elif on_event is not None:
@@ -170,7 +170,7 @@ def measure(n: int, rtt: float) -> dict:
     # one tick of a follower, counted alone
     probe = 1 if n > 1 else 0
     before = c.counts[probe]["ops"]
-    c.meshes[probe].tick()
+    c.meshes[probe].heartbeat.tick()
     tick_ops = c.counts[probe]["ops"] - before
     second = c.outer_step(1, t1 + 0.05, limit=cfg.store_timeout)  # steady state: the one measured
     ok = first["members"] == n and second["members"] == n and second["decided"] == n and not c.deaths

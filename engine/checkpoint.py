@@ -48,7 +48,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from engine.config import CkptConfig
-from engine.errors import CheckpointFailed, toml_value
+from engine.errors import CheckpointFailed
+from engine.toml_text import toml_value
 from engine.world import World
 
 POINTER = "latest"

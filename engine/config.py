@@ -22,8 +22,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
                       model_validator)
 from pydantic.fields import FieldInfo
 
-from engine.errors import toml_value
 from engine.store.endpoints import parse_endpoint
+from engine.toml_text import toml_value
 
 
 class ConfigError(ValueError):

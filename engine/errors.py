@@ -4,43 +4,12 @@ rank of a node finds alike (engine/train.py reports it once, from local rank 0).
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import re
 
 
 def first_line(err: BaseException, limit: int | None = None) -> str:
     """The first line of the exception's text (at most `limit` characters); its type's name when it has no text."""
     text = str(err).strip()
     return text.splitlines()[0][:limit] if text else type(err).__name__
-
-
-def toml_value(value: object) -> str:
-    """A setting's value as the user writes it in a TOML file or an override (true, "int8", [1, 2], nan,
-    {a = 1}); unset for None, which TOML has no word for. The standard library only: hosts' engines need no
-    TOML writer."""
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return _toml_string(str(value))
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
-
-
-def _toml_string(text: str) -> str:
-    # JSON's escapes are TOML's; TOML also wants DEL escaped, and takes other characters as they are
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 class CheckpointFailed(RuntimeError):

@@ -242,12 +242,19 @@ def activation_bytes(s: Shape, tokens: int, mixed: bool, checkpointing: bool) ->
     return int(tokens * (s.layers * layer + once)), 0
 
 
+class Parts(list[Part]):
+    """The parts of an estimate as its terms add them, in the order the table lists them."""
+
+    def add(self, name: str, nbytes: float, note: str = "", *, transient: bool = False, host: bool = False) -> None:
+        self.append(Part(name, int(nbytes), note, transient, host))
+
+
 def estimate(cfg: Any, *, workers: int, device: str = "cuda", optim: str | None = None,
              shape: Shape | None = None) -> Estimate:
     """One process's memory for `cfg` with `workers` processes on the host (torchrun's WORLD_SIZE). `device`:
     "cuda" or "cpu" (a CPU run keeps everything in the host's memory: the parts are the same, all "host").
     `optim`: "adamw" or "muon" (default: the config's optim.name, else adamw). On a CPU the "GPU" parts are the
-    worker's share of the host's memory."""
+    worker's share of the host's memory. Each term below adds its parts: a new one is one more call."""
     t, inner = cfg.train, cfg.inner
     vocab = vocab_size(cfg)
     if shape is None:
@@ -263,102 +270,22 @@ def estimate(cfg: Any, *, workers: int, device: str = "cuda", optim: str | None 
     if strategy == "ddp" and n == 1:
         strategy = "single"
     mixed = t.precision != "fp32"
-    P = shape.numel
-    parts: list[Part] = []
-
-    def add(name: str, nbytes: float, note: str = "", *, transient: bool = False, host: bool = False) -> None:
-        parts.append(Part(name, int(nbytes), note, transient, host))
-
-    # Muon keeps 1 momentum for the layers' matrices, AdamW 2 states for everything else
-    def optim_elems(local: float) -> float:
-        if optim == "adamw":
-            return 2 * local
-        share = shape.hidden_matrices / P
-        return local * (share + 2 * (1 - share))
-    states = "1 momentum (hidden matrices) + 2 AdamW states (the rest)" if optim == "muon" else "2 AdamW states"
-
+    parts = Parts()
     if strategy in ("single", "ddp"):
-        local = P
-        add("params", 4 * P, "fp32")
-        add("grads", 4 * P, "fp32" + (", + DDP's bucket copies" if strategy == "ddp" else ""))
-        if strategy == "ddp":
-            add("ddp buckets", 4 * P, "gradient_as_bucket_view off: one fp32 copy in buckets")
-        add("optimizer", 4 * optim_elems(P), f"{states}, fp32")
-        if mixed:
-            add("autocast copies", 2 * P, "bf16/fp16 weights cast for the forward, cached until backward",
-                transient=True)
+        local = replicated_terms(parts, shape, strategy, mixed, optim)
     elif strategy == "fsdp":
-        local = fsdp_local(shape, n)
-        off = inner.cpu_offload
-        add("params", 4 * local, f"fp32 shard 1/{n}", host=off)
-        add("grads", 4 * local, f"fp32 shard 1/{n}", host=off)
-        add("optimizer", 4 * optim_elems(local), f"{states}, shard 1/{n}", host=off)
-        pbytes = 2 if mixed else 4
-        root = sum(math.prod(x) for x in shape.root_tensors())
-        add("root unsharded", pbytes * root, "embeddings and head stay gathered from forward to backward")
-        if inner.reshard_after_forward:
-            add("layers gathered", pbytes * 2 * shape.layer_numel + 4 * shape.layer_numel,
-                "two layers (prefetch) + one layer's fp32 grads before reduce-scatter", transient=True)
-        else:
-            add("layers gathered", pbytes * shape.layers * shape.layer_numel,
-                "reshard_after_forward off: every layer stays gathered until backward")
-    else:  # zero1/2/3 (DeepSpeed)
-        stage = int(strategy[-1])
-        local = zero_local(shape, n)
-        lp = 2 if mixed else 4
-        add("params" if stage == 3 else "params (bit16)" if mixed else "params", lp * (local if stage == 3 else P),
-            f"{'bf16/fp16' if mixed else 'fp32'} working weights" + (f", partition 1/{n}" if stage == 3 else ", whole"),
-            host=stage == 3 and inner.offload_params)
-        off = inner.offload_optimizer
-        add("master", 4 * local, f"fp32 master partition 1/{n}", host=off)
-        add("grads", (lp * P if stage == 1 else 0) + 4 * local,
-            ("bit16 grads whole + " if stage == 1 else "") + f"fp32 partition 1/{n}", host=off and stage > 1)
-        add("optimizer", 4 * optim_elems(local), f"{states}, partition 1/{n}", host=off)
-        bucket = shape.hidden * shape.hidden  # engine/inner/deepspeed_config.py sizes buckets from the hidden size
-        add("zero buckets", lp * 2 * bucket + (lp * 2 * bucket if stage == 3 else 0),
-            "reduce + all-gather buckets (hidden^2 elements each)" + (", stage 3 prefetch" if stage == 3 else ""))
-        if stage == 3:
-            add("layers gathered", lp * 2 * shape.layer_numel, "two layers gathered for forward/backward",
-                transient=True)
-
-    # activations: one micro-batch
-    tokens = t.micro_batch_size * cfg.data.seq_len
-    saved, recompute = activation_bytes(shape, tokens, mixed, t.activation_checkpointing)
-    add("activations", saved, f"{t.micro_batch_size} x {cfg.data.seq_len} tokens"
-        + (", checkpointed: each layer's input" if t.activation_checkpointing else ""))
-    if recompute:
-        add("recompute", recompute, "one layer's activations rebuilt in backward", transient=True)
-    add("logits backward", LOGITS_BACKWARD * tokens * shape.vocab, "the loss's and the logits' gradients",
-        transient=True)
-
-    # DiLoCo: three flat fp32 copies of what this process trains, on its parameters' device
-    d = cfg.diloco
-    if d.enabled:
-        on_host = strategy == "fsdp" and inner.cpu_offload
-        momentum = d.outer_optimizer != "average" and d.outer_momentum > 0
-        add("diloco buffers", 4 * 3 * local, "snapshot, pseudo-gradient, mean (fp32)", host=on_host)
-        if momentum:
-            add("outer momentum", 4 * local, f"{d.outer_optimizer} momentum {d.outer_momentum:g}", host=on_host)
-        members = max(2, d.min_nodes)
-        if d.compression == "sparse":
-            for name, nbytes, note, host in sparse_parts(d, local, members, device):
-                add(name, nbytes, note, host=host or on_host)
-        elif d.compression == "none":
-            add("exchange", 4 * local, "the all-reduce's buffer (pinned, on the host beside a GPU)", host=True)
-        else:
-            width = 1 if d.compression == "int8" else 2
-            add("exchange", width * local + (4 + width) * local // members,
-                f"{d.compression} codec: send rows + this rank's chunk ({members} members)", host=on_host)
-        if d.overlap or d.fragment_delay:
-            add("overlap copies", 4 * (2 + momentum) * local, "the outer step in flight clones snapshot, "
-                "pseudo-gradient and momentum", transient=True, host=on_host)
-
+        local = fsdp_terms(parts, shape, n, inner, mixed, optim)
+    else:
+        local = zero_terms(parts, shape, n, int(strategy[-1]), inner, mixed, optim)
+    activation_terms(parts, shape, t.micro_batch_size, cfg.data.seq_len, mixed, t.activation_checkpointing)
+    if cfg.diloco.enabled:
+        diloco_terms(parts, cfg.diloco, local, on_host=strategy == "fsdp" and inner.cpu_offload, device=device)
     # the export gathers one whole tensor at a time on the device (FSDP2, ZeRO-3) before moving it to the host
     if strategy == "fsdp" or strategy == "zero3":
-        add("export gather", 4 * shape.largest, "the largest tensor gathered whole (checkpoint export)",
-            transient=True)
-    est = Estimate(parts)
-    est.setting = dict(preset=cfg.model.path or cfg.model.preset, params=P, strategy=strategy, workers=n,
+        parts.add("export gather", 4 * shape.largest, "the largest tensor gathered whole (checkpoint export)",
+                  transient=True)
+    est = Estimate(list(parts))
+    est.setting = dict(preset=cfg.model.path or cfg.model.preset, params=shape.numel, strategy=strategy, workers=n,
                        precision=t.precision, micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
                        ac=t.activation_checkpointing, optim=optim, device=device)
     return est
@@ -387,6 +314,107 @@ def sparse_parts(d: Any, local: float, members: int, device: str) -> list[tuple[
             ("exchange", (1 + members) * (4 + message), f"sparse messages of {message / 4 / max(1, local):.4f} x "
              f"fp32 + weight: this member's and one per member ({members}; pinned beside a GPU)", True),
             ("sparse scratch", scratch, "the top-k's group maxima and candidates", False)]
+
+
+def optimizer_term(parts: Parts, optim: str, shape: Shape, local: float, where: str, *, host: bool = False) -> None:
+    """The inner optimizer's states for `local` elements: Muon keeps 1 momentum for the layers' matrices, AdamW 2
+    states for everything else."""
+    if optim == "adamw":
+        elems, states = 2 * local, "2 AdamW states"
+    else:
+        share = shape.hidden_matrices / shape.numel
+        elems, states = local * (share + 2 * (1 - share)), "1 momentum (hidden matrices) + 2 AdamW states (the rest)"
+    parts.add("optimizer", 4 * elems, f"{states}, {where}", host=host)
+
+
+def replicated_terms(parts: Parts, shape: Shape, strategy: str, mixed: bool, optim: str) -> int:
+    """One process or DDP: every process holds the whole model. Returns the elements it trains."""
+    P = shape.numel
+    parts.add("params", 4 * P, "fp32")
+    parts.add("grads", 4 * P, "fp32" + (", + DDP's bucket copies" if strategy == "ddp" else ""))
+    if strategy == "ddp":
+        parts.add("ddp buckets", 4 * P, "gradient_as_bucket_view off: one fp32 copy in buckets")
+    optimizer_term(parts, optim, shape, P, "fp32")
+    if mixed:
+        parts.add("autocast copies", 2 * P, "bf16/fp16 weights cast for the forward, cached until backward",
+                  transient=True)
+    return P
+
+
+def fsdp_terms(parts: Parts, shape: Shape, n: int, inner: Any, mixed: bool, optim: str) -> int:
+    """FSDP2 over `n` processes: shards of the fp32 state, gathered layers. Returns the elements it trains."""
+    local = fsdp_local(shape, n)
+    off = inner.cpu_offload
+    parts.add("params", 4 * local, f"fp32 shard 1/{n}", host=off)
+    parts.add("grads", 4 * local, f"fp32 shard 1/{n}", host=off)
+    optimizer_term(parts, optim, shape, local, f"shard 1/{n}", host=off)
+    pbytes = 2 if mixed else 4
+    root = sum(math.prod(x) for x in shape.root_tensors())
+    parts.add("root unsharded", pbytes * root, "embeddings and head stay gathered from forward to backward")
+    if inner.reshard_after_forward:
+        parts.add("layers gathered", pbytes * 2 * shape.layer_numel + 4 * shape.layer_numel,
+                  "two layers (prefetch) + one layer's fp32 grads before reduce-scatter", transient=True)
+    else:
+        parts.add("layers gathered", pbytes * shape.layers * shape.layer_numel,
+                  "reshard_after_forward off: every layer stays gathered until backward")
+    return local
+
+
+def zero_terms(parts: Parts, shape: Shape, n: int, stage: int, inner: Any, mixed: bool, optim: str) -> int:
+    """DeepSpeed ZeRO stage 1/2/3 over `n` processes. Returns the elements of this process's partition."""
+    P = shape.numel
+    local = zero_local(shape, n)
+    lp = 2 if mixed else 4
+    parts.add("params" if stage == 3 else "params (bit16)" if mixed else "params", lp * (local if stage == 3 else P),
+              f"{'bf16/fp16' if mixed else 'fp32'} working weights"
+              + (f", partition 1/{n}" if stage == 3 else ", whole"), host=stage == 3 and inner.offload_params)
+    off = inner.offload_optimizer
+    parts.add("master", 4 * local, f"fp32 master partition 1/{n}", host=off)
+    parts.add("grads", (lp * P if stage == 1 else 0) + 4 * local,
+              ("bit16 grads whole + " if stage == 1 else "") + f"fp32 partition 1/{n}", host=off and stage > 1)
+    optimizer_term(parts, optim, shape, local, f"partition 1/{n}", host=off)
+    bucket = shape.hidden * shape.hidden  # engine/inner/deepspeed_config.py sizes buckets from the hidden size
+    parts.add("zero buckets", lp * 2 * bucket + (lp * 2 * bucket if stage == 3 else 0),
+              "reduce + all-gather buckets (hidden^2 elements each)" + (", stage 3 prefetch" if stage == 3 else ""))
+    if stage == 3:
+        parts.add("layers gathered", lp * 2 * shape.layer_numel, "two layers gathered for forward/backward",
+                  transient=True)
+    return local
+
+
+def activation_terms(parts: Parts, shape: Shape, micro_batch: int, seq_len: int, mixed: bool,
+                     checkpointing: bool) -> None:
+    """One micro-batch's activations saved for backward, the layer recomputed, the logits' backward."""
+    tokens = micro_batch * seq_len
+    saved, recompute = activation_bytes(shape, tokens, mixed, checkpointing)
+    parts.add("activations", saved, f"{micro_batch} x {seq_len} tokens"
+              + (", checkpointed: each layer's input" if checkpointing else ""))
+    if recompute:
+        parts.add("recompute", recompute, "one layer's activations rebuilt in backward", transient=True)
+    parts.add("logits backward", LOGITS_BACKWARD * tokens * shape.vocab, "the loss's and the logits' gradients",
+              transient=True)
+
+
+def diloco_terms(parts: Parts, d: Any, local: int, *, on_host: bool, device: str) -> None:
+    """DiLoCo (`d`: cfg.diloco): three flat fp32 copies of the `local` elements this process trains, on its
+    parameters' device; the outer momentum; the codec's buffers; the copies of an outer step in flight."""
+    momentum = d.outer_optimizer != "average" and d.outer_momentum > 0
+    parts.add("diloco buffers", 4 * 3 * local, "snapshot, pseudo-gradient, mean (fp32)", host=on_host)
+    if momentum:
+        parts.add("outer momentum", 4 * local, f"{d.outer_optimizer} momentum {d.outer_momentum:g}", host=on_host)
+    members = max(2, d.min_nodes)
+    if d.compression == "sparse":
+        for name, nbytes, note, host in sparse_parts(d, local, members, device):
+            parts.add(name, nbytes, note, host=host or on_host)
+    elif d.compression == "none":
+        parts.add("exchange", 4 * local, "the all-reduce's buffer (pinned, on the host beside a GPU)", host=True)
+    else:
+        width = 1 if d.compression == "int8" else 2
+        parts.add("exchange", width * local + (4 + width) * local // members,
+                  f"{d.compression} codec: send rows + this rank's chunk ({members} members)", host=on_host)
+    if d.overlap or d.fragment_delay:
+        parts.add("overlap copies", 4 * (2 + momentum) * local, "the outer step in flight clones snapshot, "
+                  "pseudo-gradient and momentum", transient=True, host=on_host)
 
 
 # ---- the verdict ------------------------------------------------------------------------------------------

@@ -330,80 +330,128 @@ def follow_handoff(s: Session) -> None:
 
 def run(s: Session) -> str:
     """The training loop. Returns the run_end status."""
-    cfg, progress = s.cfg, s.progress
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    before = progress.step
+    status = begin(s)
+    if status is not None:
+        return status
+    status, loss = train(s)
+    return finish(s, status, loss)
+
+
+def begin(s: Session) -> str | None:
+    """Form or join the mesh (a joiner is handed the mesh's progress) and say so: None, or the run_end status of a
+    process stopped before it trained anything."""
+    before = s.progress.step
     try:
-        s.outer.start(progress)
+        s.outer.start(s.progress)
     except Stopped as e:  # stopped while waiting to form or join: nothing trained in this process yet
         return "completed" if e.reason == "ended" else e.reason
     s.training = True
-    if progress.step != before:
+    if s.progress.step != before:
         follow_handoff(s)
     compiled = getattr(s.inner, "compiled", None)  # torch.compile'd layers: the first step compiles them
-    s.telemetry.emit("state", state="training", step=progress.step, **s.facts,
+    s.telemetry.emit("state", state="training", step=s.progress.step, **s.facts,
                      **({"compiling": True} if compiled is not None else {}))
-    status, last_log, last_log_step = "completed", time.monotonic(), progress.step
+    return None
+
+
+@dataclass
+class LogClock:
+    """When the last step line was written, and at which step: tokens/s is the rate between two step lines."""
+    at: float
+    step: int
+
+    def restart(self, step: int) -> None:
+        self.at, self.step = time.monotonic(), step
+
+
+def train(s: Session) -> tuple[str, torch.Tensor | None]:
+    """Inner steps, each followed by what comes between two steps, until the run ends or this node leaves or
+    stops: (the run_end status, the last step's loss)."""
+    clock = LogClock(time.monotonic(), s.progress.step)
     loss = None
     while True:
         try:  # fragments: a run resumed at its last boundary syncs its other fragments here (outer steps)
-            if s.outer.finished(progress, cfg.train.max_steps):
-                break
+            if s.outer.finished(s.progress, s.cfg.train.max_steps):
+                return "completed", loss
         except Stopped as e:
-            status = e.reason
-            break
-        schedule_step = s.outer.step_for_schedule(progress)
-        if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
-            s.inner.schedule_at(schedule_step)
-        if compiled is not None and compiled.pending:
-            loss, grad_norm = first_compiled_step(s, compiled)
-        else:
-            loss, grad_norm = train_step(s.inner, s.data.train, cfg.train.micro_batch_size, s.accum)
-        progress.step += 1
-        progress.tokens += tokens_per_step
-        if progress.step % cfg.train.log_interval == 0 or progress.step == cfg.train.max_steps:
-            mean_loss = node_mean(loss, s)  # a device sync point: only at log steps
-            now = time.monotonic()
-            rate = tokens_per_step * (progress.step - last_log_step) / max(now - last_log, 1e-9)
-            s.telemetry.emit("step", step=progress.step, loss=finite_or_none(mean_loss), lr=s.inner.current_lr(),
-                             tokens_per_s=rate, grad_norm=finite_or_none(float(grad_norm)), tokens=progress.tokens,
-                             outer_step=progress.outer_step, epoch=s.data.train.epoch)
-            last_log, last_log_step = now, progress.step
-            if not math.isfinite(mean_loss):
-                diverged(s, mean_loss)
-        stop, drain = s.signals.poll(s.world, s.group)
-        if drain and not s.draining:
-            s.draining = True
-            s.telemetry.emit("state", state="draining")
-            s.outer.request_drain()
-        step = progress.step
-        try:
-            left = s.outer.after_inner_step(progress)
-        except Stopped as e:  # a stop or drain inside the outer step's waits: this round is saved, not sent
-            status = e.reason
-            break
-        if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
-            follow_handoff(s)
-            # tokens/s counts the steps this node trained, not the ones handed over (50,000 tok/s for 5,000)
-            last_log, last_log_step = time.monotonic(), progress.step
-        # after the outer step: at a DiLoCo boundary this evaluates the run's model, not this node's local drift
-        # (with diloco.overlap or fragment_delay the mean is still in flight: the node's working weights)
-        if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-            eval_loss = evaluate(s)
-            if eval_loss is not None:
-                s.telemetry.emit("eval", step=step, loss=finite_or_none(eval_loss))
-        if left:
-            status = "drained"
-            break
-        if stop:
-            status = "stopped"
-            break
-        if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0:
-            check_finite(s, loss)
-            interrupted = save(s)
-            if interrupted:
-                status = interrupted
-                break
+            return e.reason, loss
+        loss, grad_norm = inner_step(s)
+        report_step(s, loss, grad_norm, clock)
+        status = between_steps(s, loss, clock)
+        if status is not None:
+            return status, loss
+
+
+def inner_step(s: Session) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step of the inner strategy (the first one compiles, where layers are compiled)."""
+    progress = s.progress
+    schedule_step = s.outer.step_for_schedule(progress)
+    if schedule_step is not None:  # DiLoCo time rounds: the LR follows the run's round clock
+        s.inner.schedule_at(schedule_step)
+    compiled = getattr(s.inner, "compiled", None)
+    if compiled is not None and compiled.pending:
+        loss, grad_norm = first_compiled_step(s, compiled)
+    else:
+        loss, grad_norm = train_step(s.inner, s.data.train, s.cfg.train.micro_batch_size, s.accum)
+    progress.step += 1
+    progress.tokens += s.cfg.train.batch_size * s.cfg.data.seq_len
+    return loss, grad_norm
+
+
+def report_step(s: Session, loss: torch.Tensor, grad_norm: torch.Tensor, clock: LogClock) -> None:
+    """At log steps (and the last): the node's mean loss, the LR and the rate as a step line; a NaN stops here."""
+    cfg, progress = s.cfg, s.progress
+    if not (progress.step % cfg.train.log_interval == 0 or progress.step == cfg.train.max_steps):
+        return
+    mean_loss = node_mean(loss, s)  # a device sync point: only at log steps
+    now = time.monotonic()
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    rate = tokens_per_step * (progress.step - clock.step) / max(now - clock.at, 1e-9)
+    s.telemetry.emit("step", step=progress.step, loss=finite_or_none(mean_loss), lr=s.inner.current_lr(),
+                     tokens_per_s=rate, grad_norm=finite_or_none(float(grad_norm)), tokens=progress.tokens,
+                     outer_step=progress.outer_step, epoch=s.data.train.epoch)
+    clock.at, clock.step = now, progress.step
+    if not math.isfinite(mean_loss):
+        diverged(s, mean_loss)
+
+
+def between_steps(s: Session, loss: torch.Tensor, clock: LogClock) -> str | None:
+    """Signals, the outer step (at a boundary), evaluation and checkpoint after an inner step: None to go on, or the
+    run_end status (drained, stopped, or the reason an outer step's wait was stopped)."""
+    cfg, progress = s.cfg, s.progress
+    stop, drain = s.signals.poll(s.world, s.group)
+    if drain and not s.draining:
+        s.draining = True
+        s.telemetry.emit("state", state="draining")
+        s.outer.request_drain()
+    step = progress.step
+    try:
+        left = s.outer.after_inner_step(progress)
+    except Stopped as e:  # a stop or drain inside the outer step's waits: this round is saved, not sent
+        return e.reason
+    if progress.step != step:  # re-joined mid-run (left out, or behind at a re-formation): a new position
+        follow_handoff(s)
+        # tokens/s counts the steps this node trained, not the ones handed over (50,000 tok/s for 5,000)
+        clock.restart(progress.step)
+    # after the outer step: at a DiLoCo boundary this evaluates the run's model, not this node's local drift
+    # (with diloco.overlap or fragment_delay the mean is still in flight: the node's working weights)
+    if cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+        eval_loss = evaluate(s)
+        if eval_loss is not None:
+            s.telemetry.emit("eval", step=step, loss=finite_or_none(eval_loss))
+    if left:
+        return "drained"
+    if stop:
+        return "stopped"
+    if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0:
+        check_finite(s, loss)
+        return save(s)  # None, or the reason a stop interrupted the save's outer step
+    return None
+
+
+def finish(s: Session, status: str, loss: torch.Tensor | None) -> str:
+    """Save the last checkpoint and export the run's model where this node holds it: the run_end status."""
+    cfg = s.cfg
     check_finite(s, loss)
     interrupted = save(s)
     if interrupted and status == "completed":  # the last round's outer step was stopped: no agreed model to export
@@ -421,7 +469,7 @@ def run(s: Session) -> str:
         if path != Path(cfg.ckpt.export_dir):
             s.telemetry.emit("warning", message=f"ckpt.export_dir: {cfg.ckpt.export_dir} holds another model (a node "
                              f"that did not end in this node's last outer step); this node's export is in {path}")
-        s.telemetry.emit("export", step=progress.step, path=str(path))
+        s.telemetry.emit("export", step=s.progress.step, path=str(path))
     return status
 
 

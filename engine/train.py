@@ -133,7 +133,7 @@ def split_args(argv: list[str]) -> tuple[str, list[str]]:
     return argv[0], argv[1:]
 
 
-def preflight(cfg: Config, world: World, source: str) -> None:
+def check_node_setup(cfg: Config, world: World, source: str) -> None:
     """What the config alone cannot check, before anything is read or written: the batch arithmetic of this node's
     worker count, and the folders the run will write into (a /proc path trained, then failed at the first
     checkpoint with four tracebacks)."""
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None, *, freeze: bool = False) -> int:
         with same_on_every_rank():
             config_path, overrides = split_args(argv)
             cfg = load_config(config_path, overrides, environ=world.env)
-            preflight(cfg, world, config_path)
+            check_node_setup(cfg, world, config_path)
         telemetry = make_telemetry(cfg, world)
         training = import_session()  # torch, transformers and the strategies: seconds of imports
         if freeze:

@@ -28,7 +28,7 @@ class Sim:
     def sleep(self, dt: float) -> None:
         self.t += dt
         for name in sorted(self.alive):
-            self.nodes[name]._beat()  # a heartbeat thread's loop body: store errors are handled, not raised
+            self.nodes[name].heartbeat.beat()  # a heartbeat thread's loop body: store errors are handled, not raised
 
     def advance(self, seconds: float) -> None:
         for _ in range(round(seconds / CFG.heartbeat_interval)):

@@ -12,7 +12,7 @@ import pytest
 from engine.config import ConfigError, grad_accum_steps, load_config, parse_overrides
 
 from engine.digests import digest, run_digest
-from engine.errors import toml_value
+from engine.toml_text import toml_value
 
 
 def write(tmp_path, text: str):

@@ -196,19 +196,19 @@ def test_a_node_whose_lease_ends_is_dead_at_once_and_a_goodbye_outlives_its_leas
         for name, own in zip("abc", stores):
             assert sim.start(name, store=own) == [False]
         _run_committed(sim, 0, ["a", "b", "c"])
-        assert not sim.nodes["a"].is_dead("b")
+        assert not sim.nodes["a"].heartbeat.is_dead("b")
         sim.kill("b")
         stores[1]._lease.revoke()  # what a lapsed TTL does, without waiting for it
         t0 = sim.t
         sim.sleep(CFG.heartbeat_interval)  # one tick of the survivors
-        assert sim.nodes["a"].is_dead("b") and sim.t - t0 < CFG.heartbeat_timeout
+        assert sim.nodes["a"].heartbeat.is_dead("b") and sim.t - t0 < CFG.heartbeat_timeout
         assert ("a", "b") in sim.changes("dead") and ("c", "b") in sim.changes("dead")
         sim.kill("c")
         sim.nodes["c"].leave("completed")
         stores[2].close()  # the process ends: its lease is revoked
         assert stores[0].get("zb/hb/c") == b"-1"
         sim.sleep(CFG.heartbeat_interval)
-        assert sim.nodes["a"].is_dead("c") and ("a", "c") not in sim.changes("dead")
+        assert sim.nodes["a"].heartbeat.is_dead("c") and ("a", "c") not in sim.changes("dead")
     finally:
         for s in stores:
             s.close()
@@ -261,9 +261,9 @@ def test_a_heartbeat_on_etcd_costs_three_requests_with_live_dead_and_departed_pe
         calls = []
         real = shared.gateway.call
         shared.gateway.call = lambda path, *a, **kw: calls.append(path) or real(path, *a, **kw)
-        sim.nodes["n1"].tick()
+        sim.nodes["n1"].heartbeat.tick()
         assert calls == ["kv/txn", "kv/txn", "kv/txn"], calls  # add, the registry's compare_set, the read
-        assert sim.nodes["n1"].is_dead("x") and sim.nodes["n1"].is_dead("y")
+        assert sim.nodes["n1"].heartbeat.is_dead("x") and sim.nodes["n1"].heartbeat.is_dead("y")
     finally:
         shared.close()
         own.close()

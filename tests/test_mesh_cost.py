@@ -42,7 +42,7 @@ class CountingStore:
 
 def _tick_cost(sim: Sim, name: str) -> int:
     before = sim.store.ops
-    sim.nodes[name].tick()
+    sim.nodes[name].heartbeat.tick()
     return sim.store.ops - before
 
 
@@ -76,7 +76,7 @@ def test_two_hundred_membership_changes_leave_a_store_bounded_by_the_live_nodes(
     for i in range(100):  # a join and a departure each time: 200 changes
         j = f"j{i}"
         assert sim.start(j) == [True]
-        sim.nodes[j]._set_state("joining")  # what wait_admission() posts first
+        sim.nodes[j].registration.announce("joining")  # what wait_admission() posts first
         k += 1
         plan = sim.boundary(k, 0, ["a", "b", "c"])["a"]
         assert plan.joiners == (j,)
@@ -114,7 +114,7 @@ def test_a_blocked_stdout_never_stops_the_heartbeat():
         first = int(store.get("zb/hb/a"))
         time.sleep(1.0)
         assert int(store.get("zb/hb/a")) >= first + 5  # ~20 beats at 0.05 s, on a loaded machine at least 5
-        assert mesh._hb_error is None
+        assert mesh.heartbeat.error is None
     finally:
         released.set()
         mesh.close()
@@ -188,7 +188,7 @@ def test_a_process_replaced_under_its_id_cannot_overwrite_the_replacements_join_
     _run_committed(sim, 1, ["a", "b"])
     new = sim.node("x", key="x2")
     assert new.start() is True
-    new._set_state("joining")
+    new.registration.announce("joining")
     sim.alive.add("x")
     sim.nodes["x"] = new
     old.heartbeat.beat()  # it finds itself replaced
@@ -215,9 +215,9 @@ def test_a_crowded_registry_is_tried_again_at_the_next_tick_not_fatal(monkeypatc
         raise RegistryBusy("the registry key zb/ids kept changing under this node's updates")
 
     monkeypatch.setattr(Registry, "update", classmethod(busy))
-    sim.nodes["a"]._beat()
+    sim.nodes["a"].heartbeat.beat()
     assert sim.nodes["a"].heartbeat.error is None and asked == [CFG.heartbeat_timeout / 2]
     assert any("registering again at the next tick" in e.get("message", "") for e in sim.events)
     monkeypatch.setattr(Registry, "update", real)
-    sim.nodes["a"]._beat()
+    sim.nodes["a"].heartbeat.beat()
     assert sim.nodes["a"].heartbeat.error is None and "a" in Registry.parse(sim.store.get(Keys().ids()).decode()).ids

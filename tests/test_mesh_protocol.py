@@ -132,9 +132,10 @@ def test_a_silent_member_is_awaited_until_the_heartbeat_timeout_and_planned_out_
         silent = sim.t - silent_from
         plan = sim.nodes["a"].poll_plan(1, 0)
         if silent <= timeout:
-            assert plan is None and not sim.nodes["a"].is_dead("c") and not sim.nodes["b"].is_dead("c"), silent
+            seen_dead = [n for n in "ab" if sim.nodes[n].heartbeat.is_dead("c")]
+            assert plan is None and not seen_dead, silent
         assert plan is not None or silent < timeout + 0.09, f"c still awaited after {silent:.2f} s of silence"
-    assert plan.members == ("a", "b") and sim.nodes["b"].is_dead("c"), (plan, silent)
+    assert plan.members == ("a", "b") and sim.nodes["b"].heartbeat.is_dead("c"), (plan, silent)
 
 
 def test_the_leader_prunes_a_dead_id_two_timeouts_after_its_death_not_before():
@@ -186,7 +187,7 @@ def test_a_straggler_on_a_slow_link_steps_out_just_past_its_budget_not_before():
 def _dead_to_the_leader(sim: Sim, name: str) -> None:
     sim.kill(name)
     sim.advance(CFG.heartbeat_timeout + 2 * CFG.heartbeat_interval)
-    assert sim.nodes[sim.leader()].is_dead(name)
+    assert sim.nodes[sim.leader()].heartbeat.is_dead(name)
 
 
 def _first_poll(sim: Sim, k: int, a: int, names: str) -> dict[str, Plan | None]:
@@ -238,7 +239,7 @@ def test_a_joiner_seen_dead_is_not_admitted():
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
     assert sim.start("j") == [True]
-    sim.nodes["j"]._set_state("joining")  # what wait_admission() posts first; then it dies
+    sim.nodes["j"].registration.announce("joining")  # what wait_admission() posts first; then it dies
     _dead_to_the_leader(sim, "j")
     plans = _first_poll(sim, 1, 0, "ab")
     assert plans["a"] is not None and plans["a"].members == ("a", "b") and plans["a"].joiners == (), plans["a"]
@@ -284,7 +285,7 @@ def test_straggler_is_excluded_and_rejoins_as_a_joiner(store):
     _post_all_ok(sim, plan, "ab")
     for n in ("a", "b"):
         sim.nodes[n].commit(plan, True)
-    sim.nodes["c"]._set_state("joining")  # what wait_admission() posts first
+    sim.nodes["c"].registration.announce("joining")  # what wait_admission() posts first
     admitted = sim.boundary(2, 0, ["a", "b"])["a"]
     assert admitted.members == ("a", "b", "c") and admitted.joiners == ("c",) and admitted.source == "a"
     assert sim.nodes["c"].wait_admission() == admitted
@@ -366,11 +367,11 @@ def test_a_member_on_a_slow_link_steps_out_the_others_go_on_and_it_rejoins_when_
     with pytest.raises(Excluded, match="stepped out"):
         sim.nodes["c"].boundary(1, 1)
     assert sim.nodes["c"].state == "standby"  # not asking to join while its link is slow
-    sim.nodes["c"]._ticks.clear()
-    sim.nodes["c"]._ticks.extend([0.01] * 8)  # its ticks are on time again
-    sim.nodes["c"]._await_link()  # returns at once: healthy
-    assert not sim.nodes["c"]._stepped_out
-    sim.nodes["c"]._set_state("joining")  # what wait_admission() posts next
+    sim.nodes["c"].heartbeat.ticks.clear()
+    sim.nodes["c"].heartbeat.ticks.extend([0.01] * 8)  # its ticks are on time again
+    sim.nodes["c"].admission.await_link()  # returns at once: healthy
+    assert not sim.nodes["c"].admission.stepped_out
+    sim.nodes["c"].registration.announce("joining")  # what wait_admission() posts next
     admitted = sim.boundary(2, 0, ["a", "b"])["a"]
     assert admitted.members == ("a", "b", "c") and admitted.joiners == ("c",)
     assert sim.nodes["c"].wait_admission() == admitted
@@ -401,28 +402,28 @@ def test_a_slow_link_is_told_from_its_ticks():
     sim.start("a")
     mesh = sim.nodes["a"]
     sim.advance(2.0)
-    assert not mesh.link_slow() and mesh.link_healthy()
+    assert not mesh.link_slow() and mesh.heartbeat.link_healthy()
     slow["s"] = 0.1  # 3 operations a tick: 0.3 s, over the 0.2 s margin
     sim.sleep(CFG.heartbeat_interval)
     assert not mesh.link_slow()  # one late tick is not a slow link
     sim.sleep(CFG.heartbeat_interval)
-    assert mesh.link_slow() and not mesh.link_healthy()
+    assert mesh.link_slow() and not mesh.heartbeat.link_healthy()
     slow["s"] = 0.0
     for _ in range(3):
         sim.sleep(CFG.heartbeat_interval)
-    assert not mesh.link_healthy()
+    assert not mesh.heartbeat.link_healthy()
     sim.sleep(CFG.heartbeat_interval)
-    assert mesh.link_healthy()
-    mesh._tick_began = sim.t - 0.5  # a tick under way for 0.5 s counts as one more late tick
-    mesh._ticks.append(0.9)
+    assert mesh.heartbeat.link_healthy()
+    mesh.heartbeat.tick_began = sim.t - 0.5  # a tick under way for 0.5 s counts as one more late tick
+    mesh.heartbeat.ticks.append(0.9)
     assert mesh.link_slow()
-    mesh._tick_began = None
+    mesh.heartbeat.tick_began = None
     far = sim.node("far", store=Lossy())  # a steady 60 ms round trip: every tick 0.18 s, none late
     slow["s"] = 0.06
     far.start()
     sim.alive.add("far")
     sim.advance(2.0)
-    assert not far.link_slow() and far.link_healthy()
+    assert not far.link_slow() and far.heartbeat.link_healthy()
 
 
 def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
@@ -437,14 +438,14 @@ def test_a_link_that_turns_lossy_in_a_nodes_first_seconds_is_told_slow():
     sim.store = lossy_store(sim, slow)()
     sim.start("a")
     mesh = sim.nodes["a"]
-    while len(mesh._ticks) < MIN_TICKS:
+    while len(mesh.heartbeat.ticks) < MIN_TICKS:
         sim.sleep(CFG.heartbeat_interval)
-    assert len(mesh._ticks) == MIN_TICKS == 4 and not mesh.link_slow()
+    assert len(mesh.heartbeat.ticks) == MIN_TICKS == 4 and not mesh.link_slow()
     slow["s"] = 0.3  # every store round trip retransmitted once: a tick of three takes ~0.9 s
     sim.sleep(CFG.heartbeat_interval)
     assert not mesh.link_slow()  # one late tick is not a slow link
     sim.sleep(CFG.heartbeat_interval)
-    assert len(mesh._ticks) < 8 and mesh.link_slow()
+    assert len(mesh.heartbeat.ticks) < 8 and mesh.link_slow()
 
 
 def test_a_tick_is_late_just_over_slow_tick_past_the_fastest_not_just_under():
@@ -459,11 +460,11 @@ def test_a_tick_is_late_just_over_slow_tick_past_the_fastest_not_just_under():
     slow["s"] = (CFG.slow_tick - 0.01) / 3  # three store operations a tick
     for _ in range(8):
         sim.sleep(CFG.heartbeat_interval)
-        assert not mesh.link_slow() and mesh.link_healthy(), list(mesh._ticks)
+        assert not mesh.link_slow() and mesh.heartbeat.link_healthy(), list(mesh.heartbeat.ticks)
     slow["s"] = (CFG.slow_tick + 0.01) / 3
     sim.sleep(CFG.heartbeat_interval)
     sim.sleep(CFG.heartbeat_interval)
-    assert mesh.link_slow() and not mesh.link_healthy(), list(mesh._ticks)
+    assert mesh.link_slow() and not mesh.heartbeat.link_healthy(), list(mesh.heartbeat.ticks)
 
 
 class SlowLink:
@@ -532,7 +533,7 @@ def test_joiner_stays_a_joiner_across_an_aborted_attempt(store):
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
     assert sim.start("j") == [True]
-    sim.nodes["j"]._set_state("joining")  # what wait_admission() posts first
+    sim.nodes["j"].registration.announce("joining")  # what wait_admission() posts first
     plan = sim.boundary(1, 0, ["a", "b"])["a"]
     assert plan.joiners == ("j",)
     assert sim.commit(plan, {"a": True, "b": True, "j": False})["a"] == ABORT
@@ -581,7 +582,7 @@ def test_restart_of_an_id_the_leader_is_pruning_keeps_its_new_keys(store):
     mine = json.loads(sim.store.get("zb/info/b"))
     assert mine["token"] == sim.nodes["b"].info["token"]
     assert "b" in Registry.read(sim.store, Keys())[1].ids and "b" not in Registry.read(sim.store, Keys())[1].gone
-    sim.nodes["b"].tick()  # still the holder of its id: beats without "a newer process took its id over"
+    sim.nodes["b"].heartbeat.tick()  # still the holder of its id: beats without "a newer process took its id over"
 
 
 def test_a_node_pruned_while_cut_off_registers_again_with_its_keys(store):
@@ -642,7 +643,7 @@ def test_a_node_declared_dead_that_wakes_up_stops_beating_under_its_taken_id(sto
     sim.kill("b")  # stopped (SIGSTOP, swapped out), not gone
     sim.start("b")
     with pytest.raises(MeshError, match="node b was declared dead and a newer process"):
-        old_b.tick()
+        old_b.heartbeat.tick()
 
 
 def test_digest_mismatch_is_rejected(store):
@@ -697,7 +698,7 @@ def test_store_restarted_empty_mid_commit_the_nodes_reform_with_their_state_and_
     plan = sim.boundary(1, 0, ["a", "b"])["a"]
     sim.store.down = True  # SIGKILL of the store process inside outer step 1
     sim.advance(5.0)  # the nodes keep training meanwhile (their heartbeats fail and retry)
-    assert all(sim.nodes[n]._hb_error is None for n in "ab")
+    assert all(sim.nodes[n].heartbeat.error is None for n in "ab")
     sim.store.restart()  # the same port, an empty store
     with pytest.raises(Reformed, match="restarted empty"):
         sim.nodes["a"].commit(plan, True)  # the step in flight is void: nobody can know its decision
@@ -759,7 +760,7 @@ def test_a_stale_join_request_does_not_survive_a_restart():
     sim = Sim()
     sim.start("a", "b")
     _run_committed(sim, 0, ["a", "b"])
-    sim.nodes["b"]._set_state("joining")  # b was excluded and asked to be admitted again, then everything died
+    sim.nodes["b"].registration.announce("joining")  # b was excluded, asked to be admitted again, then all died
     sim.kill("a")
     sim.kill("b")
     sim.advance(3 * CFG.heartbeat_timeout)
@@ -782,7 +783,7 @@ def test_a_leader_frozen_for_twice_the_timeout_does_not_plan_from_its_old_livene
     assert sim.nodes["a"].poll_plan(1, 0) is None  # no plan from a stale table (it would leave b and c out)
     assert sim.store.get("zb/plan/latest") == before
     sim.advance(0.4)  # a beats again: it re-learns liveness, gives up the lease, and b sees it alive
-    assert not sim.nodes["a"].is_leader and not sim.nodes["a"].is_dead("b")
+    assert not sim.nodes["a"].is_leader and not sim.nodes["a"].heartbeat.is_dead("b")
     plan = sim.boundary(1, 0, ["a", "b", "c"])["b"]
     assert plan.members == ("a", "b", "c")
 

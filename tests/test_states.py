@@ -104,7 +104,7 @@ def test_a_fleet_shows_an_unknown_event_word_in_the_log_not_in_the_table():
 # ---- the sources -----------------------------------------------------------------------------------------------
 
 STATE_ATTRS = {"state", "engine_state"}
-STATE_CALLS = {"set_state": 1, "add_node": 2, "_engine_says": 1, "_set_state": 0, "StateRecord": 0}  # arg index
+STATE_CALLS = {"set_state": 1, "add_node": 2, "_engine_says": 1, "announce": 0, "StateRecord": 0}  # arg index
 
 
 def _str_constants(node: ast.AST) -> list[str]:
@@ -197,7 +197,7 @@ def test_the_scan_sees_a_hand_typed_state(tmp_path):
         'if state_name(node.state) == "dead":\n    pass\n'
         'fleet.set_state("a", "failed", "why")\n'
         'node.engine_state = "training"\n'
-        'self._set_state("left")\n'
+        'self.registration.announce("left")\n'
         'if store.state == "up":\n    pass\n'  # the store's own words: not node states
         'if node.state is NodeState.DEAD or node.reason == "drained":\n    pass\n'
         'emit("state", state="standing")\n')

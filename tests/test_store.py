@@ -97,6 +97,23 @@ def test_unreachable_store_fails_within_its_timeout(port):
     assert time.monotonic() - t0 < 2.5
 
 
+def test_each_store_backend_is_one_implementation_chosen_by_the_config(port):
+    """mesh.store_backend's values and the engine's implementations are the same set (a value added to the config
+    without its StoreBackend fails here, not at a node's start), and open_store goes through the one the config
+    names: the tcp one dials store_addr:store_port."""
+    from typing import get_args
+
+    from engine.config import MeshConfig
+    from engine.mesh.connect import BACKENDS, EtcdBackend, TcpBackend, open_store, store_backend
+
+    assert sorted(get_args(MeshConfig.model_fields["store_backend"].annotation)) == sorted(BACKENDS)
+    tcp = MeshConfig(store_addr="127.0.0.1", store_port=port, store_timeout=1.0)
+    etcd = MeshConfig(store_backend="etcd", etcd_endpoints=["127.0.0.1:1"], etcd_insecure=True)
+    assert type(store_backend(tcp)) is TcpBackend and type(store_backend(etcd)) is EtcdBackend
+    with pytest.raises(MeshError, match=rf"membership store 127.0.0.1:{port} unreachable within 1s"):
+        open_store(tcp)
+
+
 def test_unreachable_store_node_exits_with_one_error_line(procs, port):
     node = start_node(procs, port, "a")
     assert node.proc.wait(timeout=60) == 3

@@ -9,12 +9,12 @@
     mesh.leave("completed")
 
 protocol.py holds the pure rules; node.py the API and its waits (Mesh), composed of registration.py (the id and
-start-up), heartbeat.py (liveness, lease, pruning, store loss), planner.py (the planner's reads and writes) and
-polling.py (what every wait checks), which share membership.py; connect.py the store client, group.py the process
-groups.
+start-up), heartbeat.py (liveness, lease, pruning, store loss), planner.py (the planner's reads and writes),
+polling.py (what every wait checks) and admission.py (stepping out, and a joiner's wait), which share
+membership.py; connect.py the store client (one StoreBackend per mesh.store_backend), group.py the process groups.
 """
 
-from engine.mesh.connect import connect_store, open_store
+from engine.mesh.connect import StoreBackend, connect_store, open_store, store_backend
 from engine.mesh.group import attempt_decided, forget_groups, make_group
 from engine.store.memory import MemoryStore
 from engine.mesh.node import Mesh
@@ -22,5 +22,5 @@ from engine.mesh.protocol import (ABORT, COMMIT, NODE_STATES, Arrival, BoundaryV
                                   MeshError, Plan, Reformed, StateRecord, Stopped, compute_plan, decide)
 
 __all__ = ["ABORT", "COMMIT", "NODE_STATES", "Arrival", "attempt_decided", "BoundaryView", "Excluded", "Keys",
-           "Liveness", "Mesh", "MemoryStore", "MeshError", "Plan", "Reformed", "StateRecord", "Stopped", "compute_plan",
-           "connect_store", "decide", "forget_groups", "make_group", "open_store"]
+           "Liveness", "Mesh", "MemoryStore", "MeshError", "Plan", "Reformed", "StateRecord", "Stopped", "StoreBackend",
+           "compute_plan", "connect_store", "decide", "forget_groups", "make_group", "open_store", "store_backend"]

@@ -3,6 +3,10 @@
     store = open_store(cfg.mesh)                    # mesh.store_backend: a TCPStore client or an EtcdStore
     store = open_store(cfg.mesh, probe_timeout=beat, like=lost)   # the heartbeat's reconnect (etcd: same lease)
     store = connect_store(addr, port, timeout)      # MeshError within `timeout` when unreachable
+
+Each value of mesh.store_backend is one StoreBackend (BACKENDS): how a node reaches that store. A new backend is a
+class here with its `open`, one entry in BACKENDS, and the value in engine/config.py's MeshConfig.store_backend
+(with the checks of its own settings). What a client of any backend must provide is engine/store/memory.py's list.
 """
 
 from __future__ import annotations
@@ -11,10 +15,49 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Protocol
 
 from engine.errors import first_line
 from engine.mesh.protocol import MeshError
+
+
+class StoreBackend(Protocol):
+    """The membership store of one mesh.store_backend value, as a node reaches it."""
+
+    def open(self, probe_timeout: float | None = None, like: Any = None) -> Any:
+        """A client of the store: a MeshError within `probe_timeout` (default mesh.store_timeout) when it cannot be
+        reached. `like`: the lost client a reconnect replaces."""
+        ...
+
+
+class TcpBackend:
+    """One TCPStore process at mesh.store_addr:store_port (`python -m engine.store`)."""
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def open(self, probe_timeout: float | None = None, like: Any = None) -> Any:
+        m = self.m  # a lost TCPStore client holds nothing worth keeping: a new one (`like` unused)
+        return connect_store(m.store_addr, m.store_port, m.store_timeout, probe_timeout)
+
+
+class EtcdBackend:
+    """The run's prefix (mesh.etcd_prefix) of a replicated etcd cluster (engine/store/etcd.py), over TLS with a
+    client certificate unless mesh.etcd_insecure. Heartbeat keys are leased: a dead node's key vanishes by itself."""
+
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def open(self, probe_timeout: float | None = None, like: Any = None) -> Any:
+        return connect_etcd(self.m, probe_timeout, like)
+
+
+BACKENDS: dict[str, Callable[[Any], StoreBackend]] = {"tcp": TcpBackend, "etcd": EtcdBackend}
+
+
+def store_backend(m: Any) -> StoreBackend:
+    """The StoreBackend mesh config `m` names (mesh.store_backend)."""
+    return BACKENDS[m.store_backend](m)
 
 
 def open_store(m: Any, probe_timeout: float | None = None, like: Any = None) -> Any:
@@ -22,9 +65,7 @@ def open_store(m: Any, probe_timeout: float | None = None, like: Any = None) -> 
     etcd cluster (engine/store/etcd.py). Either way a MeshError within `probe_timeout` (default m.store_timeout)
     when it cannot be reached. The heartbeat's reconnect passes the lost client as `like`: on etcd the new client
     shares its lease (the node's heartbeat key stays its own; a new lease would leave the old one renewed)."""
-    if m.store_backend == "etcd":
-        return connect_etcd(m, probe_timeout, like)
-    return connect_store(m.store_addr, m.store_port, m.store_timeout, probe_timeout)
+    return store_backend(m).open(probe_timeout, like)
 
 
 def connect_etcd(m: Any, probe_timeout: float | None = None, like: Any = None) -> Any:

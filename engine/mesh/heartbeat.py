@@ -330,6 +330,12 @@ class Heartbeat:
             self._emit("membership", change="dead", subject=node,
                        members=[n for n in plan.members if n != node], generation=plan.generation)
 
+    def release_lease(self) -> None:
+        """Give the leader lease back, from the caller's thread (its client): a node left out of a plan, stepping
+        out or leaving. Its next tick takes it again only if it is eligible (_check_lease)."""
+        self.m.is_leader = False
+        self.m.store.compare_set(self.keys.leader(), self.node_id, "")
+
     def _check_lease(self, s: Any, holder: str, registered: set[str], fresh: bool) -> None:
         m, key = self.m, self.keys.leader()
         eligible = fresh and m.ready and m.state in (NodeState.STARTING, NodeState.TRAINING, NodeState.DRAINING)

@@ -7,36 +7,36 @@ The node's local rank 0 owns one Mesh, composed of:
                                      lease, prunes, survives store loss
     Planner       (planner.py)       reads a boundary, writes plans, decides attempts
     Polling       (polling.py)       what every wait checks at every poll; the pause while the store is lost
+    Admission     (admission.py)     stepping out of an attempt; the wait of a joiner (new or stepped out)
     Membership    (membership.py)    what they share: the store client, epoch, plan, liveness, lease, lifecycle
 
-The caller's thread does the boundary, admission and commit waits here: each is a bounded polling loop with a
-deadline from MeshConfig that polls by Polling's rules (a stop, a drain, a restarted store, a lost store).
-docs/mesh.md is the protocol description.
+The caller's thread does the boundary and commit waits here, the admission wait in admission.py: each is a
+bounded polling loop with a deadline from MeshConfig that polls by Polling's rules (a stop, a drain, a restarted
+store, a lost store). docs/mesh.md is the protocol description.
 
 For tests the clock and sleep are injectable, and with heartbeat_thread=False each wait loop runs one heartbeat
-tick per poll instead, so a single thread can drive several nodes over a MemoryStore deterministically.
+tick per poll instead, so a single thread can drive several nodes over a MemoryStore deterministically. Tests and
+benches reach a part by its name (mesh.heartbeat.tick(), mesh.heartbeat.is_dead(peer), mesh.registration.announce
+(state)): Mesh itself keeps only the API the outer loop calls.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
 from typing import Any, Callable
 
-from engine.errors import first_line
+from engine.mesh.admission import SLOW_LINK, Admission
 from engine.mesh.heartbeat import Heartbeat
-from engine.mesh.membership import STORE_ERRORS, Membership, text
+from engine.mesh.membership import Membership, text
 from engine.mesh.planner import KEEP_STEPS, Planner, moved_past
 from engine.mesh.polling import Polling
 from engine.mesh.protocol import (ABORT, COMMIT, LEAVE_REASONS, Excluded, Keys, Liveness, MeshError, StateRecord,
-                                  Plan, Stopped)
+                                  Plan)
 from engine.mesh.registration import Registration
 from engine.states import NodeState
 
-__all__ = ["KEEP_STEPS", "Mesh"]
-
-SLOW_LINK = "its link is slow"  # step_out()'s usual cause: the straggler rule (Mesh.poll_plan, groups.bounded)
+__all__ = ["KEEP_STEPS", "SLOW_LINK", "Mesh"]
 
 
 class Mesh:
@@ -75,12 +75,11 @@ class Mesh:
                                    thread=heartbeat_thread)
         self.polling = Polling(m, self.heartbeat, node_id, k, cfg, sleep=sleep, interrupt=interrupt,
                                can_resume=reconnect is not None)
+        self.admission = Admission(m, self.planner, self.registration, self.heartbeat, self.polling, node_id, k, cfg,
+                                   clock=clock, emit=emit)
         self._arrived_at = 0.0
         self._arriving_at = 0.0  # when its last arrival began (before its write): the straggler budget
         self._posted_at = 0.0
-        self._stepped_out: str | None = None  # step_out()'s cause: the next boundary excludes this node; it re-joins
-        # a joiner that stepped out of the plan that admitted it, after its commit: (epoch, outer step) of that plan
-        self._rejoin_after: tuple[int, int] | None = None
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -115,7 +114,7 @@ class Mesh:
             joiner = self.registration.must_join(self.polling.idle)
             self._m.forming = not joiner
             if joiner:
-                self._set_state(NodeState.JOINING)
+                self.registration.announce(NodeState.JOINING)
             self._m.ready = True
             return joiner
 
@@ -131,7 +130,7 @@ class Mesh:
 
     def wait_admission(self) -> Plan:
         """A joiner (or an excluded node) asks to be admitted and waits for a plan that lists it in `joiners`."""
-        return self.polling.resilient("waiting for admission", self._wait_admission)
+        return self.polling.resilient("waiting for admission", lambda: self._accept(self.admission.wait()))
 
     def commit(self, plan: Plan, succeeded: bool) -> bool:
         """Post this node's outcome of the outer step and obey the single decision: True = commit, False = abort."""
@@ -149,27 +148,10 @@ class Mesh:
         join again once the link is healthy. A joiner of a committed plan (its state did not arrive) asks only once
         a later plan is out: at that plan's boundary its peers count it a member of the commit whose state may
         still say joining (protocol.compute_plan), and would wait for it."""
-        self._step_out(plan.epoch, plan.outer_step, plan.attempt, why, cause)
+        self.admission.step_out(plan.epoch, plan.outer_step, plan.attempt, why, cause)
         if self.node_id in plan.joiners and self.planner.read(
                 self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)) == COMMIT:
-            self._rejoin_after = (plan.epoch, plan.outer_step)
-
-    def _step_out(self, epoch: int, outer_step: int, attempt: int, why: str, cause: str = SLOW_LINK) -> None:
-        self._stepped_out = cause
-        try:
-            self._set_state(NodeState.STANDBY)  # first: the re-plan the abort starts must find it out already
-            latest = self.planner.latest()[1]
-            if latest is not None and latest.epoch == epoch and (latest.outer_step, latest.attempt) == (
-                    outer_step, attempt) and self.node_id in latest.members:
-                # the attempt's plan (with this node in it) is out: abort it. (A run that moved on decided this
-                # attempt already, and may have collected its decision; a plan without this node is not its own.)
-                self.store.compare_set(self.keys.decision(epoch, outer_step, attempt), "", ABORT)
-            self._release_lease()
-        except STORE_ERRORS as e:  # cut off for good: its peers see its heartbeat stop instead
-            why += f" (the store did not answer: {first_line(e)})"
-        then = "once its link is healthy" if cause == SLOW_LINK else "at a later boundary"
-        self.emit("warning", message=f"node {self.node_id}: stepped out of outer step {outer_step} attempt "
-                                     f"{attempt}: {why}; it asks to join again {then}")
+            self.admission.rejoin_after = (plan.epoch, plan.outer_step)
 
     def leave(self, reason: str) -> None:
         """A clean exit: the counter goes negative, peers drop this node at once. Stops the heartbeat."""
@@ -184,11 +166,11 @@ class Mesh:
             raise MeshError(f"node {self.node_id}: leave: the membership store is lost")
         self._m.state = NodeState.LEFT  # locally at once: a second leave() after a store failure is a no-op
         with self.polling.guard("leave"):
-            self._release_lease()
+            self.heartbeat.release_lease()
             if self.registration.leased:  # the goodbye outlives this process (until pruned): a clean exit
                 self.store.unlease_key(self.keys.hb(self.node_id))
             self.store.set(self.keys.hb(self.node_id), "-1")
-            self._set_state(NodeState.LEFT, reason)
+            self.registration.announce(NodeState.LEFT, reason)
         members = list(self.plan.members) if self.plan else []
         self._emit_membership("drained" if reason == "drained" else "left", self.node_id, members)
 
@@ -196,11 +178,7 @@ class Mesh:
         """Stop the heartbeat thread (without a goodbye: call leave() first for a clean exit)."""
         self.heartbeat.stop()
 
-    def peer_ages(self) -> dict[str, float]:
-        return self.heartbeat.peer_ages()
-
-    def is_dead(self, node: str) -> bool:
-        return self.heartbeat.is_dead(node)
+    # ---- what the outer loop's collectives ask while they wait (engine/outer/groups.py) --------------------------
 
     def dead_members(self, plan: Plan) -> list[str]:
         """Members of the plan this node sees dead now (no store operation: the heartbeat's table)."""
@@ -209,14 +187,6 @@ class Mesh:
     def link_slow(self) -> bool:
         """This node's own store round trips are being retransmitted (Heartbeat.link_slow)."""
         return self.heartbeat.link_slow()
-
-    def link_healthy(self) -> bool:
-        """Its last heartbeat ticks were on time: a node that stepped out may ask to join again."""
-        return self.heartbeat.link_healthy()
-
-    def tick(self) -> None:
-        """One heartbeat tick, for a driver without a heartbeat thread (tests, bench/mesh_scale.py)."""
-        self.heartbeat.tick()
 
     # ---- non-blocking steps (the blocking calls above loop over these; tests drive them directly) -------------
 
@@ -242,10 +212,10 @@ class Mesh:
         self.polling.check(what)
         if budget is not None and not self._m.forming and self.clock() - self._arriving_at > budget \
                 and self.link_slow():
-            self._step_out(self._m.epoch, outer_step, attempt,
-                           f"no plan read within its straggler budget ({budget:.1f}s from its arrival, "
-                           f"diloco.straggler_timeout) on a slow link (mesh.slow_tick)")
-            raise Excluded(f"node {self.node_id}: stepped out at {what} ({self._stepped_out}): re-join as a joiner")
+            self.admission.step_out(self._m.epoch, outer_step, attempt,
+                                    f"no plan read within its straggler budget ({budget:.1f}s from its arrival, "
+                                    f"diloco.straggler_timeout) on a slow link (mesh.slow_tick)")
+            raise self._stepped_out(what)
         raw, latest = self.planner.latest()
         plan = self._plan_for(latest, outer_step, attempt)
         if plan is None and self._may_plan():
@@ -283,8 +253,8 @@ class Mesh:
         self.polling.check_heartbeat()
         if self._m.reset:  # the store restarted while this node trained: this boundary forms the run anew
             self._m.forget_run()
-        if self._stepped_out:
-            raise Excluded(f"node {self.node_id}: stepped out at {what} ({self._stepped_out}): re-join as a joiner")
+        if self.admission.stepped_out:
+            raise self._stepped_out(what)
         self.arrive(outer_step, attempt, contributing=contributing, draining=draining)
         wait = self.cfg.start_timeout if self._m.forming else self.cfg.store_timeout
         limit = self._arrived_at + wait + self.cfg.store_timeout + 2 * self.cfg.heartbeat_timeout
@@ -297,63 +267,6 @@ class Mesh:
                                 f"(leader {self._m.leader_seen or 'none'}); is mesh.store_timeout shorter than "
                                 f"the slowest node's inner round?")
             self.polling.idle(what)
-
-    def _wait_admission(self) -> Plan:
-        what = "waiting for admission"
-        self._release_lease()
-        if self._stepped_out:
-            self._await_link()
-        self._set_state(NodeState.JOINING)
-        deadline = self.clock() + self.cfg.join_timeout
-        look = self.clock()  # when to look next whether the run completed without this node
-        while True:
-            self.polling.check(what)
-            _, plan = self.planner.latest()
-            if plan is not None and self.node_id in plan.joiners and plan.epoch >= self.epoch \
-                    and not self.planner.read(self.keys.decision(plan.epoch, plan.outer_step, plan.attempt)):
-                self._m.epoch = plan.epoch
-                self._m.forming = False
-                return self._accept(plan)
-            if plan is not None and self.clock() >= look:
-                look = self.clock() + 1.0
-                self._ended_without_me(plan)
-            if self.clock() > deadline:
-                raise MeshError(f"node {self.node_id}: not admitted within mesh.join_timeout "
-                                f"({self.cfg.join_timeout:g}s); is any member of the run alive?")
-            self.polling.idle(what)
-
-    def _ended_without_me(self, plan: Plan) -> None:
-        """Raise Stopped("ended") when every member of the run's latest plan has left it completed: nobody
-        will admit this node, which would otherwise wait out mesh.join_timeout and fail (a node left out of the
-        last rounds). A member that drained or failed may be restarted: the node waits on for it."""
-        others = [m for m in plan.members if m != self.node_id]  # it may be in the plan it stepped out of
-        states = self.planner.states(others) if others else {}
-        if states and all(st is not None and st.state == NodeState.LEFT and st.reason == "completed"
-                          for st in states.values()):
-            mine = f" of outer step {self.plan.outer_step}" if self.plan else ""
-            why = (f"the run completed at outer step {plan.outer_step} ({', '.join(others)} left it) while "
-                   f"node {self.node_id} waited to join: it ends with its own weights{mine}, not the run's final "
-                   f"model (that is on the nodes that finished)")
-            self.emit("warning", message=why)
-            raise Stopped("ended", "waiting for admission")
-
-    def _await_link(self) -> None:
-        """A node that stepped out stays in standby until its heartbeat ticks are on time again (bounded by
-        mesh.join_timeout; then it asks to join anyway), so that it is not admitted over the link that made it
-        step out: a joiner takes part in the next collective and receives the state. A joiner that missed its state
-        also waits for a plan past the one that admitted it (step_out)."""
-        what = "waiting for its link to recover (stepped out)"
-        deadline = self.clock() + self.cfg.join_timeout
-        while not (self.link_healthy() and self._planned_past(self._rejoin_after)) and self.clock() < deadline:
-            self.polling.idle(what)
-        self._stepped_out, self._rejoin_after = None, None
-
-    def _planned_past(self, point: tuple[int, int] | None) -> bool:
-        """Whether the run has a plan later than (epoch, outer step) (or no plan at all: the store restarted)."""
-        if point is None:
-            return True
-        latest = self.planner.latest()[1]
-        return latest is None or (latest.epoch, latest.outer_step) > point
 
     def _commit(self, plan: Plan, succeeded: bool) -> str:
         what = f"commit of outer step {plan.outer_step} attempt {plan.attempt}"
@@ -388,13 +301,13 @@ class Mesh:
         try:
             return self.planner.plan_for(latest, outer_step, attempt)
         except Excluded:
-            self._release_lease()
+            self.heartbeat.release_lease()
             raise
 
     def _accept(self, plan: Plan) -> Plan:
         m = self._m
         if self.node_id not in plan.members:
-            self._release_lease()
+            self.heartbeat.release_lease()
             raise Excluded(f"node {self.node_id}: left out of outer step {plan.outer_step} attempt {plan.attempt} "
                            f"(generation {plan.generation}, members {list(plan.members)}): re-join as a joiner")
         m.recent = m.recent | frozenset(plan.members)
@@ -418,42 +331,16 @@ class Mesh:
             self._emit_membership("drained", d, list(plan.members), plan.generation)
         if self.node_id in plan.joiners:
             with self.polling.guard("admission"):
-                self._set_state(NodeState.DRAINING if self._m.node_state.draining else NodeState.TRAINING)
+                self.registration.announce(NodeState.DRAINING if self._m.node_state.draining
+                                           else NodeState.TRAINING)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
-    def _set_state(self, state: NodeState, reason: str = "") -> None:
-        self._m.state = state
-        st = self._m.node_state
-        self.registration.write_state(StateRecord(state, st.token, st.at, st.contributing, st.draining, st.ok,
-                                                st.group, reason), self.store)
-
-    def _release_lease(self) -> None:
-        self._m.is_leader = False
-        self.store.compare_set(self.keys.leader(), self.node_id, "")
+    def _stepped_out(self, what: str) -> Excluded:
+        return Excluded(f"node {self.node_id}: stepped out at {what} ({self.admission.stepped_out}): re-join as a "
+                        f"joiner")
 
     def _emit_membership(self, change: str, subject: str, members: list[str], generation: int | None = None) -> None:
         if generation is None:
             generation = self.plan.generation if self.plan else 0
         self.emit("membership", change=change, subject=subject, generation=generation, members=members)
-
-    # ---- what the tests reach for (the heartbeat's own state, by its former names) ------------------------------
-
-    @property
-    def _hb_error(self) -> str | None:
-        return self.heartbeat.error
-
-    @property
-    def _ticks(self) -> deque[float]:
-        return self.heartbeat.ticks
-
-    @property
-    def _tick_began(self) -> float | None:
-        return self.heartbeat.tick_began
-
-    @_tick_began.setter
-    def _tick_began(self, began: float | None) -> None:
-        self.heartbeat.tick_began = began
-
-    def _beat(self) -> bool:
-        return self.heartbeat.beat()

@@ -21,11 +21,11 @@ import json
 import uuid
 from typing import Any, Callable
 
-from engine.errors import toml_value
 from engine.mesh.membership import UPDATE_WITHIN_S, Membership, Registry, text
 from engine.mesh.planner import Planner
 from engine.mesh.protocol import Keys, MeshError, StateRecord
 from engine.states import NodeState
+from engine.toml_text import toml_value
 
 # a peer in a running run (a member, or one that stepped out and will ask again), and one that runs none (yet)
 _RUNNING = (NodeState.TRAINING, NodeState.DRAINING, NodeState.STANDBY)
@@ -84,6 +84,14 @@ class Registration:
     def write_state(self, st: StateRecord, s: Any) -> None:
         self.m.node_state = st
         s.set(self.keys.state(self.node_id), st.to_json())
+
+    def announce(self, state: NodeState, reason: str = "") -> None:
+        """This node's lifecycle moves to `state` (its waits move it): its state/<id> says so, over the caller
+        thread's client, the rest of the record as last written."""
+        self.m.state = state
+        st = self.m.node_state
+        self.write_state(StateRecord(state, st.token, st.at, st.contributing, st.draining, st.ok, st.group, reason),
+                         self.m.store)
 
     def info_json(self) -> str:
         return json.dumps({**self.info, "node": self.node_id}, sort_keys=True, default=str)
