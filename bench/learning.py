@@ -24,8 +24,9 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                --overlap-delay steps into the next round, the node training on from its own weights meanwhile);
                eager H (the same with diloco.overlap_update = eager); projected H (projected: the node's own
                progress scaled by the fit of the last landed outer step); round-late H (landing at the next
-               boundary). Then, per H, each seed's ratios to its synchronous run and their mean, standard error,
-               min and max. Last line:
+               boundary); with --overlap-lrs, overlap H lrX (delayed at outer lr X); with --overlap-after (in-process
+               only), overlap H afterN (delayed, the outer steps up to inner step N synchronous). Then, per H,
+               each seed's ratios to its synchronous run and their mean, standard error, min and max. Last line:
                    overlap/sync eval-loss ratio R; eager R'; a round late R''
                R: overlap H's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
     --fragments  at each H of --fragments-h (20): sync H; fragments P H for each P of --fragments-p (2, 4): the
