@@ -24,8 +24,9 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                --overlap-delay steps into the next round, the node training on from its own weights meanwhile);
                eager H (the same with diloco.overlap_update = eager); projected H (projected: the node's own
                progress scaled by the fit of the last landed outer step); round-late H (landing at the next
-               boundary). Then, per H, each seed's ratios to its synchronous run and their mean, standard error,
-               min and max. Last line:
+               boundary); with --overlap-lrs, overlap H lrX (delayed at outer lr X); with --overlap-after (in-process
+               only), overlap H afterN (delayed, the outer steps up to inner step N synchronous). Then, per H,
+               each seed's ratios to its synchronous run and their mean, standard error, min and max. Last line:
                    overlap/sync eval-loss ratio R; eager R'; a round late R''
                R: overlap H's ratio to the synchronous run, the mean over the seeds, the worse of the H values.
     --fragments  at each H of --fragments-h (20): sync H; fragments P H for each P of --fragments-p (2, 4): the
@@ -117,6 +118,8 @@ class Arm:
     overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed | projected
     overlap_delay: int = 1  # diloco.overlap_delay: inner steps into the next round at which the round lands (H: at
     # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
+    overlap_after: int = 0  # with overlap, in-process only (measured, not an engine setting): the outer steps at
+    # inner steps up to this one are synchronous (the mean lands at its boundary), the later ones overlap
     fragments: int = 1  # diloco.fragments: the model synced in this many fragments in turn (1: all at once)
     fragment_alpha: float = 0.0  # diloco.fragment_alpha: the node's own share of a synced fragment
     fragment_delay: int = 0  # diloco.fragment_delay: inner steps a fragment's outer step overlaps
@@ -190,6 +193,11 @@ def overlap_arms(args) -> list[Arm]:
         # eager at other outer lrs, against the same synchronous run (does eager overshoot with the plain mean?)
         arms += [replace(ovl, name=f"eager H{h} lr{lr:g}", overlap_update="eager", outer_lr=lr)
                  for lr in args.eager_lrs]
+        # delayed at other outer lrs, against the synchronous run at the shipped one (issue 46: does the overlapped
+        # run want an outer lr of its own?)
+        arms += [replace(ovl, name=f"overlap H{h} lr{lr:g}", outer_lr=lr) for lr in args.overlap_lrs]
+        # delayed with the rounds up to step N synchronous (issue 46: the cost accrues early)
+        arms += [replace(ovl, name=f"overlap H{h} after{n}", overlap_after=n) for n in args.overlap_after]
     return arms
 
 
@@ -390,7 +398,7 @@ def run_sim(args, arm: Arm) -> Result:
             nbytes += fragments.step(params, flat, step, last=step == args.steps)
         elif overlap is not None and step % arm.inner_steps == 0:
             nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
-            overlap.boundary(params, flat, last=step == args.steps)
+            overlap.boundary(params, flat, now=step == args.steps or step <= arm.overlap_after)
         elif outer is not None and step % arm.inner_steps == 0:
             pgrads = [snapshot - flat(ps) for ps in params]
             mean = sim_weighted_mean(pgrads, arm.compression)
@@ -417,7 +425,7 @@ class SimOverlap:
     optimizer, round t's mean goes in flight, and each worker trains on from the agreed weights minus u: the outer
     optimizer's step for its own pseudo-gradient / k (eager), that whole pseudo-gradient (delayed) or that times the
     worker's scale fitted at the last landing (projected). The run's last boundary lands at once (the engine's flush
-    before its export)."""
+    before its export), and so do those up to arm.overlap_after (synchronous outer steps)."""
 
     def __init__(self, arm: Arm, outer, snapshot, k: int):
         self.arm, self.outer, self.snapshot, self.k = arm, outer, snapshot, k
@@ -448,15 +456,15 @@ class SimOverlap:
             self.anchors[i] = self.snapshot.clone()
             torch.nn.utils.vector_to_parameters(moved, ps)
 
-    def boundary(self, params, flat, *, last: bool) -> None:
+    def boundary(self, params, flat, *, now: bool) -> None:
         import torch
         pgrads = [a - flat(ps) for a, ps in zip(self.anchors, params)]
         self._land()
         self.in_flight, self.sent = sim_weighted_mean(pgrads, self.arm.compression), pgrads
-        if last:
+        if now:
             self._land()
         for i, (g, ps) in enumerate(zip(pgrads, params)):
-            if last:  # nothing trains after the flush: every worker holds the agreed weights
+            if now:  # landed at its boundary (the flush, or a synchronous round): every worker holds the agreed weights
                 self.anchors[i] = self.snapshot.clone()
             elif self.arm.overlap_update == "eager":
                 self.anchors[i] = self.snapshot - self.outer.preview(g / self.k, out=torch.empty_like(g))
@@ -890,6 +898,10 @@ def parse_args(argv=None):
                     help="--overlap: diloco.overlap_delay of the overlapped arms (inner steps into the next round)")
     ap.add_argument("--eager-lrs", default="", help="--overlap: also eager overlap at these outer lrs (against the "
                                                     "synchronous run at the default one)")
+    ap.add_argument("--overlap-lrs", default="", help="--overlap: also delayed overlap at these outer lrs (against "
+                                                      "the synchronous run at the default one)")
+    ap.add_argument("--overlap-after", default="", help="--overlap, --engine sim: also delayed overlap with the outer "
+                                                        "steps up to these inner steps synchronous (comma-separated)")
     ap.add_argument("--fragments-h", default="20", help="--fragments: the H values (comma-separated)")
     ap.add_argument("--fragments-p", default="2,4", help="--fragments: the fragment counts (each must divide H)")
     ap.add_argument("--fragment-alpha", type=float, default=0.0, help="--fragments: diloco.fragment_alpha")
@@ -932,13 +944,18 @@ def parse_args(argv=None):
     try:
         args.overlap_h = [int(x) for x in args.overlap_h.split(",") if x.strip()]
         args.eager_lrs = [float(x) for x in args.eager_lrs.split(",") if x.strip()]
+        args.overlap_lrs = [float(x) for x in args.overlap_lrs.split(",") if x.strip()]
+        args.overlap_after = [int(x) for x in args.overlap_after.split(",") if x.strip()]
         args.fragments_h = [int(x) for x in args.fragments_h.split(",") if x.strip()]
         args.fragments_p = [int(x) for x in args.fragments_p.split(",") if x.strip()]
         first, _, last = (args.poison_rounds or "").partition("-")
         args.poison_rounds = (int(first), int(last or first)) if args.poison_rounds else None
     except ValueError:
-        ap.error(f"--overlap-h {args.overlap_h!r} / --fragments-h / --fragments-p / --poison-rounds "
-                 f"{args.poison_rounds!r}: expected integers (5,20 and FIRST-LAST)")
+        ap.error(f"--overlap-h {args.overlap_h!r} / --overlap-lrs / --overlap-after / --fragments-h / --fragments-p / "
+                 f"--poison-rounds {args.poison_rounds!r}: expected numbers (5,20 and FIRST-LAST)")
+    if args.overlap_after and args.engine != "sim":
+        ap.error(f"--overlap-after {','.join(map(str, args.overlap_after))} needs --engine sim: the engine has no "
+                 f"such setting (a study of where overlap's cost accrues)")
     if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):
         ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
     if args.tune and args.optimizer != "muon":

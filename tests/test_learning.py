@@ -188,6 +188,25 @@ def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_sa
     assert learning.steps_text([3, 4, 5, 9]) == "3-5, 9"
 
 
+def test_overlap_study_arms_of_issue_46_an_outer_lr_of_their_own_and_synchronous_early_rounds():
+    """`--overlap-lrs` runs delayed overlap at another outer lr against the synchronous run at the shipped one;
+    `--overlap-after N` makes the outer steps up to inner step N synchronous (in-process only): with every boundary
+    but the flush up to N it is the synchronous run to the bit, with one overlapped boundary it is neither run."""
+    args = learning.parse_args(["--engine", "sim", "--overlap", "--overlap-h", "2", "--overlap-lrs", "0.8",
+                                "--overlap-after", "4,6", "--steps", "8", "--seq-len", "32", "--micro-batch", "2",
+                                "--eval-batches", "2", "--eval-interval", "0", "--k", "2", "--seed", "1"])
+    arms = {a.name: a for a in learning.overlap_arms(args)}
+    assert arms["overlap H2 lr0.8"].outer_lr == 0.8 and arms["sync H2"].outer_lr == 1.0
+    assert arms["overlap H2 lr0.8"].baseline == "sync H2" and arms["overlap H2 lr0.8"].overlap_update == "delayed"
+    assert [arms[f"overlap H2 after{n}"].overlap_after for n in (4, 6)] == [4, 6]
+    with pytest.raises(SystemExit):  # the engine has no such setting: refused, not ignored
+        learning.parse_args(["--overlap", "--overlap-after", "20"])
+    loss = {n: learning.run_sim(args, arms[n]).eval_loss
+            for n in ("sync H2", "overlap H2", "overlap H2 after4", "overlap H2 after6")}
+    assert loss["overlap H2 after6"] == loss["sync H2"]  # boundaries 2, 4, 6 synchronous, 8 the flush
+    assert len({loss["sync H2"], loss["overlap H2"], loss["overlap H2 after4"]}) == 3  # 6 overlapped: neither
+
+
 def test_overlap_study_prints_each_seeds_ratios_and_their_spread(tmp_path, capsys):
     """`--overlap --seeds`: each seed's overlap/sync and eager/sync, then each ratio's mean, standard error, min and
     max, on a tiny real run (the in-process engine), checked against the losses the study wrote to its JSON."""
