@@ -57,7 +57,8 @@ Engines:
     sim             the same training in one process: the engine's own model, data, AdamW, schedule and
                     OuterOptimizer, with workers stepped in turn and compression applied exactly as
                     engine.outer.allreduce.weighted_mean applies it. Used for sweeps (no process start-up cost);
-                    docs/learning.md shows that both engines agree on the default arms.
+                    docs/learning.md shows that both engines agree on the default arms. --jobs N runs N arms
+                    at once, each in a process (and a session: a scheduler share) of its own; the same results.
 
 Eval: every arm's final model on the same --eval-batches held-out micro-batches (the engine's held-out split, shard
 0 of 1), here in this process. Curves (eval loss against tokens and against wall time) come from the engines'
@@ -250,7 +251,7 @@ def tune_arms(args, arms: list[Arm], save) -> list[Arm]:
     grids = {arm.name: tune_grid(args, arm) for arm in arms}
     tune_args = argparse.Namespace(**{**vars(args), "seeds": args.tune_seeds})
     print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {sum(map(len, grids.values()))} points")
-    per_seed = run_arms(tune_args, [a for g in grids.values() for a in g], save)
+    per_seed = run_study_arms(tune_args, [a for g in grids.values() for a in g], save)
     mean = {name: statistics.fmean(r.eval_loss for rs in per_seed for r in rs if r.arm.name == name)
             for g in grids.values() for name in (a.name for a in g)}
     chosen = []
@@ -876,6 +877,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
     ap.add_argument("--arm-timeout", type=float, default=1800.0)
+    ap.add_argument("--jobs", type=at_least(1), default=1,
+                    help="--engine sim: run this many arms at once, each in a process of its own")
     sweeps = ap.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
     sweeps.add_argument("--sweep-h", action="store_true", help="H = 10, 50, 200 over 400 inner steps per worker")
@@ -939,6 +942,8 @@ def parse_args(argv=None):
     except ValueError:
         ap.error(f"--overlap-h {args.overlap_h!r} / --fragments-h / --fragments-p / --poison-rounds "
                  f"{args.poison_rounds!r}: expected integers (5,20 and FIRST-LAST)")
+    if args.jobs > 1 and args.engine != "sim":
+        ap.error(f"--jobs {args.jobs} needs --engine sim (a mesh arm already runs k engine processes and a store)")
     if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):
         ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
     if args.tune and args.optimizer != "muon":
@@ -990,6 +995,49 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
                 print(f"seed {seed}:")
             print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
     return per_seed
+
+
+def _job_init(threads: int) -> None:
+    """--jobs: a worker of its own session (so its own scheduler autogroup: a share of the CPU beside the study's
+    other workers, not a slice of one), gone with the study (PR_SET_DEATHSIG), at the study's torch threads."""
+    import ctypes
+
+    import torch
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    torch.set_num_threads(threads)
+
+
+def _job(run_args, arm: Arm) -> Result:
+    return run_sim(run_args, arm)
+
+
+def run_arms_jobs(args, arms: list[Arm], save) -> list[list[Result]]:
+    """run_arms for --engine sim with --jobs N: every (seed, arm) in a pool of N processes, at most N at once;
+    what each arm computes does not depend on the process (its own seed, data order and init), so the results are
+    run_arms's, in its order; each arm is printed and saved as it ends, each seed's table once all its arms have."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    per_seed: list[list[Result | None]] = [[None] * len(arms) for _ in args.seeds]
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_job_init,
+                             initargs=(args.threads,)) as pool:
+        futures = {pool.submit(_job, argparse.Namespace(**{**vars(args), "seed": seed}), arm): (i, j)
+                   for i, seed in enumerate(args.seeds) for j, arm in enumerate(arms)}
+        for future in as_completed(futures):
+            i, j = futures[future]
+            r = per_seed[i][j] = future.result()
+            print(f"  {r.arm.name:<30} seed {r.seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
+            save([r for rs in per_seed for r in rs if r is not None])
+    for rs in per_seed:
+        by = {r.arm.name: r for r in rs}
+        if len(args.seeds) > 1:
+            print(f"seed {rs[0].seed}:")
+        print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
+    return per_seed
+
+
+def run_study_arms(args, arms: list[Arm], save) -> list[list[Result]]:
+    return run_arms_jobs(args, arms, save) if args.jobs > 1 else run_arms(args, arms, save)
 
 
 def worst(means: dict[str, float], names: list[str]) -> float:
@@ -1086,7 +1134,7 @@ def main(argv=None) -> int:
 
     if args.tune:
         arms = tune_arms(args, arms, lambda results: save(results, "-tune"))
-    per_seed = run_arms(args, arms, save)
+    per_seed = run_study_arms(args, arms, save)
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
              f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
              f"{', '.join(map(str, args.seeds))}")

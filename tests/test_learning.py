@@ -160,6 +160,29 @@ def test_seeds_and_arms_are_checked_before_anything_runs():
     assert learning.parse_args([]).seeds == [1337]
 
 
+@pytest.mark.slow
+def test_jobs_run_the_same_arms_in_processes_of_their_own(tmp_path, capsys):
+    """`--jobs 2` (the in-process engine's arms in a pool of processes, each in a session of its own) ends every arm,
+    tuning grid included, at the loss one process gives it, in the same order; a mesh study refuses it."""
+    import json
+    with pytest.raises(SystemExit) as exit_:
+        learning.parse_args(["--jobs", "2"])
+    assert exit_.value.code == 2 and "--jobs 2 needs --engine sim" in capsys.readouterr().err
+    runs = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / jobs
+        assert learning.main(["--engine", "sim", "--optimizer", "muon", "--muon-h", "2", "--tune", "--tune-seeds",
+                              "3", "--tune-lrs", "3e-3,1e-2", "--tune-outer", "1.0/0", "--steps", "4", "--seq-len",
+                              "32", "--micro-batch", "2", "--eval-batches", "2", "--eval-interval", "0", "--seeds",
+                              "1,2", "--jobs", jobs, "--out", str(out)]) == 0
+        runs[jobs] = [[(r["arm"]["name"], r["seed"], r["arm"]["lr"], r["eval_loss"])
+                       for r in json.loads((out / f"learning-docstrings-muon-seeds{suffix}.json").read_text())[
+                           "results"]] for suffix in ("-tune", "")]
+    assert len(runs["1"][0]) == 8 and len(runs["1"][1]) == 8  # 4 arms x 2 lrs on seed 3; 4 arms x 2 seeds
+    assert runs["2"] == runs["1"]
+    assert runs["1"][1][0][:2] == ("ddp-adamw", 1) and runs["1"][1][-1][:2] == ("diloco-muon H2", 2)
+
+
 def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_same_seed():
     """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
     of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
