@@ -236,6 +236,39 @@ def muon_arms(args) -> list[Arm]:
     return arms
 
 
+def muon_plot(per_seed: list[list[Result]], path: Path, title: str) -> None:
+    """--optimizer muon: each arm's eval loss against tokens, the mean over the seeds (left), and each seed's eval-loss
+    ratio to ddp-adamw of that seed, with their mean (right)."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    names = [r.arm.name for r in per_seed[0]]
+    for name in names:
+        curves = [next(r.curve for r in rs if r.arm.name == name) for rs in per_seed]
+        ax1.plot([c[0] / 1e6 for c in curves[0]], [statistics.fmean(c[i][2] for c in curves)
+                                                   for i in range(len(curves[0]))], marker=".", label=name)
+    ax1.set_xlabel("tokens trained (millions, all workers)")
+    ax1.set_ylabel(f"held-out eval loss, mean of {len(per_seed)} seed(s)")
+    for x, name in enumerate(names):
+        ratios = [by[name].eval_loss / by["ddp-adamw"].eval_loss for by in ({r.arm.name: r for r in rs}
+                                                                              for rs in per_seed)]
+        ax2.scatter([x] * len(ratios), ratios, color="grey", s=14)
+        ax2.scatter([x], [statistics.fmean(ratios)], color="black", marker="_", s=400)
+    ax2.axhline(1.0, color="red", lw=0.8)
+    ax2.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax2.set_ylabel("eval loss / ddp-adamw's, same seed (dots: seeds, bar: mean)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def tune_grid(args, arm: Arm) -> list[Arm]:
     """--tune: the grid of one arm, every point named `<arm> lr<lr>[ outer<lr>/<momentum>]`."""
     outer = args.tune_outer if arm.kind == "diloco" else [(arm.outer_lr, arm.outer_momentum)]
@@ -1138,7 +1171,10 @@ def main(argv=None) -> int:
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
              f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
              f"{', '.join(map(str, args.seeds))}")
-    plot([r for rs in per_seed for r in rs if not r.failed], args.out / f"{stem}.png", title)
+    if chosen == "muon":
+        muon_plot(per_seed, args.out / f"{stem}.png", title)
+    else:
+        plot([r for rs in per_seed for r in rs if not r.failed], args.out / f"{stem}.png", title)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
     conclude(args, per_seed)
     return 0
