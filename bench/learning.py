@@ -245,16 +245,18 @@ def muon_plot(per_seed: list[list[Result]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    names = [r.arm.name for r in per_seed[0]]
+    names = list(dict.fromkeys(r.arm.name for rs in per_seed for r in rs))  # a seed cut short lacks some arms
     for name in names:
-        curves = [next(r.curve for r in rs if r.arm.name == name) for rs in per_seed]
+        curves = [r.curve for rs in per_seed for r in rs if r.arm.name == name]
         ax1.plot([c[0] / 1e6 for c in curves[0]], [statistics.fmean(c[i][2] for c in curves)
-                                                   for i in range(len(curves[0]))], marker=".", label=name)
+                                                   for i in range(len(curves[0]))], marker=".",
+                 label=f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
     ax1.set_xlabel("tokens trained (millions, all workers)")
-    ax1.set_ylabel(f"held-out eval loss, mean of {len(per_seed)} seed(s)")
+    ax1.set_ylabel("held-out eval loss, mean over the seeds")
     for x, name in enumerate(names):
         ratios = [by[name].eval_loss / by["ddp-adamw"].eval_loss for by in ({r.arm.name: r for r in rs}
-                                                                              for rs in per_seed)]
+                                                                              for rs in per_seed)
+                  if name in by and "ddp-adamw" in by]
         ax2.scatter([x] * len(ratios), ratios, color="grey", s=14)
         ax2.scatter([x], [statistics.fmean(ratios)], color="black", marker="_", s=400)
     ax2.axhline(1.0, color="red", lw=0.8)
