@@ -58,7 +58,8 @@ Engines:
     sim             the same training in one process: the engine's own model, data, AdamW, schedule and
                     OuterOptimizer, with workers stepped in turn and compression applied exactly as
                     engine.outer.allreduce.weighted_mean applies it. Used for sweeps (no process start-up cost);
-                    docs/learning.md shows that both engines agree on the default arms.
+                    docs/learning.md shows that both engines agree on the default arms. --jobs N runs N arms
+                    at once, each in a process (and a session: a scheduler share) of its own; the same results.
 
 Eval: every arm's final model on the same --eval-batches held-out micro-batches (the engine's held-out split, shard
 0 of 1), here in this process. Curves (eval loss against tokens and against wall time) come from the engines'
@@ -243,31 +244,101 @@ def muon_arms(args) -> list[Arm]:
     return arms
 
 
-def tune_grid(args, arm: Arm) -> list[Arm]:
-    """--tune: the grid of one arm, every point named `<arm> lr<lr>[ outer<lr>/<momentum>]`."""
+def muon_plot(per_seed: list[list[Result]], path: Path, title: str) -> None:
+    """--optimizer muon: each arm's eval loss against tokens, the mean over the seeds (left), and each seed's eval-loss
+    ratio to ddp-adamw of that seed, with their mean (right)."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    names = list(dict.fromkeys(r.arm.name for rs in per_seed for r in rs))  # a seed cut short lacks some arms
+    for name in names:
+        curves = [r.curve for rs in per_seed for r in rs if r.arm.name == name]
+        ax1.plot([c[0] / 1e6 for c in curves[0]], [statistics.fmean(c[i][2] for c in curves)
+                                                   for i in range(len(curves[0]))], marker=".",
+                 label=f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+    ax1.set_xlabel("tokens trained (millions, all workers)")
+    ax1.set_ylabel("held-out eval loss, mean over the seeds")
+    for x, name in enumerate(names):
+        ratios = [by[name].eval_loss / by["ddp-adamw"].eval_loss for by in ({r.arm.name: r for r in rs}
+                                                                              for rs in per_seed)
+                  if name in by and "ddp-adamw" in by]
+        ax2.scatter([x] * len(ratios), ratios, color="grey", s=14)
+        ax2.scatter([x], [statistics.fmean(ratios)], color="black", marker="_", s=400)
+    ax2.axhline(1.0, color="red", lw=0.8)
+    ax2.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax2.set_ylabel("eval loss / ddp-adamw's, same seed (dots: seeds, bar: mean)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def tune_grid(args, arm: Arm, lrs: list[float] | None = None) -> list[Arm]:
+    """--tune: the grid of one arm (lrs: --tune-lrs unless given), every point named
+    `<arm> lr<lr>[ outer<lr>/<momentum>]`."""
     outer = args.tune_outer if arm.kind == "diloco" else [(arm.outer_lr, arm.outer_momentum)]
     return [replace(arm, name=f"{arm.name} lr{lr:g}" + (f" outer{o_lr:g}/{o_m:g}" if arm.kind == "diloco" else ""),
                     lr=lr, outer_lr=o_lr, outer_momentum=o_m, baseline="")
-            for lr in args.tune_lrs for o_lr, o_m in outer]
+            for lr in (lrs or args.tune_lrs) for o_lr, o_m in outer]
+
+
+def load_results(path: Path) -> list[Result]:
+    """The results a study saved to its JSON (save() in main)."""
+    out = []
+    for r in json.loads(path.read_text())["results"]:
+        a = r["arm"]
+        arm = Arm(**{**a, "poison": Poison(**a["poison"]) if a.get("poison") else None})
+        out.append(Result(**{**r, "arm": arm, "curve": [tuple(c) for c in r["curve"]],
+                             "left_out": [tuple(x) for x in r["left_out"]]}))
+    return out
 
 
 def tune_arms(args, arms: list[Arm], save) -> list[Arm]:
     """--tune: every arm's grid on --tune-seeds; each arm takes the point of lowest mean eval loss. Prints the grid's
-    table and the choices; returns the arms at their chosen settings (names unchanged)."""
+    table and the choices; returns the arms at their chosen settings (names unchanged).
+
+    --tune-staged: the DDP arms over --tune-lrs first; then each DiLoCo arm over --tune-outer at the lr the DDP arm of
+    its optimizer chose (its lr is not tuned on its own: 12 points instead of 20 at 2 lrs and 2 outer pairs).
+    --tune-from: a point an earlier run's -tune.json holds for every tuning seed is taken from it, not run again."""
     import statistics
-    grids = {arm.name: tune_grid(args, arm) for arm in arms}
     tune_args = argparse.Namespace(**{**vars(args), "seeds": args.tune_seeds})
-    print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {sum(map(len, grids.values()))} points")
-    per_seed = run_arms(tune_args, [a for g in grids.values() for a in g], save)
-    mean = {name: statistics.fmean(r.eval_loss for rs in per_seed for r in rs if r.arm.name == name)
-            for g in grids.values() for name in (a.name for a in g)}
-    chosen = []
-    for arm in arms:
-        best = min(grids[arm.name], key=lambda a: mean[a.name])
+    earlier = {(r.arm.name, r.seed): r for r in (load_results(args.tune_from) if args.tune_from else [])}
+    kept: list[Result] = []
+
+    def run(points: list[Arm]) -> dict[str, float]:
+        reused = [a for a in points if all((a.name, s) in earlier for s in args.tune_seeds)]
+        todo = [a for a in points if a not in reused]
+        kept.extend(earlier[(a.name, s)] for a in reused for s in args.tune_seeds)
+        print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {len(points)} points"
+              + (f" ({len(reused)} taken from {args.tune_from})" if args.tune_from else ""), flush=True)
+        if todo:
+            before = list(kept)
+            per_seed = run_study_arms(tune_args, todo, lambda results: save(before + results))
+            kept.extend(r for rs in per_seed for r in rs)
+        save(kept)
+        return {a.name: statistics.fmean(r.eval_loss for r in kept if r.arm.name == a.name) for a in points}
+
+    def pick(arm: Arm, grid: list[Arm], mean: dict[str, float]) -> Arm:
+        best = min(grid, key=lambda a: mean[a.name])
         print(f"  {arm.name:<20} best {best.name[len(arm.name) + 1:]:<22} mean eval {mean[best.name]:.4f} (grid: "
-              + ", ".join(f"{a.name[len(arm.name) + 1:]} {mean[a.name]:.4f}" for a in grids[arm.name]) + ")")
-        chosen.append(replace(best, name=arm.name, baseline=arm.baseline))
-    return chosen
+              + ", ".join(f"{a.name[len(arm.name) + 1:]} {mean[a.name]:.4f}" for a in grid) + ")", flush=True)
+        return replace(best, name=arm.name, baseline=arm.baseline)
+
+    chosen: dict[str, Arm] = {}
+    stages = [[a for a in arms if a.kind != "diloco"], [a for a in arms if a.kind == "diloco"]] \
+        if args.tune_staged else [arms]
+    for stage in stages:
+        lr_of = {c.optimizer: c.lr for c in chosen.values()}  # staged: each optimizer's lr, from its DDP arm
+        grids = {a.name: tune_grid(args, a, [lr_of[a.optimizer]] if a.optimizer in lr_of else None) for a in stage}
+        mean = run([a for g in grids.values() for a in g])
+        chosen.update({a.name: pick(a, grids[a.name], mean) for a in stage})
+    return [chosen[a.name] for a in arms]
 
 
 def sweep_arms(args) -> list[Arm]:
@@ -884,6 +955,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
     ap.add_argument("--arm-timeout", type=float, default=1800.0)
+    ap.add_argument("--jobs", type=at_least(1), default=1,
+                    help="--engine sim: run this many arms at once, each in a process of its own")
     sweeps = ap.add_mutually_exclusive_group()
     sweeps.add_argument("--sweep", action="store_true", help="the docs/learning.md sweep instead of the default arms")
     sweeps.add_argument("--sweep-h", action="store_true", help="H = 10, 50, 200 over 400 inner steps per worker")
@@ -914,6 +987,9 @@ def parse_args(argv=None):
     ap.add_argument("--tune", action="store_true",
                     help="--optimizer muon: tune every arm on --tune-seeds first (--tune-lrs, --tune-outer)")
     ap.add_argument("--tune-seeds", default="101,102", help="--tune: the tuning seeds (apart from --seeds)")
+    ap.add_argument("--tune-staged", action="store_true",
+                    help="--tune: the lr on each optimizer's DDP arm, then the DiLoCo arms' outer pairs at that lr")
+    ap.add_argument("--tune-from", type=Path, help="--tune: take the grid points an earlier run's -tune.json holds")
     # 3e-2: at 20 steps Muon's best of 3e-3 and 1e-2 was the top one (docs/learning.md, "Muon")
     ap.add_argument("--tune-lrs", default="1e-3,3e-3,1e-2,3e-2", help="--tune: optim.lr values")
     ap.add_argument("--tune-outer", default="1.0/0,0.7/0.9,0.7/0.5",
@@ -956,10 +1032,16 @@ def parse_args(argv=None):
     if args.overlap_after and args.engine != "sim":
         ap.error(f"--overlap-after {','.join(map(str, args.overlap_after))} needs --engine sim: the engine has no "
                  f"such setting (a study of where overlap's cost accrues)")
+    if args.jobs > 1 and args.engine != "sim":
+        ap.error(f"--jobs {args.jobs} needs --engine sim (a mesh arm already runs k engine processes and a store)")
     if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):
         ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
     if args.tune and args.optimizer != "muon":
         ap.error("--tune needs --optimizer muon")
+    if (args.tune_staged or args.tune_from) and not args.tune:
+        ap.error(f"--tune-{'staged' if args.tune_staged else 'from'} needs --tune")
+    if args.tune_from and not args.tune_from.is_file():
+        ap.error(f"--tune-from {args.tune_from}: no such file (an earlier --tune run's -tune.json)")
     try:
         args.muon_h = [int(x) for x in args.muon_h.split(",") if x.strip()]
         args.tune_seeds = [int(x) for x in args.tune_seeds.split(",") if x.strip()]
@@ -1007,6 +1089,49 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
                 print(f"seed {seed}:")
             print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
     return per_seed
+
+
+def _job_init(threads: int) -> None:
+    """--jobs: a worker of its own session (so its own scheduler autogroup: a share of the CPU beside the study's
+    other workers, not a slice of one), gone with the study (PR_SET_DEATHSIG), at the study's torch threads."""
+    import ctypes
+
+    import torch
+    os.setsid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    torch.set_num_threads(threads)
+
+
+def _job(run_args, arm: Arm) -> Result:
+    return run_sim(run_args, arm)
+
+
+def run_arms_jobs(args, arms: list[Arm], save) -> list[list[Result]]:
+    """run_arms for --engine sim with --jobs N: every (seed, arm) in a pool of N processes, at most N at once;
+    what each arm computes does not depend on the process (its own seed, data order and init), so the results are
+    run_arms's, in its order; each arm is printed and saved as it ends, each seed's table once all its arms have."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    per_seed: list[list[Result | None]] = [[None] * len(arms) for _ in args.seeds]
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_job_init,
+                             initargs=(args.threads,)) as pool:
+        futures = {pool.submit(_job, argparse.Namespace(**{**vars(args), "seed": seed}), arm): (i, j)
+                   for i, seed in enumerate(args.seeds) for j, arm in enumerate(arms)}
+        for future in as_completed(futures):
+            i, j = futures[future]
+            r = per_seed[i][j] = future.result()
+            print(f"  {r.arm.name:<30} seed {r.seed:<6} eval {r.eval_loss:.4f}  {r.wall_s:6.1f} s", flush=True)
+            save([r for rs in per_seed for r in rs if r is not None])
+    for rs in per_seed:
+        by = {r.arm.name: r for r in rs}
+        if len(args.seeds) > 1:
+            print(f"seed {rs[0].seed}:")
+        print(table(rs, by.get("ddp") or by.get("ddp-adamw"), by.get("single")))
+    return per_seed
+
+
+def run_study_arms(args, arms: list[Arm], save) -> list[list[Result]]:
+    return run_arms_jobs(args, arms, save) if args.jobs > 1 else run_arms(args, arms, save)
 
 
 def worst(means: dict[str, float], names: list[str]) -> float:
@@ -1103,11 +1228,14 @@ def main(argv=None) -> int:
 
     if args.tune:
         arms = tune_arms(args, arms, lambda results: save(results, "-tune"))
-    per_seed = run_arms(args, arms, save)
+    per_seed = run_study_arms(args, arms, save)
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
              f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "
              f"{', '.join(map(str, args.seeds))}")
-    plot([r for rs in per_seed for r in rs if not r.failed], args.out / f"{stem}.png", title)
+    if chosen == "muon":
+        muon_plot(per_seed, args.out / f"{stem}.png", title)
+    else:
+        plot([r for rs in per_seed for r in rs if not r.failed], args.out / f"{stem}.png", title)
     print(f"wrote {args.out / (stem + '.json')} and {args.out / (stem + '.png')}")
     conclude(args, per_seed)
     return 0

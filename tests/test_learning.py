@@ -160,6 +160,64 @@ def test_seeds_and_arms_are_checked_before_anything_runs():
     assert learning.parse_args([]).seeds == [1337]
 
 
+@pytest.mark.slow
+def test_jobs_run_the_same_arms_in_processes_of_their_own(tmp_path, capsys):
+    """`--jobs 2` (the in-process engine's arms in a pool of processes, each in a session of its own) ends every arm,
+    tuning grid included, at the loss one process gives it, in the same order; a mesh study refuses it."""
+    import json
+    with pytest.raises(SystemExit) as exit_:
+        learning.parse_args(["--jobs", "2"])
+    assert exit_.value.code == 2 and "--jobs 2 needs --engine sim" in capsys.readouterr().err
+    runs = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / jobs
+        assert learning.main(["--engine", "sim", "--optimizer", "muon", "--muon-h", "2", "--arms", "diloco-muon H2",
+                              "--tune", "--tune-seeds", "3", "--tune-lrs", "3e-3,1e-2", "--tune-outer", "1.0/0",
+                              "--steps", "4", "--seq-len", "32", "--micro-batch", "2", "--eval-batches", "2",
+                              "--eval-interval", "0", "--seeds", "1,2", "--jobs", jobs, "--out", str(out)]) == 0
+        runs[jobs] = [[(r["arm"]["name"], r["seed"], r["arm"]["lr"], r["eval_loss"])
+                       for r in json.loads((out / f"learning-docstrings-muon-seeds{suffix}.json").read_text())[
+                           "results"]] for suffix in ("-tune", "")]
+    assert len(runs["1"][0]) == 4 and len(runs["1"][1]) == 4  # 2 arms x 2 lrs on seed 3; 2 arms x 2 seeds
+    assert runs["2"] == runs["1"]
+    assert [r[:2] for r in runs["1"][1]] == [("ddp-adamw", 1), ("diloco-muon H2", 1), ("ddp-adamw", 2),
+                                             ("diloco-muon H2", 2)]
+
+
+def test_muon_tuning_staged_takes_each_optimizers_lr_from_its_ddp_arm_and_reuses_earlier_points(tmp_path,
+                                                                                                 monkeypatch):
+    """`--tune --tune-staged`: the DDP arms over the lrs, then each DiLoCo arm over the outer pairs at the lr its
+    optimizer's DDP arm chose; `--tune-from`: a point an earlier run saved for every tuning seed is not run again."""
+    import json
+    from dataclasses import asdict
+    loss = {"ddp-adamw lr0.003": 2.8, "ddp-adamw lr0.01": 3.0, "ddp-muon lr0.003": 2.6, "ddp-muon lr0.01": 2.5}
+    ran = []
+
+    def fake_run(args, arms, save):  # eval loss: the table above, else lr + outer lr (the lowest of both wins)
+        ran.extend(a.name for a in arms)
+        return [[learning.Result(a, loss.get(a.name, a.lr + a.outer_lr), 1.0, 1, seed=s) for a in arms]
+                for s in args.seeds]
+    monkeypatch.setattr(learning, "run_study_arms", fake_run)
+    earlier = tmp_path / "earlier-tune.json"
+    reused = learning.Result(learning.Arm("ddp-adamw lr0.003", "ddp", k=4, lr=3e-3), 2.8, 1.0, 1, seed=101)
+    earlier.write_text(json.dumps({"results": [{**asdict(reused), "arm": asdict(reused.arm)}]}))
+    args = learning.parse_args(["--engine", "sim", "--optimizer", "muon", "--tune", "--tune-staged", "--tune-seeds",
+                                "101", "--tune-lrs", "3e-3,1e-2", "--tune-outer", "1.0/0,0.5/0.5", "--muon-h", "5",
+                                "--tune-from", str(earlier)])
+    saved = []
+    chosen = learning.tune_arms(args, learning.muon_arms(args), saved.append)
+    assert [(a.name, a.lr, a.outer_lr, a.baseline) for a in chosen] == [
+        ("ddp-adamw", 3e-3, 0.7, ""), ("ddp-muon", 1e-2, 0.7, "ddp-adamw"),
+        ("diloco-adamw H5", 3e-3, 0.5, "ddp-adamw"), ("diloco-muon H5", 1e-2, 0.5, "ddp-adamw")]
+    assert ran == ["ddp-adamw lr0.01", "ddp-muon lr0.003", "ddp-muon lr0.01",  # lr0.003 of ddp-adamw: reused
+                   "diloco-adamw H5 lr0.003 outer1/0", "diloco-adamw H5 lr0.003 outer0.5/0.5",
+                   "diloco-muon H5 lr0.01 outer1/0", "diloco-muon H5 lr0.01 outer0.5/0.5"]
+    assert len(saved[-1]) == 8 and (saved[-1][0].arm.name, saved[-1][0].eval_loss) == ("ddp-adamw lr0.003", 2.8)
+    for bad in (["--tune-staged"], ["--tune", "--tune-from", str(tmp_path / "missing.json")]):
+        with pytest.raises(SystemExit):
+            learning.parse_args(["--engine", "sim", "--optimizer", "muon", *bad])
+
+
 def test_overlap_and_poison_studies_take_each_arm_against_its_baseline_of_the_same_seed():
     """`--overlap` and `--poison`: every study arm names its baseline, the poison stretch defaults to the middle half
     of the rounds, and the closing ratio is the worst arm's (a diverged run, nan, counts as the worst)."""
