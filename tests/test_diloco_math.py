@@ -20,9 +20,7 @@ from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
 from engine.outer.local import LocalRanks
-from engine.outer.fragments import FragmentedDiloco
 from engine.outer.optimizer import Stateless, build_outer_optimizer, flat_params
-from engine.outer.overlap import OverlappedDiloco
 from engine.mesh.protocol import Plan
 from engine.outer import Progress
 from engine.telemetry import Telemetry
@@ -193,15 +191,15 @@ class TinyInner:
         self.updates += 1
 
 
-def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, **diloco):
+def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, opt=None, codec=None, **diloco):
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
-    loop = OverlappedDiloco if diloco.get("overlap") else FragmentedDiloco if diloco.get("fragments", 1) > 1 \
-        else DilocoOuter
-    return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
-                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
-                **({} if clock is None else {"clock": clock}))
+    # one outer loop for every way of training across hosts: its parts follow from the config (build_parts);
+    # opt, codec: parts given instead of the config's, through the same seam
+    return DilocoOuter(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
+                       config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
+                       outer_optimizer=opt, codec=codec, **({} if clock is None else {"clock": clock}))
 
 
 class _Null:

@@ -98,21 +98,15 @@ class NoOuter:
 
 
 def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
-    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, or with diloco.overlap its subclass
-    engine.outer.overlap.OverlappedDiloco, or with diloco.fragments > 1 engine.outer.fragments.FragmentedDiloco
-    (imported only when asked for: they need torch)."""
+    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, whose parts (landing, codec, cover,
+    outer optimizer) build_parts picks from diloco.* (imported only when asked for: it needs torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
-    if cfg.diloco.overlap:
-        from engine.outer.overlap import OverlappedDiloco as Loop
-    elif cfg.diloco.fragments > 1:
-        from engine.outer.fragments import FragmentedDiloco as Loop
-    else:
-        from engine.outer.diloco import DilocoOuter as Loop
+    from engine.outer.diloco import DilocoOuter
     note = short_run_note(cfg)
     if note and telemetry is not None:
         telemetry.emit("warning", message=note)
-    return Loop(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=run_digest(cfg),
+    return DilocoOuter(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=run_digest(cfg),
                 settings=mesh_settings(cfg), local_group=local_group)
 
 
