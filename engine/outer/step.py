@@ -145,11 +145,12 @@ class OuterStep:
     # ------------------------------------------------------------------ one outer step, with retries
 
     def round(self, progress: Progress, *, plan: Any = None, draining: bool = False, tokens: int,
-               joining: bool | None = None, taken: Taken | None = None, whole: bool = False,
+              joining: bool | None = None, taken: Taken | None = None, whole: bool = False,
               first_join: bool = False) -> None:
         """One outer step of a round of `tokens`, with retries. plan: a joiner's admission (members ask the mesh).
-        taken: the pseudo-gradient the landing took at the boundary; first_join: start()'s join of a running run. A member the mesh left out (Excluded) or listed
-        as a joiner takes the state; after a store restart (Reformed) the round starts over in the re-formed run."""
+        taken: the pseudo-gradient the landing took at the boundary; first_join: start()'s join of a running run. A
+        member the mesh left out (Excluded) or listed as a joiner takes the state; after a store restart (Reformed)
+        the round starts over in the re-formed run."""
         joining = plan is not None if joining is None else joining
         index = plan.outer_step if plan is not None else progress.outer_step + 1
         attempt = plan.attempt if plan is not None else 0
@@ -321,18 +322,6 @@ def unplaced(world: Any, node_id: str) -> str | None:
     return (f"GLOBAL_RANK and GLOBAL_WORLD_SIZE are not set on node {node_id}: it reads the data set's first share, "
             "as does every node started so (the same sequences); set both to each node's place and the run's node "
             "count (the console does)")
-
-
-def check_outer_state(sd: dict[str, Any], numel: int, timed: bool) -> None:
-    """A checkpoint's outer state that this node cannot take: one clear line."""
-    if sd["snapshot"].numel() != numel:
-        raise ValueError(f"outer state: the snapshot holds {sd['snapshot'].numel()} values, this node's parameters "
-                         f"{numel} (another model or worker count?)")
-    if timed and int(sd.get("fragments") or 1) > 1:  # time rounds read outer_step as rounds
-        raise ValueError(f"outer state: the checkpoint's run synced the model in {sd['fragments']} fragments, so its "
-                         f"outer steps count fragments, not rounds: with diloco.round = \"time\" it would be "
-                         f"{sd['fragments']}x further into the run and its LR schedule; resume it with "
-                         f"diloco.round = \"steps\"")
 
 
 def event_fields(plan: Any, progress: Progress, got: Agreed, counted: list[tuple[str, float]], watch: Stopwatch,
