@@ -954,7 +954,7 @@ def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
     them at start-up, so the digest that build_outer gives the mesh carries those settings."""
     from engine.config import Config
     from engine.digests import run_digest
-    from engine.outer.protocol import build_outer
+    from engine.outer.build import build_outer
 
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     tele = Telemetry("a", 0, json_out=_Null())

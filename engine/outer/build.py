@@ -1,4 +1,5 @@
-"""The outer loop's seam: `Progress`, the `Outer` protocol, `NoOuter` and `build_outer`.
+"""The outer loop's factory and its seam: `build_outer` (NoOuter, or a DiLoCo loop built of parts from the config),
+the `Outer` protocol it returns, `NoOuter` and `Diverged`.
 
 The outer loop wraps the inner loop; the inner loop never asks whether DiLoCo is on. Plain DDP/FSDP training is
 DiLoCo with a no-op boundary (`NoOuter`). Life cycle, called on every local rank in this order:
