@@ -34,7 +34,7 @@ class Exchanged:
 
 
 def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: str, links: MeshLinks,
-             sentinel: Sentinel, bufs: Any, codec: Codec) -> Exchanged:
+             sentinel: Sentinel, bufs: Any, codec: Codec, judged: torch.Tensor | None = None) -> Exchanged:
     """A contributor sends pgrad with its weight; a joiner, a diverged node and one the sentinel leaves out send
     zeros with weight 0 (out of the mean buffer: pgrad stays intact for a retry that counts it). A failed collective
     is reported, not raised (the attempt aborts at the commit); allreduce.NothingToAverage is raised.
@@ -42,12 +42,15 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
     The buffers are this attempt's, taken before the collective starts: an abandoned attempt's thread goes on (gloo
     cannot cancel a collective) and must write into them, never into the fresh ones renew_scratch gives the next
     attempt. (Read inside run(), a thread given up in the sentinel's gather read bufs.mean only when it went on to
-    the mean, after the renewal, and wrote its old mean into an outer step in progress: the seed-44 soak.)"""
+    the mean, after the renewal, and wrote its old mean into an outer step in progress: the seed-44 soak.)
+    judged: what the sentinel judges in pgrad's place (the node's own progress, landing.judged), in the mean buffer
+    until the collective overwrites it."""
     mean, wire = bufs.mean, bufs.exchange
 
     def run() -> Exchanged:
         w = weight
-        left_out = sentinel.screen(plan, group, pgrad if w else None, w, mean)  # w: the sentinel judges per token
+        mine = judged if judged is not None else pgrad
+        left_out = sentinel.screen(plan, group, mine if w else None, w, mean)  # w: the sentinel judges per token
         if node_id in left_out:
             w = 0.0
         send = pgrad if w and pgrad is not None else mean.zero_()
@@ -112,11 +115,12 @@ class MeanExchange:
     def __init__(self, links: MeshLinks, sentinel: Sentinel, codec: Codec, watch: Stopwatch):
         self.links, self.sentinel, self.codec, self.watch = links, sentinel, codec, watch
 
-    def attempt(self, plan: Any, pgrad: torch.Tensor | None, weight: float, bufs: Any) -> Agreed:
+    def attempt(self, plan: Any, pgrad: torch.Tensor | None, weight: float, bufs: Any, *,
+                judged: torch.Tensor | None = None) -> Agreed:
         """The mean into bufs.mean. A mean of finite pseudo-gradients that is not finite is a MeshError, raised on
         every member alike (the same bits everywhere) before its vote; NothingToAverage is raised."""
         out = exchange(plan, pgrad, weight, node_id=self.links.node_id, links=self.links, sentinel=self.sentinel,
-                       bufs=bufs, codec=self.codec)
+                       bufs=bufs, codec=self.codec, judged=judged)
         with self.watch.phase("norm"):
             sq = float(torch.linalg.vector_norm(bufs.mean)) ** 2 if out.stats is not None else 0.0
         ok, nbytes, sq = self.links.local.stats(out.stats is not None, out.stats.bytes_sent if out.stats else 0, sq)

@@ -20,6 +20,7 @@ The outer loop (diloco.py) tells its story the same way for every landing and as
     land()                           the step in flight committed: its result into the parameters (flush)
     unsent()                         the step in flight was stopped before it committed: nothing landed
     agreed(in_flight), mean_is_free(in_flight)   where the agreed weights are; whether bufs.mean may take a hand-off
+    judged(pgrad, scratch)           what the sentinel judges of pgrad: the node's own progress since its last sync
 
 Each landing holds its own state (what waits to land); none reaches into another part's. A new rule of how the mean
 meets the weights is a new class here with these methods, picked in build_landing.
@@ -65,6 +66,8 @@ class Landing(Protocol):
     def agreed(self, in_flight: bool) -> torch.Tensor: ...
 
     def mean_is_free(self, in_flight: bool) -> bool: ...
+
+    def judged(self, pgrad: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor: ...
 
 
 class Inner(Protocol):
@@ -116,6 +119,9 @@ class Synchronous:
 
     def mean_is_free(self, in_flight: bool) -> bool:
         return True
+
+    def judged(self, pgrad: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        return pgrad
 
 
 class Overlapped:
@@ -229,6 +235,9 @@ class Overlapped:
     def mean_is_free(self, in_flight: bool) -> bool:
         return not in_flight  # in flight, bufs.mean holds the result
 
+    def judged(self, pgrad: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        return pgrad
+
     @torch.no_grad()
     def _rebase(self, landed: bool, *, eager: bool, contributors: int) -> None:
         """pgrad = anchor - params; snapshot = the landed weights; params = snapshot - u (see the class)."""
@@ -286,7 +295,14 @@ class FragmentMix:
     fragments may hold the same damage). With diloco.fragment_delay = tau the outer step runs in flight and writes
     only the snapshot, the outer optimizer's state and the buffers; tau steps later, on the training thread, the
     fragment lands: the mix above as of the boundary plus the node's progress on f since then
-    (params[f] += (1 - alpha) (snapshot[f] - its weights of f at the boundary)), so no step is lost."""
+    (params[f] += (1 - alpha) (snapshot[f] - its weights of f at the boundary)), so no step is lost.
+
+    With alpha > 0 the next pseudo-gradient of f holds, besides the node's training since the sync, the mix's own
+    deviation dev[f] = snapshot[f] - the mixed weights = alpha (snapshot[f] - its weights of f at the sync); the
+    members' deviations point away from their mean, so against each other by construction. The sentinel judges
+    pgrad[f] - dev[f] (judged): with it the deviation, not a poisoned update, left an unpoisoned node out (the golden
+    run fragments-int8-poison, outer step 3). dev is 4 bytes per parameter more, kept only with alpha > 0, and not
+    checkpointed (a resumed node judges its first syncs with the deviation in, as before)."""
 
     def __init__(self, bufs: OuterBuffers, opt: OuterOptimizer, inner: Inner, watch: Stopwatch, cover: Fragments, *,
                  alpha: float, delay: int):
@@ -298,6 +314,7 @@ class FragmentMix:
         # what the fragment in flight left to write into the parameters as it lands: every fragment (it took the
         # run's weights; reset: and fresh optimizer state), or fragment f's mix
         self._pending: tuple[str, int, bool] | None = None
+        self._dev: torch.Tensor | None = None  # the mix's deviation per element (alpha > 0; see the class)
         opt.materialize(bufs.numel, bufs.device)  # a whole state (zeros): each fragment's step updates its slice
 
     def boundary(self, landed: bool, contributors: int) -> Taken | None:
@@ -328,6 +345,7 @@ class FragmentMix:
         self.bufs.write_back(self.inner.outer_params())
         self.inner.after_outer_update()
         self.inner.reset_optimizer_state()
+        self._no_deviation(0, self.bufs.numel)
 
     def adopt(self, params: torch.Tensor, in_flight: bool) -> None:
         if in_flight:  # a hand-off adopted in flight: the parameters take it when it lands
@@ -335,6 +353,7 @@ class FragmentMix:
             self._pending = ("all", self.cover.frag, bool(self._pending and self._pending[2]))
             return
         self.sync.adopt(params, in_flight)
+        self._no_deviation(0, self.bufs.numel)
 
     def land(self) -> None:
         pending, self._pending = self._pending, None
@@ -345,6 +364,7 @@ class FragmentMix:
             if kind == "all":
                 self.bufs.write_back(self.inner.outer_params())
                 self.inner.after_outer_update()
+                self._no_deviation(0, self.bufs.numel)
                 if reset:
                     self.inner.reset_optimizer_state()
             else:
@@ -359,6 +379,22 @@ class FragmentMix:
     def mean_is_free(self, in_flight: bool) -> bool:
         return True
 
+    def judged(self, pgrad: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+        """pgrad[f] less the mix's deviation of f (scratch: a free buffer of f's size)."""
+        if self._dev is None:
+            return pgrad
+        lo, hi = self.cover.span()
+        return torch.sub(pgrad, self._dev[lo:hi], out=scratch)
+
+    def _no_deviation(self, lo: int, hi: int) -> None:
+        if self._dev is not None:
+            self._dev[lo:hi].zero_()
+
+    def _deviation(self, lo: int, hi: int) -> torch.Tensor:
+        if self._dev is None:  # the first mix with alpha > 0
+            self._dev = torch.zeros(self.bufs.numel, dtype=torch.float32, device=self.bufs.device)
+        return self._dev[lo:hi]
+
     @torch.no_grad()
     def _write_fragment(self, f: int, *, alpha: float, landing: bool = False) -> None:
         """The parameters of fragment f = (1 - alpha) x the agreed ones + alpha x the node's own. Landing after the
@@ -369,6 +405,10 @@ class FragmentMix:
         if landing:
             delta, scratch = self.bufs.pgrad[lo:hi], self.bufs.mean
             torch.sub(self.bufs.snapshot[lo:hi], delta, out=delta)
+            if alpha:
+                torch.mul(delta, alpha, out=self._deviation(lo, hi))
+            else:
+                self._no_deviation(lo, hi)
             self.cover.copy_params_into(params, scratch, f)
             scratch[lo:hi].add_(delta, alpha=1.0 - alpha)
             self.cover.write_params_from(params, scratch, f)
@@ -376,7 +416,9 @@ class FragmentMix:
             mine = self.bufs.pgrad  # free after the commit: the node's own weights of f, then the mix
             self.cover.copy_params_into(params, mine, f)
             mine[lo:hi].lerp_(self.bufs.snapshot[lo:hi], 1.0 - alpha)
+            torch.sub(self.bufs.snapshot[lo:hi], mine[lo:hi], out=self._deviation(lo, hi))
             self.cover.write_params_from(params, mine, f)
         else:
             self.cover.write_params_from(params, self.bufs.snapshot, f)
+            self._no_deviation(lo, hi)
         self.inner.after_outer_update()

@@ -220,7 +220,8 @@ class OuterStep:
         bufs = self.cover.exchange_bufs(plan, joiner)
         self.codec.stage(pgrad if counts else None, plan.outer_step, plan.attempt)
         try:
-            got = self.exchange.attempt(plan, pgrad, weight, bufs)
+            judged = self.landing.judged(pgrad, bufs.mean) if counts and pgrad is not None else None
+            got = self.exchange.attempt(plan, pgrad, weight, bufs, judged=judged)
             decided = self.local.on_leader("mesh commit", lambda: self.mesh.commit(plan, got.ok))
         except BaseException as e:
             self.codec.abort()
