@@ -37,7 +37,7 @@ Studies of their own (real engines only, each arm against its baseline arm of th
     --poison   synchronous DiLoCo (the default arm's settings); node --poison-node sends its pseudo-gradient x100
                or sign-flipped for the outer steps --poison-rounds, with the sentinel on (the engine's default) and
                off (diloco.sentinel_ratio = 0). The poison is injected here, not in the engine: that node runs a
-               `python -c` wrapper that scales what DilocoOuter._pseudo_gradient returns (the node's own weights
+               `python -c` wrapper that scales what OuterStep.pseudo_gradient returns (the node's own weights
                and working state stay clean). Last line:
                    poisoned/clean eval-loss ratio R with the sentinel; R' without
                R (R'): the worse of x100 and sign flip, the mean over the seeds.
@@ -491,7 +491,7 @@ def run_sim(args, arm: Arm) -> Result:
 
 
 class SimOverlap:
-    """diloco.overlap in one process (engine/outer/overlap.py): at boundary t each worker's pseudo-gradient is taken
+    """diloco.overlap in one process (engine/outer/landing.py, Overlapped): at boundary t each worker's pseudo-gradient is taken
     against its own anchor, round t-1's mean (in flight meanwhile) lands into the agreed weights through the outer
     optimizer, round t's mean goes in flight, and each worker trains on from the agreed weights minus u: the outer
     optimizer's step for its own pseudo-gradient / k (eager), that whole pseudo-gradient (delayed) or that times the
@@ -503,11 +503,11 @@ class SimOverlap:
         self.anchors = [snapshot.clone() for _ in range(k)]
         self.in_flight = None
         self.sent = None  # projected: each worker's pseudo-gradient of the round in flight
-        self.scale = [1.0] * k  # projected: each worker's stand-in scale (engine/outer/overlap.py, projected_scale)
+        self.scale = [1.0] * k  # projected: each worker's stand-in scale (engine/outer/landing.py, projected_scale)
 
     def _land(self) -> None:
         if self.in_flight is not None:
-            from engine.outer.overlap import projected_scale
+            from engine.outer.landing import projected_scale
             proposal = self.outer.propose(self.snapshot, self.in_flight)
             self.outer.commit(proposal)
             if self.arm.overlap_update == "projected":
@@ -547,7 +547,7 @@ class SimOverlap:
 
 
 class SimFragments:
-    """diloco.fragments in one process (engine/outer/fragments.py): every H / P steps the next fragment (a
+    """diloco.fragments in one process (engine/outer/cover.py, landing.py): every H / P steps the next fragment (a
     contiguous range of the flat parameters) is averaged over the workers, stepped by an outer optimizer of its own
     (the engine's momentum is per element, so per fragment) and mixed into each worker's weights with fragment_alpha;
     at the run's last step the remaining fragments are synced too, whole (alpha 0), without training in between.
@@ -555,7 +555,7 @@ class SimFragments:
     meanwhile carried over (the engine's landing). step() returns the bytes node 0 sent."""
 
     def __init__(self, arm: Arm, snapshot, k: int):
-        from engine.outer.fragments import spans
+        from engine.outer.cover import spans
         from engine.outer.optimizer import build_outer_optimizer
         self.arm, self.snapshot, self.k = arm, snapshot, k
         self.every = arm.inner_steps // arm.fragments
@@ -661,19 +661,19 @@ class ArmFailed(RuntimeError):
     """An arm's engines failed (exited non-zero or ran past --arm-timeout)."""
 
 
-# The poisoned node of --poison: engine.train with DilocoOuter._pseudo_gradient wrapped so that what the node sends
+# The poisoned node of --poison: engine.train with OuterStep.pseudo_gradient wrapped so that what the node sends
 # is scaled at its rounds FIRST..LAST (its own weights and buffers stay clean). argv: SCALE FIRST LAST then
 # engine.train's own arguments.
 POISONED_ENGINE = """
 import sys
-from engine.outer.diloco import DilocoOuter
+from engine.outer.step import OuterStep
 scale, first, last = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-clean, rounds = DilocoOuter._pseudo_gradient, [0]
+clean, rounds = OuterStep.pseudo_gradient, [0]
 def poisoned(self):
     pgrad = clean(self)
     rounds[0] += 1  # called once per round this node contributes to (a retried attempt reuses it)
     return pgrad * scale if first <= rounds[0] <= last else pgrad
-DilocoOuter._pseudo_gradient = poisoned
+OuterStep.pseudo_gradient = poisoned
 import engine.train
 sys.argv = ["engine.train"] + sys.argv[4:]
 engine.train.cli()

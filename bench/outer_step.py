@@ -133,7 +133,6 @@ def run(rank: int, port: int, args) -> dict:
     from engine.outer import allreduce as compression
     from engine.config import DilocoConfig, MeshConfig
     from engine.outer.diloco import DilocoOuter
-    from engine.outer.overlap import OverlappedDiloco
     from engine.mesh import make_group
     from engine.mesh.protocol import Plan
     from engine.outer import Progress
@@ -152,9 +151,9 @@ def run(rank: int, port: int, args) -> dict:
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="bench", pid=os.getpid())
     cfg = DilocoConfig(enabled=True, inner_steps=args.inner_steps, compression=args.compression,
                        allreduce_timeout=300.0, **({"overlap": True} if args.overlap else {}))
-    loop = OverlappedDiloco if args.overlap else DilocoOuter
-    outer = loop(cfg, MeshConfig(node_id=NAMES[rank]), world, inner, Telemetry(NAMES[rank], 0, json_out=_Null()),
-                 config_digest="bench", mesh_factory=lambda _: AlwaysMesh(NAMES), group_factory=lambda p, n, r: pg)
+    outer = DilocoOuter(cfg, MeshConfig(node_id=NAMES[rank]), world, inner, Telemetry(NAMES[rank], 0, json_out=_Null()),
+                        config_digest="bench", mesh_factory=lambda _: AlwaysMesh(NAMES),
+                        group_factory=lambda p, n, r: pg)
     numel = sum(p.numel() for p in inner.outer_params())
     bare = torch.zeros(numel * compression.bytes_per_element(args.compression) // 4, dtype=torch.float32)
     tick = torch.zeros(1)

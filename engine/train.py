@@ -50,7 +50,7 @@ from engine.config import Config, grad_accum_steps, load_config
 from engine.digests import digest
 from engine.errors import CheckpointFailed, SameOnEveryRank, first_line, same_on_every_rank
 from engine.mesh.protocol import MeshError
-from engine.outer.protocol import Diverged
+from engine.outer.build import Diverged
 from engine.outer.schedule import Schedule
 from engine.telemetry import Telemetry, format_human
 from engine.world import World, read_world

@@ -20,9 +20,7 @@ from procs import spawned_ranks
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer.diloco import DilocoOuter
 from engine.outer.local import LocalRanks
-from engine.outer.fragments import FragmentedDiloco
 from engine.outer.optimizer import Stateless, build_outer_optimizer, flat_params
-from engine.outer.overlap import OverlappedDiloco
 from engine.mesh.protocol import Plan
 from engine.outer import Progress
 from engine.telemetry import Telemetry
@@ -193,15 +191,15 @@ class TinyInner:
         self.updates += 1
 
 
-def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, **diloco):
+def make_outer(inner, mesh, *, node="a", group_factory=None, events=None, clock=None, opt=None, codec=None, **diloco):
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     sink = [] if events is None else events
     tele = Telemetry(node, 0, json_out=_Null(), extra_sinks=[sink.append])
-    loop = OverlappedDiloco if diloco.get("overlap") else FragmentedDiloco if diloco.get("fragments", 1) > 1 \
-        else DilocoOuter
-    return loop(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
-                config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
-                **({} if clock is None else {"clock": clock}))
+    # one outer loop for every way of training across hosts: its parts follow from the config (build_parts);
+    # opt, codec: parts given instead of the config's, through the same seam
+    return DilocoOuter(DilocoConfig(enabled=True, **diloco), MeshConfig(node_id=node), world, inner, tele,
+                       config_digest="d", mesh_factory=lambda _: mesh, group_factory=group_factory,
+                       outer_optimizer=opt, codec=codec, **({} if clock is None else {"clock": clock}))
 
 
 class _Null:
@@ -956,7 +954,7 @@ def test_the_engine_offers_the_mesh_every_setting_its_nodes_must_share(shared):
     them at start-up, so the digest that build_outer gives the mesh carries those settings."""
     from engine.config import Config
     from engine.digests import run_digest
-    from engine.outer.protocol import build_outer
+    from engine.outer.build import build_outer
 
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     tele = Telemetry("a", 0, json_out=_Null())

@@ -1,5 +1,5 @@
-"""Streaming DiLoCo (diloco.fragments, engine/outer/fragments.py): outer step k syncs fragment (k - 1) % P only,
-weighted by the tokens each node trained since that fragment's last sync; the other fragments keep each node's
+"""Streaming DiLoCo (diloco.fragments: engine/outer/cover.py, landing.py): outer step k syncs fragment (k - 1) % P
+only, weighted by the tokens each node trained since that fragment's last sync; the other fragments keep each node's
 own progress; a drain contributes the fragments it has not sent; the agreed snapshot is identical everywhere."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from engine.config import DilocoConfig
 from engine.outer import Progress
 from engine.outer.buffers import fingerprint
-from engine.outer.fragments import spans
+from engine.outer.cover import spans
 from engine.outer.optimizer import build_outer_optimizer
 from procs import spawned_ranks
 from test_diloco_math import FakeMesh, TinyInner, _group, make_outer, make_plan
@@ -102,7 +102,7 @@ def _sync_scenario(rank: int, store) -> dict:
                                outer_momentum=0.9, fragment_alpha=0.25)
     progress = Progress()
     outer.start(progress)
-    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": [], "prepared": _wire(outer)}
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.cover.spans, "records": [], "prepared": _wire(outer)}
     left = False
     for step in range(1, steps + 1):
         inner.train_step(100 * rank + step)
@@ -126,7 +126,7 @@ def _sync_scenario(rank: int, store) -> dict:
 def _wire(outer) -> list[dict]:
     """Each fragment's wire buffers (address, shape), then the whole model's (which fragments never use)."""
     return [{k: (t.data_ptr(), t.shape) for k, t in ex._bufs.items()}
-            for ex in [fb.exchange for fb in outer.frag_bufs] + [outer.bufs.exchange]]
+            for ex in [fb.exchange for fb in outer.cover.frag_bufs] + [outer.bufs.exchange]]
 
 
 def test_each_outer_step_syncs_one_fragment_by_tokens_since_its_last_sync_and_a_drain_sends_the_rest(two_nodes):
@@ -198,7 +198,7 @@ def _end_scenario(rank: int, store) -> dict:
             before_last = _flat(inner)
         outer.after_inner_step(progress)
     return {"params": _flat(inner), "snapshot": outer.bufs.snapshot.clone(), "before_last": before_last,
-            "spans": outer.spans, "outer": [(e["outer_step"], e["fragment"], e["step"]) for e in events
+            "spans": outer.cover.spans, "outer": [(e["outer_step"], e["fragment"], e["step"]) for e in events
                                             if e["type"] == "outer_step"]}
 
 
@@ -233,13 +233,13 @@ def _delay_scenario(rank: int, store) -> dict:
                             outer_lr=0.7, outer_momentum=0.5, fragment_alpha=0.5, fragment_delay=2)
     progress = Progress()
     outer.start(progress)
-    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.spans, "records": [], "prepared": _wire(outer)}
+    out: dict = {"s0": outer.bufs.snapshot.clone(), "spans": outer.cover.spans, "records": [], "prepared": _wire(outer)}
     while not outer.finished(progress, 15):
         inner.train_step(100 * rank + progress.step + 1)
         progress.step, progress.tokens = progress.step + 1, (progress.step + 1) * RATE[node]
         before = _flat(inner)
         outer.after_inner_step(progress)
-        out["records"].append({"before": before, "after": _flat(inner), "in_flight": outer._flight is not None,
+        out["records"].append({"before": before, "after": _flat(inner), "in_flight": outer.flight.busy,
                                "outer_step": progress.outer_step})
     out["snapshot"] = outer.bufs.snapshot.clone()
     out["outer"] = [(e["outer_step"], e["fragment"], e["step"], e["weights"]) for e in events
@@ -299,7 +299,7 @@ def test_outer_parameters_that_require_grad_are_synced_in_place():
     own = _flat(inner).detach()
     progress.step, progress.tokens = 1, 100
     outer.after_inner_step(progress)
-    lo, hi = outer.spans[0]
+    lo, hi = outer.cover.spans[0]
     # one member: the mean is its own pseudo-gradient; half of it taken (lr 0.5) on fragment 0 only
     torch.testing.assert_close(_flat(inner).detach()[lo:hi], s0[lo:hi] - 0.5 * (s0[lo:hi] - own[lo:hi]),
                                rtol=0, atol=1e-6)
@@ -344,7 +344,7 @@ def test_a_node_left_out_that_rejoins_in_flight_takes_the_runs_step_and_tokens(d
             inner.train_step(4)  # with fragment_delay, in flight
             progress.step, progress.tokens = progress.step + 1, progress.tokens + 1000
             outer.flush()
-            out[name] = (progress, outer._round_weight(progress, 0), fingerprint(outer.bufs.snapshot))
+            out[name] = (progress, outer.cover.weight(progress, 0), fingerprint(outer.bufs.snapshot))
         except Exception:  # reported below
             out[name] = traceback.format_exc()
         finally:

@@ -119,7 +119,7 @@ def test_in_process_overlap_reproduces_the_engines_overlap(tmp_path):
 
 def test_outer_momentum_in_a_short_run_is_warned_about_once_configs_say_so():
     from engine.config import load_config
-    from engine.outer.protocol import SHORT_RUN_OUTER_STEPS, short_run_note
+    from engine.outer.build import SHORT_RUN_OUTER_STEPS, short_run_note
 
     def note(path, **over):
         return short_run_note(load_config(ROOT / "configs" / path, [f"--{k}={v}" for k, v in over.items()]))

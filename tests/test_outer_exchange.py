@@ -16,6 +16,7 @@ import threading
 import torch
 
 from engine.outer.buffers import OuterBuffers
+from engine.outer.codec import Dense
 from engine.outer.exchange import exchange
 from engine.outer.groups import PeerLost
 from engine.outer.sentinel import Sentinel
@@ -57,7 +58,7 @@ def test_an_abandoned_exchange_never_writes_into_the_buffers_of_a_later_attempt(
     links = AbandoningLinks()
     sentinel = Sentinel(ratio=10.0, min_cosine=-0.1, local=None, emit=lambda *a, **k: None)
     old_mean = bufs.mean
-    out = exchange(Plan(), pgrad, 1.0, node_id="a", links=links, sentinel=sentinel, bufs=bufs, compression="none")
+    out = exchange(Plan(), pgrad, 1.0, node_id="a", links=links, sentinel=sentinel, bufs=bufs, codec=Dense("none"))
     assert out.stats is None and "c stopped beating" in out.reason and links.failed_plans
     assert bufs.mean is not old_mean  # renewed: the next attempt's mean is a buffer of its own
     bufs.mean.fill_(7.0)  # the next attempt's mean, between its norm and the outer optimizer's update

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import DilocoConfig, MeshConfig
 from engine.outer import Progress
-from engine.outer.fragments import FragmentedDiloco
+from engine.outer.diloco import DilocoOuter
 from engine.outer.optimizer import MomentumSGD, Proposal, Stateless, build_outer_optimizer
 from engine.telemetry import Telemetry
 from test_diloco_math import FakeMesh, TinyInner, _Null, make_plan
@@ -122,11 +122,11 @@ class TwoBuffers:
         self.m, self.v = sd["m"].to(device or "cpu"), sd["v"].to(device or "cpu")
 
 
-def _fragments(opt: TwoBuffers, plans: list) -> tuple[FragmentedDiloco, TinyInner]:
+def _fragments(opt: TwoBuffers, plans: list) -> tuple[DilocoOuter, TinyInner]:
     inner = TinyInner(0)
     tele = Telemetry("a", 0, json_out=_Null(), extra_sinks=[])
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
-    outer = FragmentedDiloco(DilocoConfig(enabled=True, inner_steps=4, fragments=2), MeshConfig(node_id="a"), world,
+    outer = DilocoOuter(DilocoConfig(enabled=True, inner_steps=4, fragments=2), MeshConfig(node_id="a"), world,
                              inner, tele, config_digest="d", mesh_factory=lambda _: FakeMesh(plans, [True] * 4),
                              outer_optimizer=opt)
     return outer, inner
@@ -137,7 +137,7 @@ def test_an_outer_optimizer_with_other_state_runs_the_fragments_loop_and_its_che
     buffers; the checkpoint holds the optimizer's own state_dict, and a resume from it goes on with it."""
     plans = [make_plan(1, k, 0, ["a"], source="a") for k in (1, 2, 3)]
     outer, inner = _fragments(TwoBuffers(0.5), plans)
-    lo, hi = outer.spans[0]
+    lo, hi = outer.cover.spans[0]
     p = Progress()
     outer.start(p)
     grads = []

@@ -107,8 +107,8 @@ def _delay_worker(rank: int, port: int, queue, delay: int = 1, update: str = "de
             outer.after_inner_step(progress)
             out[f"work{step}"], out[f"snap{step}"] = _flat(inner), outer.bufs.snapshot.clone()
             if delay == 0 and step == 3:
-                out["in_flight_after_boundary"] = outer._flight is not None
-                outer._flight.join(timeout=30)  # done before step 4 ends: it lands there
+                out["in_flight_after_boundary"] = outer.flight.busy
+                outer.flight.done(timeout=30)  # done before step 4 ends: it lands there
         outer.flush()
         out["final"] = outer.bufs.snapshot.clone()
         out["update"] = update
@@ -171,7 +171,7 @@ def test_projected_stand_in_is_the_nodes_own_progress_scaled_by_the_fit_of_the_l
 
 
 def test_projected_scale_is_the_fit_clamped_to_between_eager_and_delayed():
-    from engine.outer.overlap import projected_scale
+    from engine.outer.landing import projected_scale
     d, zero = torch.tensor([1.0, 2.0, 0.0]), torch.zeros(3)
     assert projected_scale(d, d * 0.75, zero, 0.3) == pytest.approx(0.75)
     assert projected_scale(d, d, zero, 0.3) == pytest.approx(1.0)
@@ -219,7 +219,7 @@ def test_a_round_in_flight_that_was_stopped_leaves_its_progress_measured_from_th
         progress.step, progress.tokens = step, progress.tokens + 10
         outer.after_inner_step(progress)  # step 2: the boundary, its outer step goes to the background
     round_end = s0 - outer.bufs.pgrad  # the weights round 1 ended with (its pseudo-gradient d = s0 - them)
-    outer._flight.join(timeout=30)
+    outer.flight.done(timeout=30)
     before = _flat(inner)
     inner.train_step(3)
     progress.step, progress.tokens = 3, progress.tokens + 10

@@ -140,7 +140,7 @@ def test_an_engine_without_sparse_is_refused_as_of_another_wire_protocol():
 
 
 def test_the_outer_loops_factory_refuses_sparse_in_one_line_until_it_is_wired():
-    from engine.outer.protocol import build_outer
+    from engine.outer.build import build_outer
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
     with pytest.raises(ValueError) as e:
         build_outer(_load(), world, None, None)

@@ -1,6 +1,7 @@
-"""The type checker in the test command: `python -m mypy` over what pyproject.toml's [tool.mypy] names (console/)
-finds no error. A wrong call across the app's seam to the cluster (console/control.py) or a `None` used as a value
-fails the suite here, before any screen is drawn."""
+"""The type checker in the test command: `python -m mypy` over what pyproject.toml's [tool.mypy] names (console/ and
+engine/outer/) finds no error. A wrong call across the app's seam to the cluster (console/control.py), a part that does
+not fit the outer step's seams (engine/outer/) or a `None` used as a value fails the suite here, before any screen is
+drawn."""
 
 from __future__ import annotations
 
@@ -63,5 +64,34 @@ def test_the_checker_sees_a_wrong_call_across_the_seam(have_mypy, tmp_path):
 def test_no_type_ignore_in_the_console():
     """The types are fixed, not silenced: a `# type: ignore` would hide what the check above is for."""
     found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "console").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "type: ignore" in line]
+    assert found == []
+
+
+def test_the_checker_sees_a_codec_that_does_not_fit_the_outer_steps_seam(have_mypy, tmp_path):
+    """engine/outer is checked too (pyproject.toml): a codec without abort() given to the outer loop's seam is not a
+    Codec, and mypy says so (the outer step would call it after the first aborted attempt)."""
+    bad = tmp_path / "bad_codec.py"
+    bad.write_text(
+        "from typing import Any\n"
+        "import torch\n"
+        "from engine.outer.diloco import DilocoOuter\n"
+        "from engine.outer.allreduce import Exchange\n"
+        "class Bad:\n"
+        "    name = 'bad'\n"
+        "    gathers = False\n"
+        "    def prepare(self, exchange: Exchange, numel: int, size: int) -> None: ...\n"
+        "    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None: ...\n"
+        "    def commit(self) -> None: ...\n"
+        "def build(cfg: Any) -> DilocoOuter:\n"
+        "    return DilocoOuter(cfg, cfg, cfg, cfg, cfg, config_digest='d', codec=Bad())\n")
+    done = mypy("--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", "/dev/null", str(bad))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert 'Argument "codec" to "DilocoOuter" has incompatible type "Bad"' in done.stdout, done.stdout
+    assert "abort" in done.stdout, done.stdout
+
+
+def test_no_type_ignore_in_the_outer_loop():
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "engine" / "outer").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if "type: ignore" in line]
     assert found == []

@@ -128,6 +128,7 @@ class Exchange:
         (pinning is slower still); the device's scratch comes from the caching allocator at first use."""
         if size < 2 or compression == "sparse":  # sparse: engine/outer/gather.py's prepare, sized by its codec
             return
+        specs: list[tuple[str, tuple[int, ...], torch.dtype, bool]]  # name, shape, dtype, on the wire
         if compression == "none":
             specs = [("sum", (numel + size,), torch.float32, True)]
         else:  # the last field: the wire's bytes, pinned host memory beside a GPU
@@ -494,7 +495,7 @@ def _allreduce_mean(flat: torch.Tensor, weight: float, pg: dist.ProcessGroup, ex
     buf[numel:].zero_()
     buf[numel + rank] = weight
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM)  # the option takes a ReduceOp, not its RedOpType
     t0 = time.perf_counter()
     pg.allreduce([buf], opts).wait()
     wire = time.perf_counter() - t0

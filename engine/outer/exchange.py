@@ -1,21 +1,29 @@
-"""One member's part of an outer step's exchange: the sentinel's screen, then the weighted mean, into bufs.mean.
+"""The exchange, a part of the outer loop: one member's part of an attempt's collective. The sentinel's screen, then
+the weighted mean into bufs.mean, with the codec's bytes on the wire: reduced (allreduce.weighted_mean) or, for a
+codec that gathers (codec.py), all-gathered and decoded on every rank (gathered_mean).
 
-Nothing of the node's state (parameters, momentum, snapshot) changes here: only the mean buffer is written, so an
-attempt that aborts leaves everything as it was and the same pseudo-gradient is sent again.
+Nothing of the node's state (parameters, momentum, snapshot, a codec's state) changes here: only the mean buffer
+and the wire buffers are written, so an attempt that aborts leaves everything as it was and the same
+pseudo-gradient is sent again (the outer step's story retries it, at most diloco.max_attempts times).
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.errors import first_line
+from engine.mesh.protocol import MeshError
 from engine.outer import allreduce
-from engine.outer.buffers import OuterBuffers
+from engine.outer.codec import Codec, GatheredCodec
 from engine.outer.groups import GROUP_ERRORS, MeshLinks, PeerLost
 from engine.outer.sentinel import Sentinel
+from engine.outer.timing import Stopwatch
 
 
 @dataclass
@@ -26,7 +34,7 @@ class Exchanged:
 
 
 def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: str, links: MeshLinks,
-             sentinel: Sentinel, bufs: OuterBuffers, compression: str) -> Exchanged:
+             sentinel: Sentinel, bufs: Any, codec: Codec, judged: torch.Tensor | None = None) -> Exchanged:
     """A contributor sends pgrad with its weight; a joiner, a diverged node and one the sentinel leaves out send
     zeros with weight 0 (out of the mean buffer: pgrad stays intact for a retry that counts it). A failed collective
     is reported, not raised (the attempt aborts at the commit); allreduce.NothingToAverage is raised.
@@ -34,16 +42,22 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
     The buffers are this attempt's, taken before the collective starts: an abandoned attempt's thread goes on (gloo
     cannot cancel a collective) and must write into them, never into the fresh ones renew_scratch gives the next
     attempt. (Read inside run(), a thread given up in the sentinel's gather read bufs.mean only when it went on to
-    the mean, after the renewal, and wrote its old mean into an outer step in progress: the seed-44 soak.)"""
+    the mean, after the renewal, and wrote its old mean into an outer step in progress: the seed-44 soak.)
+    judged: what the sentinel judges in pgrad's place (the node's own progress, landing.judged), in the mean buffer
+    until the collective overwrites it."""
     mean, wire = bufs.mean, bufs.exchange
 
     def run() -> Exchanged:
         w = weight
-        left_out = sentinel.screen(plan, group, pgrad if w else None, w, mean)  # w: the sentinel judges per token
+        mine = judged if judged is not None else pgrad
+        left_out = sentinel.screen(plan, group, mine if w else None, w, mean)  # w: the sentinel judges per token
         if node_id in left_out:
             w = 0.0
-        send = pgrad if w else mean.zero_()
-        _, stats = allreduce.weighted_mean(send, w, group, compression, out=mean, exchange=wire)
+        send = pgrad if w and pgrad is not None else mean.zero_()
+        if codec.gathers:
+            assert isinstance(codec, GatheredCodec), f"codec {codec.name!r} gathers but has no encode / mean_into"
+            return Exchanged(gathered_mean(codec, send, w, group, out=mean), left_out)
+        _, stats = allreduce.weighted_mean(send, w, group, codec.name, out=mean, exchange=wire)
         return Exchanged(stats, left_out)
     try:
         group = links.group(plan)
@@ -53,3 +67,67 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
         if isinstance(e, PeerLost):
             bufs.renew_scratch()  # the abandoned collective's thread may still write into the mean and wire buffers
         return Exchanged(None, reason=first_line(e, 300))
+
+
+def gathered_mean(codec: GatheredCodec, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *,
+                  out: torch.Tensor) -> allreduce.ReduceStats:
+    """Every member's weight and message to every member (two all-gathers, group-rank order), then the codec's
+    weighted mean of them into out, the same bits on every rank (every rank decodes the same bytes in the same
+    order). A message is the same size on every member (the codec's rule). Weight 0 everywhere: NothingToAverage."""
+    start = time.perf_counter()
+    msg = codec.encode(send, weight)
+    encoded = time.perf_counter()
+    size = 1 if pg is None else pg.size()
+    mine = torch.tensor([weight], dtype=torch.float64)
+    if pg is None or size == 1:
+        weights, messages = [weight], [msg]
+    else:
+        rows = torch.empty(size, 1, dtype=torch.float64)
+        pg.allgather([[rows[i] for i in range(size)]], [mine]).wait()
+        messages = [torch.empty_like(msg) for _ in range(size)]
+        pg.allgather([messages], [msg]).wait()
+        weights = rows[:, 0].tolist()
+    wired = time.perf_counter()
+    if not sum(weights) > 0:
+        raise allreduce.NothingToAverage("every rank of the mean had weight 0")
+    codec.mean_into(messages, weights, out)
+    done = time.perf_counter()
+    sent = (size - 1) * (msg.numel() * msg.element_size() + mine.element_size())
+    return allreduce.ReduceStats(sent, done - start, float(sum(weights)), weights, wire_s=wired - encoded,
+                                 codec_s=(encoded - start) + (done - wired))
+
+
+@dataclass
+class Agreed:
+    """An attempt's exchange as the node's local ranks agree on it."""
+    stats: allreduce.ReduceStats | None
+    reason: str  # why the collective failed ("" when it did not)
+    left_out: list[str]  # members the sentinel left out
+    ok: bool  # every local rank's collective succeeded
+    nbytes: int  # bytes the node's local ranks sent
+    sq: float  # the mean's squared norm, over the node's local ranks
+
+
+class MeanExchange:
+    """The exchange part: one attempt's collective over the plan's group (exchange()), with the codec's bytes on
+    the wire, and what the node's local ranks agree of it (local.stats: ok, bytes, the mean's norm)."""
+
+    def __init__(self, links: MeshLinks, sentinel: Sentinel, codec: Codec, watch: Stopwatch):
+        self.links, self.sentinel, self.codec, self.watch = links, sentinel, codec, watch
+
+    def attempt(self, plan: Any, pgrad: torch.Tensor | None, weight: float, bufs: Any, *,
+                judged: torch.Tensor | None = None) -> Agreed:
+        """The mean into bufs.mean. A mean of finite pseudo-gradients that is not finite is a MeshError, raised on
+        every member alike (the same bits everywhere) before its vote; NothingToAverage is raised."""
+        out = exchange(plan, pgrad, weight, node_id=self.links.node_id, links=self.links, sentinel=self.sentinel,
+                       bufs=bufs, codec=self.codec, judged=judged)
+        with self.watch.phase("norm"):
+            sq = float(torch.linalg.vector_norm(bufs.mean)) ** 2 if out.stats is not None else 0.0
+        ok, nbytes, sq = self.links.local.stats(out.stats is not None, out.stats.bytes_sent if out.stats else 0, sq)
+        if ok and not math.isfinite(sq):
+            # every contributor's pseudo-gradient was finite, yet the mean is not: a value beyond the codec's range
+            # (fp16: 65504); a commit would have put inf into every member's snapshot
+            raise MeshError(f"outer step {plan.outer_step}: the mean of finite pseudo-gradients is not finite: a "
+                            f"value beyond diloco.compression = {self.codec.name!r}'s range (fp16 ends at "
+                            f"65504); use \"bf16\" or \"int8\" (scaled per chunk), then resume")
+        return Agreed(out.stats, out.reason, out.left_out, ok, nbytes, sq)

@@ -76,12 +76,12 @@ class LocalRanks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [bool(v) for v in t.tolist()]
 
-    def every(self, errors: list[str | None] | str | None) -> list[str]:
+    def every(self, error: str | None) -> list[str]:
         """Every local rank's error text (None: no error), gathered on every rank."""
         if self.group is None:
-            return [errors] if errors else []
+            return [error] if error else []
         gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, errors, group=self.group)
+        dist.all_gather_object(gathered, error, group=self.group)
         return [e for e in gathered if e]
 
     def stats(self, ok: bool, nbytes: int, sq_norm: float) -> tuple[bool, int, float]:

@@ -5,7 +5,10 @@ the same optimizer over a slice of the flat parameters, its state a view of the 
 
     build_outer_optimizer(kind, lr, momentum)
         nesterov / sgd with momentum > 0   -> MomentumSGD (state: one momentum buffer, per element)
-        average, or momentum 0             -> Stateless   (no state: nothing to save, hand off or slice)
+        average, none, or momentum 0       -> Stateless   (no state: nothing to save, hand off or slice)
+
+"none" is no outer optimizer at all: the snapshot moves by the outer lr times the mean (what a codec that keeps its
+own state in place of the momentum, error feedback, wants).
 
 The checkpoint format is the one runs have always saved: {"kind": kind, "momentum": tensor | None}.
 """
@@ -17,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-KINDS = ("nesterov", "sgd", "average")
+KINDS = ("nesterov", "sgd", "average", "none")
 
 
 @dataclass
@@ -75,7 +78,7 @@ def build_outer_optimizer(kind: str, lr: float, momentum: float) -> OuterOptimiz
     """diloco.outer_optimizer, outer_lr, outer_momentum -> the part."""
     if kind not in KINDS:
         raise ValueError(f"diloco.outer_optimizer: unknown {kind!r} (known: {', '.join(KINDS)})")
-    if kind == "average" or momentum <= 0:
+    if kind in ("average", "none") or momentum <= 0:
         return Stateless(kind, lr)
     return MomentumSGD(kind, lr, momentum)
 
@@ -87,7 +90,7 @@ def _check_kind(sd: dict[str, Any], kind: str) -> None:
 
 class Stateless:
     """average: p = snapshot - g, the plain mean of the members' parameters (no lr, no state);
-    sgd / nesterov with momentum 0: p = snapshot - lr * g."""
+    none, and sgd / nesterov with momentum 0: p = snapshot - lr * g."""
 
     def __init__(self, kind: str, lr: float):
         self.kind, self.lr = kind, lr

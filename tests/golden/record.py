@@ -128,9 +128,10 @@ RUNS = [
         steps=9),
     run("fragments-int8-poison", 3, "--diloco.fragments=2", "--diloco.fragment_delay=2", "--diloco.fragment_alpha=0.5",
         *MOMENTUM, codec="int8", h=4, steps=12, node={0: {"poison_at": 8}},
-        note="node a poisoned before outer step 4 (left out); at outer step 3 the sentinel leaves c out unpoisoned: "
-             "with fragment_alpha > 0 each node's fragment pseudo-gradient holds its own deviation from the agreed "
-             "weights, and these point against each other (the direction rule): today's behaviour, recorded as it is"),
+        note="node a poisoned before outer step 4 (left out). Re-recorded when the sentinel stopped judging the mix's "
+             "own deviation (fragment_alpha > 0: each node's next pseudo-gradient of a fragment held alpha x its "
+             "distance from the agreed weights, pointing against the others' by construction): before, it left "
+             "unpoisoned node c out at outer step 3"),
     run("fragments-int8-resume", 2, "--diloco.fragments=2", "--diloco.fragment_delay=1", "--diloco.fragment_alpha=0.5",
         *MOMENTUM, codec="int8", h=6, steps=12, resume_at=8,
         note="stopped at step 8, after the fragment synced at step 6 landed (step 7), before the next (step 9)"),

@@ -1,4 +1,5 @@
-"""The outer loop's seam: `Progress`, the `Outer` protocol, `NoOuter` and `build_outer`.
+"""The outer loop's factory and its seam: `build_outer` (NoOuter, or a DiLoCo loop built of parts from the config),
+the `Outer` protocol it returns, `NoOuter` and `Diverged`.
 
 The outer loop wraps the inner loop; the inner loop never asks whether DiLoCo is on. Plain DDP/FSDP training is
 DiLoCo with a no-op boundary (`NoOuter`). Life cycle, called on every local rank in this order:
@@ -98,24 +99,18 @@ class NoOuter:
 
 
 def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer:
-    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, or with diloco.overlap its subclass
-    engine.outer.overlap.OverlappedDiloco, or with diloco.fragments > 1 engine.outer.fragments.FragmentedDiloco
-    (imported only when asked for: they need torch)."""
+    """NoOuter unless diloco.enabled; then engine.outer.diloco.DilocoOuter, whose parts (landing, codec, cover,
+    outer optimizer) build_parts picks from diloco.* (imported only when asked for: it needs torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
     if cfg.diloco.compression == "sparse":  # the codec and its collective are built, the loop's parts not yet
         raise ValueError('diloco.compression = "sparse": not wired into the outer loop yet (docs/sparse.md)')
-    if cfg.diloco.overlap:
-        from engine.outer.overlap import OverlappedDiloco as Loop
-    elif cfg.diloco.fragments > 1:
-        from engine.outer.fragments import FragmentedDiloco as Loop
-    else:
-        from engine.outer.diloco import DilocoOuter as Loop
+    from engine.outer.diloco import DilocoOuter
     note = short_run_note(cfg)
     if note and telemetry is not None:
         telemetry.emit("warning", message=note)
-    return Loop(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=run_digest(cfg),
-                settings=mesh_settings(cfg), local_group=local_group)
+    return DilocoOuter(cfg.diloco, cfg.mesh, world, inner, telemetry, config_digest=run_digest(cfg),
+                       settings=mesh_settings(cfg), local_group=local_group)
 
 
 # Outer momentum needs many outer steps to pay off: in every run docs/learning.md measured (6 to 80 outer steps) it
