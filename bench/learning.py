@@ -11,6 +11,9 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --engine sim --optimizer muon --seeds 1337,7,11,23   # Muon as the inner optimizer
     python bench/learning.py --engine sim --optimizer muon --tune --seeds 1337,7,11,23   # the same, each arm tuned
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
+    python bench/learning.py --engine sim --sparse --seeds 1337,7,11,23    # sparse (SparseLoCo) vs dense DiLoCo
+    python bench/learning.py --engine sim --sparse-sweep --sparse-h 5     # density x bits, loss against bytes
+    python bench/learning.py --engine sim --sparse --tune --seeds 1337,7,11,23   # both arms tuned on 101,102
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
 Arms (every worker runs --steps inner steps of --micro-batch sequences; the same seed, model init and schedule):
@@ -48,6 +51,18 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                (keep them apart from the tuning seeds). Last line:
                    muon: diloco-muon/ddp-adamw eval-loss ratio R1; ddp-muon/ddp-adamw R2
                R1: the worse of the H values, each the mean over the seeds of the ratio within a seed.
+    --sparse   (--engine sim; issue 43) at each H of --sparse-h (5, 20): dense H (synchronous DiLoCo, compression
+               none, the shipped outer settings) and sparse H (SimSparse: per worker an ErrorFeedback accumulator of
+               engine/outer/sparse.py over the model's tensors, the real encoded message, the real gathered_mean,
+               outer lr --sparse-outer-lr times the mean, no outer momentum unless --sparse-outer-momentum), at
+               --density, --sparse-bits, --sparse-beta, --sparse-chunk (default: the codec's). Its own scale unless
+               flags say otherwise: 400 inner steps per worker, micro-batch 4 x 64. --sparse-sweep: every density x
+               bits of --sparse-densities x --sparse-bits-sweep, and learning-sparse.png (eval loss against the
+               bytes of one node's message per outer step). --tune: both arms on one grid of outer settings on
+               --tune-seeds (--tune-outer-lrs x --tune-momenta for dense, x --tune-betas for sparse). Last line:
+                   sparse/dense eval-loss ratio R (bytes ratio B)
+               R: the worse over the H values of the mean over the seeds of sparse H / dense H within a seed (the
+               sweep: of the best point with B <= 0.01); B: bytes of node 0's message / (4 x values it covers).
 Every mesh run counts the contributors the sentinel left out (outer_step events' left_out) in its clean arms
 (goal: 0) and prints `sentinel: N contributors left out of M outer steps in the clean arms`.
 
@@ -574,7 +589,7 @@ def sim_bytes(numel: int, k: int, compression: str) -> int:
 # SparseSpec's defaults (engine/outer/sparse.py); the outer step is the plain rule, outer lr times the mean of the
 # sparse messages with no outer momentum (the accumulator plays its part).
 SPARSE_OUTER_LR = 1.0
-SPARSE_STEPS, SPARSE_SEQ_LEN, SPARSE_MICRO_BATCH = 400, 64, 8  # the study's scale (parse_sparse)
+SPARSE_STEPS, SPARSE_SEQ_LEN, SPARSE_MICRO_BATCH = 400, 64, 4  # the study's scale (parse_sparse)
 SPARSE_SWEEP_DENSITIES = (0.005, 0.01, 0.02, 0.05, 0.10)
 SPARSE_SWEEP_BITS = (2, 4, 8)
 
@@ -1114,7 +1129,8 @@ def parse_args(argv=None):
     ap.add_argument("--density", type=float, help="--sparse: the fraction of each chunk sent (default: the codec's)")
     ap.add_argument("--sparse-bits", type=int, help="--sparse: bits of a kept value (default: the codec's)")
     ap.add_argument("--sparse-beta", type=float, help="--sparse: the accumulator's decay (default: the codec's)")
-    ap.add_argument("--sparse-outer-lr", type=float, default=SPARSE_OUTER_LR, help="--sparse: the sparse arm's outer lr")
+    ap.add_argument("--sparse-outer-lr", type=float, default=SPARSE_OUTER_LR,
+                    help="--sparse: the sparse arm's outer lr")
     ap.add_argument("--sparse-outer-momentum", type=float, default=0.0,
                     help="--sparse: the sparse arm's outer momentum (0: the paper's plain rule; > 0: Nesterov)")
     ap.add_argument("--sparse-densities", default=",".join(f"{d:g}" for d in SPARSE_SWEEP_DENSITIES),
@@ -1208,8 +1224,8 @@ def parse_args(argv=None):
 
 def parse_sparse(ap, args, argv) -> None:
     """--sparse / --sparse-sweep's flags, checked: one line naming the flag and the value. The study's scale unless
-    flags say otherwise: 400 inner steps per worker (20 outer steps at H = 20), micro-batch 8 x 64 (the scale of
-    tests/test_learning.py, which still separates the arms: 4 arms of one seed in ~16 minutes on 2 idle cores)."""
+    flags say otherwise: 400 inner steps per worker (20 outer steps at H = 20), micro-batch 4 x 64 (half the scale of
+    tests/test_learning.py; 4 arms of one seed take ~9 minutes of one idle core: 0.08 s a worker step)."""
     from engine.outer.sparse import SparseSpec
     given = {a.split("=")[0] for a in argv}
     args.steps = args.steps if "--steps" in given else SPARSE_STEPS

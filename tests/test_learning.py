@@ -294,7 +294,7 @@ def test_sparse_flags_are_checked_before_anything_runs():
     with pytest.raises(SystemExit):
         learning.parse_args(["--engine", "sim", "--sparse", "--tune", "--seeds", "101"])  # a tuning seed
     args = learning.parse_args(["--engine", "sim", "--sparse-sweep"])
-    assert args.sparse and args.steps == 400 and (args.seq_len, args.micro_batch) == (64, 8)
+    assert args.sparse and args.steps == 400 and (args.seq_len, args.micro_batch) == (64, 4)
     names = [a.name for a in learning.sparse_sweep_arms(args) if a.inner_steps == 5]
     assert len(names) == 1 + 5 * 3 and "sparse d0.5% b2 H5" in names and "sparse d10% b8 H5" in names
 
