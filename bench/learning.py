@@ -11,6 +11,9 @@ side by side in one run, on the same data order and the same held-out batches.
     python bench/learning.py --engine sim --optimizer muon --seeds 1337,7,11,23   # Muon as the inner optimizer
     python bench/learning.py --engine sim --optimizer muon --tune --seeds 1337,7,11,23   # the same, each arm tuned
     python bench/learning.py --engine sim --seeds 1337,7,11,23 --arms single,ddp,diloco   # the seed spread
+    python bench/learning.py --engine sim --sparse --seeds 1337,7,11,23    # sparse (SparseLoCo) vs dense DiLoCo
+    python bench/learning.py --engine sim --sparse-sweep --sparse-h 5     # density x bits, loss against bytes
+    python bench/learning.py --engine sim --sparse --tune --seeds 1337,7,11,23   # both arms tuned on 101,102
     python bench/learning.py --preset 15m --seq-len 256 --micro-batch 16 --steps 1000 --device cuda   # GPU-sized
 
 Arms (every worker runs --steps inner steps of --micro-batch sequences; the same seed, model init and schedule):
@@ -49,6 +52,18 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                (keep them apart from the tuning seeds). Last line:
                    muon: diloco-muon/ddp-adamw eval-loss ratio R1; ddp-muon/ddp-adamw R2
                R1: the worse of the H values, each the mean over the seeds of the ratio within a seed.
+    --sparse   (--engine sim; issue 43) at each H of --sparse-h (5, 20): dense H (synchronous DiLoCo, compression
+               none, the shipped outer settings) and sparse H (SimSparse: per worker an ErrorFeedback accumulator of
+               engine/outer/sparse.py over the model's tensors, the real encoded message, the real gathered_mean,
+               outer lr --sparse-outer-lr times the mean, no outer momentum unless --sparse-outer-momentum), at
+               --density, --sparse-bits, --sparse-beta, --sparse-chunk (default: the codec's). Its own scale unless
+               flags say otherwise: 400 inner steps per worker, micro-batch 4 x 64. --sparse-sweep: every density x
+               bits of --sparse-densities x --sparse-bits-sweep, and learning-sparse.png (eval loss against the
+               bytes of one node's message per outer step). --tune: both arms on one grid of outer settings on
+               --tune-seeds (--tune-outer-lrs x --tune-momenta for dense, x --tune-betas for sparse). Last line:
+                   sparse/dense eval-loss ratio R (bytes ratio B)
+               R: the worse over the H values of the mean over the seeds of sparse H / dense H within a seed (the
+               sweep: of the best point with B <= 0.01); B: bytes of node 0's message / (4 x values it covers).
 Every mesh run counts the contributors the sentinel left out (outer_step events' left_out) in its clean arms
 (goal: 0) and prints `sentinel: N contributors left out of M outer steps in the clean arms`.
 
@@ -85,8 +100,12 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ranks import at_least  # bench/ is the script's folder, first on sys.path
+
+if TYPE_CHECKING:
+    from engine.outer.sparse import SparseSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -129,6 +148,7 @@ class Arm:
     baseline: str = ""  # a study's arm: the arm of the same seed its ratio is taken against
     optimizer: str = "adamw"  # optim.name: the inner optimizer
     lr: float | None = None  # optim.lr of this arm (None: --lr)
+    sparse: SparseSpec | None = None  # compression "sparse" (sim only): the codec's settings (SimSparse)
 
     def overrides(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -160,6 +180,7 @@ class Result:
     outer_steps: int = 0  # DiLoCo on real engines: outer steps node 0 committed
     left_out: list[tuple[int, str]] = field(default_factory=list)  # (outer step, node) the sentinel left out
     failed: str = ""  # a study's arm whose engines failed (a poisoned run may): why; eval_loss is nan
+    bytes_ratio: float = 0.0  # sparse: B, the bytes of node 0's encoded message / (4 x the values it covers)
 
 
 def shipped_outer() -> dict[str, object]:
@@ -449,6 +470,7 @@ def run_sim(args, arm: Arm) -> Result:
     snapshot = flat(params[0]).clone()
     outer = build_outer_optimizer(arm.outer_optimizer, arm.outer_lr, arm.outer_momentum) if arm.kind == "diloco" else None
     overlap = SimOverlap(arm, outer, snapshot, k) if arm.overlap else None
+    sparse = SimSparse(arm.sparse, [p.shape for p in params[0]], k, args.device) if arm.sparse else None
     fragments = SimFragments(arm, snapshot, k) if arm.fragments > 1 else None
     tokens_per_step = args.micro_batch * args.seq_len * accum * k
     start, curve, nbytes = time.perf_counter(), [], 0
@@ -472,8 +494,12 @@ def run_sim(args, arm: Arm) -> Result:
             overlap.boundary(params, flat, now=step == args.steps or step <= arm.overlap_after)
         elif outer is not None and step % arm.inner_steps == 0:
             pgrads = [snapshot - flat(ps) for ps in params]
-            mean = sim_weighted_mean(pgrads, arm.compression)
-            nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
+            if sparse is not None:
+                mean = sparse.mean(pgrads, [args.micro_batch * args.seq_len * arm.inner_steps] * k)
+                nbytes += sparse.wire_bytes
+            else:
+                mean = sim_weighted_mean(pgrads, arm.compression)
+                nbytes += sim_bytes(snapshot.numel(), k, arm.compression)
             if arm.outer_warmup:  # a linear outer-lr warm-up over the first outer steps (measured, not shipped)
                 outer.lr = arm.outer_lr * min(1.0, (step // arm.inner_steps) / arm.outer_warmup)
             proposal = outer.propose(snapshot, mean)
@@ -487,7 +513,8 @@ def run_sim(args, arm: Arm) -> Result:
     wall = time.perf_counter() - start
     loss = eval_model(workers[0][1], evals, args)
     curve.append((args.steps * tokens_per_step, wall, loss))
-    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed)
+    return Result(arm, loss, wall, args.steps * tokens_per_step, nbytes, curve, args.seed,
+                  bytes_ratio=sparse.bytes_ratio if sparse is not None else 0.0)
 
 
 class SimOverlap:
@@ -633,6 +660,214 @@ def sim_bytes(numel: int, k: int, compression: str) -> int:
     """What weighted_mean's ReduceStats.bytes_sent counts for k ranks."""
     from engine.outer.allreduce import bytes_sent
     return bytes_sent(numel, k, compression)
+
+
+# ---------------------------------------------------------------------------------------------- sparse (issue 43)
+
+# The shipped defaults of compression "sparse" (docs/learning.md, "Sparse outer updates"): the codec's settings are
+# SparseSpec's defaults (engine/outer/sparse.py); the outer step is the plain rule, outer lr times the mean of the
+# sparse messages with no outer momentum (the accumulator plays its part).
+SPARSE_OUTER_LR = 2.0  # tuned (docs/learning.md): at H = 20 1.013x dense, 1.049x at 1 (at H = 5 1.019x, 0.985x at 1)
+SPARSE_STEPS, SPARSE_SEQ_LEN, SPARSE_MICRO_BATCH = 400, 64, 4  # the study's scale (parse_sparse)
+SPARSE_SWEEP_DENSITIES = (0.005, 0.01, 0.02, 0.05, 0.10)
+SPARSE_SWEEP_BITS = (2, 4, 8)
+
+
+class SimSparse:
+    """compression "sparse" in one process, with the engine's own parts (engine/outer/sparse.py, docs/sparse.md):
+    per worker an ErrorFeedback accumulator in a ChunkLayout of the model's parameters (chunks never cross a tensor).
+    At each boundary every worker stages its pseudo-gradient once (e' = beta * e + delta), encodes the top k of each
+    chunk quantized to `bits` (the real message, its bytes the bytes counted), the messages' token-weighted mean is
+    the real gathered_mean (decoded in rank order), and each worker commits what it sent (e = e' - sent, after
+    quantization). Every worker is counted at every step here (no sentinel, no stragglers): commit, never abort."""
+
+    def __init__(self, spec: SparseSpec, shapes, k: int, device: str = "cpu"):
+        import torch
+
+        from engine.outer.sparse import ChunkLayout, ErrorFeedback, SparseCodec
+        self.layout = ChunkLayout(shapes, spec)
+        self.codec = SparseCodec(spec, self.layout, device)
+        self.feedback = [ErrorFeedback(self.codec) for _ in range(k)]
+        self.out = torch.zeros(self.layout.padded, dtype=torch.float32, device=device)
+        self.message_bytes = 0  # the length of node 0's last encoded message
+        self.wire_bytes = 0  # what node 0 puts on the wire per outer step: its message and weight to k - 1 members
+        self.bytes_ratio = 0.0  # B = message bytes / (4 x values covered)
+
+    def mean(self, pgrads, weights):
+        """The outer step's mean of the workers' sparse messages (a flat tensor like each pseudo-gradient)."""
+        from engine.outer.sparse import gathered_mean
+        messages, sent = [], []
+        for i, (ef, g) in enumerate(zip(self.feedback, pgrads)):
+            if not ef.stage(g):
+                raise ArmFailed(f"sparse: worker {i}'s accumulator is not finite")
+            msg, s = ef.encode()
+            messages.append(msg)
+            sent.append(s)
+        gathered_mean(self.codec, messages, weights, self.out)
+        for ef, s in zip(self.feedback, sent):
+            ef.commit(s)
+        self.message_bytes = int(messages[0].numel())
+        self.wire_bytes = (len(messages) - 1) * (self.message_bytes + 4)  # the all-gather: 4 bytes of weight each
+        self.bytes_ratio = self.message_bytes / (4 * self.layout.numel)
+        return self.layout.unpack(self.out)
+
+
+def sparse_spec(args, **change):
+    from engine.outer.sparse import SparseSpec
+    base = {"chunk": args.sparse_chunk, "density": args.density, "bits": args.sparse_bits, "beta": args.sparse_beta}
+    try:
+        return SparseSpec(**{**base, **change})
+    except ValueError as e:
+        raise SystemExit(f"learning: {e} (from --sparse-chunk/--density/--sparse-bits/--sparse-beta)") from None
+
+
+def sparse_arm(args, h: int, dense: Arm, name: str = "", **change) -> Arm:
+    """Sparse DiLoCo at H = h against `dense`: outer lr --sparse-outer-lr, momentum --sparse-outer-momentum (0: the
+    paper's plain rule; above 0: Nesterov over the sparse mean)."""
+    spec = sparse_spec(args, **change)
+    return Arm(name or f"sparse H{h}", "diloco", k=args.k, inner_steps=h, outer_optimizer="nesterov",
+               outer_lr=args.sparse_outer_lr, outer_momentum=args.sparse_outer_momentum, compression="sparse",
+               baseline=dense.name, optimizer=args.optimizer, sparse=spec)
+
+
+def sparse_arms(args) -> list[Arm]:
+    """--sparse: at each H of --sparse-h, synchronous DiLoCo with compression none (dense H, the shipped outer
+    settings) and sparse DiLoCo at the shipped sparse settings (sparse H); the inner optimizer --optimizer."""
+    arms = []
+    for h in args.sparse_h:
+        dense = Arm(f"dense H{h}", "diloco", k=args.k, optimizer=args.optimizer,
+                    **{**shipped_outer(), **args.outer, "inner_steps": h})
+        arms += [dense, sparse_arm(args, h, dense)]
+    return arms
+
+
+def sparse_sweep_arms(args) -> list[Arm]:
+    """--sparse-sweep: at each H of --sparse-h, dense DiLoCo and sparse at every density x bits of the sweep."""
+    arms = []
+    for h in args.sparse_h:
+        dense = Arm(f"dense H{h}", "diloco", k=args.k, optimizer=args.optimizer,
+                    **{**shipped_outer(), **args.outer, "inner_steps": h})
+        arms.append(dense)
+        arms += [sparse_arm(args, h, dense, f"sparse d{d * 100:g}% b{b} H{h}", density=d, bits=b)
+                 for d in args.sparse_densities for b in args.sparse_bits_sweep]
+    return arms
+
+
+def sparse_tune(args, arms: list[Arm], save) -> list[Arm]:
+    """--sparse --tune: both arms of each H on the same grid of outer settings on --tune-seeds: outer lr
+    (--tune-outer-lrs) x momentum for dense (--tune-momenta, Nesterov) or beta for sparse (--tune-betas, no outer
+    momentum). Each arm takes the point of lowest mean eval loss (the sparse arm among the points with B <= 0.01
+    only: they all share its density and bits, so all or none). Returns the arms at their chosen settings."""
+    import statistics
+    grids = {}
+    for arm in arms:
+        if arm.sparse is None:
+            grids[arm.name] = [replace(arm, name=f"{arm.name} outer{lr:g}/{m:g}", outer_lr=lr, outer_momentum=m)
+                               for lr in args.tune_outer_lrs for m in args.tune_momenta]
+        else:
+            grids[arm.name] = [replace(arm, name=f"{arm.name} outer{lr:g} beta{b:g}", outer_lr=lr, baseline="",
+                                       sparse=replace(arm.sparse, beta=b))
+                               for lr in args.tune_outer_lrs for b in args.tune_betas]
+    tune_args = argparse.Namespace(**{**vars(args), "seeds": args.tune_seeds})
+    print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {sum(map(len, grids.values()))} points")
+    per_seed = run_arms(tune_args, [a for g in grids.values() for a in g], save)
+    mean = {name: statistics.fmean(r.eval_loss for rs in per_seed for r in rs if r.arm.name == name)
+            for g in grids.values() for name in (a.name for a in g)}
+    chosen = []
+    for arm in arms:
+        best = min(grids[arm.name], key=lambda a: mean[a.name])
+        print(f"  {arm.name:<12} best {best.name[len(arm.name) + 1:]:<18} mean eval {mean[best.name]:.4f} (grid: "
+              + ", ".join(f"{a.name[len(arm.name) + 1:]} {mean[a.name]:.4f}" for a in grids[arm.name]) + ")")
+        chosen.append(replace(best, name=arm.name, baseline=arm.baseline))
+    return chosen
+
+
+def sparse_conclude(args, per_seed: list[list[Result]]) -> None:
+    """Each sparse arm's ratio to the dense arm of its H and seed (per seed, mean, spread), B, the sweep's plot of
+    eval loss against bytes per outer step, and the last line:
+        sparse/dense eval-loss ratio R (bytes ratio B)
+    R: the worse over the H values of the mean over the seeds (the headline arms at the settings run; for the sweep
+    the best point with B <= 0.01 at each H)."""
+    import math
+    text, means = paired(per_seed)
+    values = model_values(args)
+    print(f"each sparse arm's eval loss / dense DiLoCo's of its H, same seed ({', '.join(map(str, args.seeds))}):")
+    print(text)
+    first = {r.arm.name: r for r in per_seed[0]}
+    sparse = [n for n, r in first.items() if r.arm.sparse is not None]
+    print(f"{'arm':<22} {'density':>7} {'bits':>4} {'beta':>5} {'outer':>10} {'msg bytes':>10} {'B':>7} "
+          f"{'1/B':>6} {'ratio':>7}")
+    for n in sparse:
+        r, s = first[n], first[n].arm.sparse
+        print(f"{n:<22} {s.density:>7.4f} {s.bits:>4} {s.beta:>5.3g} "
+              f"{r.arm.outer_lr:>5.3g}/{r.arm.outer_momentum:<4.3g} {round(r.bytes_ratio * 4 * values):>10} "
+              f"{r.bytes_ratio:>7.4f} {1 / r.bytes_ratio:>6.0f} {means[n]:>7.4f}")
+    if args.sparse_sweep:
+        sparse_plot(args, per_seed, values)
+    picks = []
+    for h in args.sparse_h:
+        at_h = [n for n in sparse if first[n].arm.inner_steps == h and first[n].bytes_ratio <= 0.01
+                and math.isfinite(means[n])]
+        if not at_h:
+            continue
+        best = min(at_h, key=lambda n: means[n])
+        picks.append(best)
+        if args.sparse_sweep:
+            print(f"H = {h}: the best sparse point with B <= 0.01: {best} ({means[best]:.4f})")
+    if not picks:
+        print("sparse/dense eval-loss ratio nan (bytes ratio nan): no sparse arm with B <= 0.01 ran")
+        return
+    worst_name = max(picks, key=lambda n: means[n])
+    b = max(first[n].bytes_ratio for n in picks)
+    print(f"sparse/dense eval-loss ratio {means[worst_name]:.4f} (bytes ratio {b:.4f})")
+
+
+def model_values(args) -> int:
+    """The values of the study's model (what one node's dense fp32 message covers)."""
+    from engine.config import ModelConfig
+    from engine.model import build_model
+    model = build_model(ModelConfig(preset=args.preset), held_out(args).vocab_size, args.seq_len, "cpu",
+                        seed=args.seed)
+    return sum(p.numel() for p in model.parameters())
+
+
+def sparse_plot(args, per_seed: list[list[Result]], values: int) -> None:
+    """Held-out eval loss (mean over the seeds) against the bytes of one node's message per outer step, one line
+    per bits value through the densities, and dense DiLoCo (fp32: 4 bytes a value) as a point; one panel per H."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r.arm.name for r in per_seed[0]]
+    loss = {n: statistics.fmean(by[n].eval_loss for by in ({r.arm.name: r for r in rs} for rs in per_seed))
+            for n in names}
+    first = {r.arm.name: r for r in per_seed[0]}
+    fig, axes = plt.subplots(1, len(args.sparse_h), figsize=(6.5 * len(args.sparse_h), 4.8), squeeze=False)
+    for ax, h in zip(axes[0], args.sparse_h):
+        dense = first[f"dense H{h}"]
+        ax.scatter([4 * values], [loss[dense.arm.name]], marker="*", s=120, color="k",
+                   label="dense DiLoCo (fp32, compression none)")
+        ax.axhline(loss[dense.arm.name], color="k", lw=0.6, ls=":")
+        for b in args.sparse_bits_sweep:
+            pts = sorted((first[n].bytes_ratio * 4 * values, loss[n], first[n].arm.sparse.density)
+                         for n in names if first[n].arm.sparse is not None and first[n].arm.inner_steps == h
+                         and first[n].arm.sparse.bits == b)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"sparse, {b} bits")
+            for x, y, d in pts:
+                ax.annotate(f"{d * 100:g}%", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(0.01 * 4 * values, color="r", lw=0.6, ls="--", label="B = 0.01")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes of one node's message per outer step")
+        ax.set_ylabel(f"held-out eval loss (mean of {len(per_seed)} seeds)")
+        ax.set_title(f"H = {h}, k = {args.k}, {args.steps} inner steps/worker")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = args.out / "learning-sparse.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
 
 
 # ---------------------------------------------------------------------------------------------- real engines
@@ -966,6 +1201,26 @@ def parse_args(argv=None):
                         help="synchronous and streaming DiLoCo (diloco.fragments) at each --fragments-h")
     sweeps.add_argument("--poison", action="store_true",
                         help="one node sends x100 or sign-flipped pseudo-gradients, sentinel on and off (mesh only)")
+    sweeps.add_argument("--sparse", action="store_true",
+                        help="sparse DiLoCo (SparseLoCo, issue 43) against dense DiLoCo at each --sparse-h (sim only)")
+    sweeps.add_argument("--sparse-sweep", action="store_true",
+                        help="--sparse at every density x bits of --sparse-densities x --sparse-bits-sweep")
+    ap.add_argument("--sparse-h", default="5,20", help="--sparse: the H values (comma-separated)")
+    ap.add_argument("--sparse-chunk", type=int, help="--sparse: the chunk (default: engine/outer/sparse.py's)")
+    ap.add_argument("--density", type=float, help="--sparse: the fraction of each chunk sent (default: the codec's)")
+    ap.add_argument("--sparse-bits", type=int, help="--sparse: bits of a kept value (default: the codec's)")
+    ap.add_argument("--sparse-beta", type=float, help="--sparse: the accumulator's decay (default: the codec's)")
+    ap.add_argument("--sparse-outer-lr", type=float, default=SPARSE_OUTER_LR,
+                    help="--sparse: the sparse arm's outer lr")
+    ap.add_argument("--sparse-outer-momentum", type=float, default=0.0,
+                    help="--sparse: the sparse arm's outer momentum (0: the paper's plain rule; > 0: Nesterov)")
+    ap.add_argument("--sparse-densities", default=",".join(f"{d:g}" for d in SPARSE_SWEEP_DENSITIES),
+                    help="--sparse-sweep: the densities")
+    ap.add_argument("--sparse-bits-sweep", default=",".join(map(str, SPARSE_SWEEP_BITS)),
+                    help="--sparse-sweep: the bits")
+    ap.add_argument("--tune-outer-lrs", default="0.7,1,1.4", help="--sparse --tune: the outer lrs of both arms")
+    ap.add_argument("--tune-momenta", default="0,0.5", help="--sparse --tune: dense DiLoCo's outer momenta")
+    ap.add_argument("--tune-betas", default="0.9,0.95", help="--sparse --tune: sparse DiLoCo's betas")
     ap.add_argument("--overlap-h", default="5,20", help="--overlap: the H values (comma-separated)")
     ap.add_argument("--overlap-delay", type=at_least(0), default=OVERLAP_DELAY,
                     help="--overlap: diloco.overlap_delay of the overlapped arms (inner steps into the next round)")
@@ -1036,8 +1291,9 @@ def parse_args(argv=None):
         ap.error(f"--jobs {args.jobs} needs --engine sim (a mesh arm already runs k engine processes and a store)")
     if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):
         ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
-    if args.tune and args.optimizer != "muon":
-        ap.error("--tune needs --optimizer muon")
+    if args.tune and args.optimizer != "muon" and not args.sparse:
+        ap.error("--tune needs --optimizer muon or --sparse")
+    args.sparse = args.sparse or args.sparse_sweep
     if (args.tune_staged or args.tune_from) and not args.tune:
         ap.error(f"--tune-{'staged' if args.tune_staged else 'from'} needs --tune")
     if args.tune_from and not args.tune_from.is_file():
@@ -1060,7 +1316,55 @@ def parse_args(argv=None):
     if args.fragments and bad:
         ap.error(f"--fragments-p: each fragment count must be at least 2 and divide every H of --fragments-h "
                  f"(not {bad[0][1]} for H = {bad[0][0]})")
+    if args.sparse:
+        parse_sparse(ap, args, argv if argv is not None else sys.argv[1:])
     return args
+
+
+def parse_sparse(ap, args, argv) -> None:
+    """--sparse / --sparse-sweep's flags, checked: one line naming the flag and the value. The study's scale unless
+    flags say otherwise: 400 inner steps per worker (20 outer steps at H = 20), micro-batch 4 x 64 (half the scale of
+    tests/test_learning.py; 4 arms of one seed take ~9 minutes of one idle core: 0.08 s a worker step)."""
+    from engine.outer.sparse import SparseSpec
+    given = {a.split("=")[0] for a in argv}
+    args.steps = args.steps if "--steps" in given else SPARSE_STEPS
+    args.seq_len = args.seq_len if "--seq-len" in given else SPARSE_SEQ_LEN
+    args.micro_batch = args.micro_batch if "--micro-batch" in given else SPARSE_MICRO_BATCH
+    if args.engine != "sim":
+        ap.error("--sparse needs --engine sim: diloco.compression = \"sparse\" is not in the engine yet "
+                 "(docs/sparse.md)")
+    if args.tune and args.sparse_sweep:
+        ap.error("--tune goes with --sparse (the headline arms), not --sparse-sweep")
+    d = SparseSpec()
+    for key, default in (("sparse_chunk", d.chunk), ("density", d.density), ("sparse_bits", d.bits),
+                         ("sparse_beta", d.beta)):
+        if getattr(args, key) is None:
+            setattr(args, key, default)
+    try:
+        SparseSpec(args.sparse_chunk, args.density, args.sparse_bits, args.sparse_beta)
+    except ValueError as e:
+        ap.error(f"--sparse-chunk/--density/--sparse-bits/--sparse-beta: {e}")
+    lists = {"--sparse-h": ("sparse_h", int), "--sparse-densities": ("sparse_densities", float),
+             "--sparse-bits-sweep": ("sparse_bits_sweep", int), "--tune-outer-lrs": ("tune_outer_lrs", float),
+             "--tune-momenta": ("tune_momenta", float), "--tune-betas": ("tune_betas", float)}
+    for flag, (key, kind) in lists.items():
+        raw = getattr(args, key)
+        if not isinstance(raw, str):
+            continue
+        try:
+            setattr(args, key, [kind(x) for x in raw.split(",") if x.strip()])
+        except ValueError:
+            ap.error(f"{flag} {raw!r}: expected comma-separated {kind.__name__} values")
+        if not getattr(args, key):
+            ap.error(f"{flag}: no value given")
+    if any(h < 1 or h > args.steps for h in args.sparse_h):
+        ap.error(f"--sparse-h {args.sparse_h}: each H must be 1 to --steps {args.steps}")
+    for dens in args.sparse_densities:
+        for bits in args.sparse_bits_sweep:
+            try:
+                SparseSpec(args.sparse_chunk, dens, bits, args.sparse_beta)
+            except ValueError as e:
+                ap.error(f"--sparse-densities/--sparse-bits-sweep: {e}")
 
 
 def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
@@ -1143,6 +1447,8 @@ def worst(means: dict[str, float], names: list[str]) -> float:
 
 def conclude(args, per_seed: list[list[Result]]) -> None:
     """The closing lines: a study's ratios to its baselines, the sentinel's count, and the last line."""
+    if args.sparse:
+        return sparse_conclude(args, per_seed)
     by = {r.arm.name: r for r in per_seed[-1]}
     results = [r for rs in per_seed for r in rs]
     ratios = None
@@ -1204,11 +1510,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     torch.set_num_threads(args.threads)
-    study = {"sweep": sweep_arms, "sweep_h": h_sweep_arms, "overlap": overlap_arms, "fragments": fragment_arms,
-             "poison": poison_arms}
+    study = {"sparse_sweep": sparse_sweep_arms, "sparse": sparse_arms, "sweep": sweep_arms,
+             "sweep_h": h_sweep_arms, "overlap": overlap_arms, "fragments": fragment_arms, "poison": poison_arms}
     if args.optimizer == "muon":
         study["muon"] = muon_arms
-    chosen = next((name for name in study if name == "muon" or getattr(args, name)), None)
+    chosen = next((name for name in study if name == "muon" or getattr(args, name, False)), None)
     arms = study[chosen](args) if chosen else default_arms(args)
     if args.arms:
         unknown = sorted(set(args.arms) - {a.name for a in arms})
@@ -1227,7 +1533,7 @@ def main(argv=None) -> int:
              "results": [{**asdict(r), "arm": asdict(r.arm)} for r in results]}, indent=1))
 
     if args.tune:
-        arms = tune_arms(args, arms, lambda results: save(results, "-tune"))
+        arms = (sparse_tune if args.sparse else tune_arms)(args, arms, lambda results: save(results, "-tune"))
     per_seed = run_study_arms(args, arms, save)
     title = (f"{args.preset}, {args.data.name}, {args.steps} inner steps/worker, micro-batch {args.micro_batch} x "
              f"{args.seq_len}, engine {args.engine}, seed{'s' if len(args.seeds) > 1 else ''} "

@@ -292,3 +292,99 @@ def test_overlap_study_prints_each_seeds_ratios_and_their_spread(tmp_path, capsy
         assert float(rows["se"][col]) == pytest.approx(statistics.stdev(xs) / math.sqrt(2), abs=6e-5)
         assert float(rows["min"][col]) == pytest.approx(min(xs), abs=6e-5)
         assert float(rows["max"][col]) == pytest.approx(max(xs), abs=6e-5)
+
+
+# ---------------------------------------------------------------------------------------------- sparse (issue 43)
+
+def _sparse_args(*extra: str):
+    return learning.parse_args(["--engine", "sim", "--sparse", "--steps", "4", "--sparse-h", "2", "--seq-len", "32",
+                                "--micro-batch", "2", "--eval-batches", "2", "--eval-interval", "0", "--k", "2",
+                                *extra])
+
+
+def test_sparse_arm_counts_the_bytes_of_the_message_it_encodes():
+    """`--sparse`: B is the bytes of one node's real encoded message over 4 x the values it covers, the message laid
+    out over the model's own tensors (chunks never cross one): checked against the wire format's arithmetic
+    (docs/sparse.md) over the model's parameter shapes, and the wire bytes are that message (and its 4-byte weight)
+    to each other member at each outer step."""
+    import math
+
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.model import build_model
+    args = _sparse_args()
+    dense, sparse = learning.sparse_arms(args)
+    assert (dense.compression, dense.outer_lr, dense.outer_momentum) == ("none", 1.0, 0.0)
+    assert sparse.baseline == dense.name and sparse.outer_momentum == 0.0 and sparse.sparse.bits == 2
+    r = learning.run_sim(args, sparse)
+    model = build_model(ModelConfig(preset=args.preset), learning.held_out(args).vocab_size, args.seq_len, "cpu")
+    numels = [p.numel() for p in model.parameters()]
+    spec = sparse.sparse
+    chunks = sum(math.ceil(n / spec.chunk) for n in numels)
+    kept = sum(min(spec.k, n - j * spec.chunk) for n in numels for j in range(math.ceil(n / spec.chunk)))
+    message = 4 * chunks + math.ceil(kept * 12 / 8) + math.ceil(kept * 2 / 8)  # chunk 4096: 12-bit indices
+    assert r.bytes_ratio == message / (4 * sum(numels))
+    assert 0.005 < r.bytes_ratio < 0.01 and math.isfinite(r.eval_loss)
+    assert r.bytes_sent == 2 * (args.k - 1) * (message + 4)  # 2 outer steps; the all-gather to k - 1 members
+    assert torch.isfinite(torch.tensor(r.eval_loss))
+
+
+def test_sparse_arm_keeps_error_feedbacks_books():
+    """SimSparse per outer step: e' = beta * e + delta once, the message encoded from e', the token-weighted mean of
+    the decoded messages, and e = e' - what was sent after quantization (decoded from the message's bytes here)."""
+    import torch
+
+    from engine.outer.sparse import ChunkLayout, SparseCodec, SparseSpec
+    spec = SparseSpec(chunk=256, density=0.05, bits=2, beta=0.9)
+    shapes = [(300,), (40, 130), (7,)]
+    sim = learning.SimSparse(spec, shapes, 3)
+    layout = ChunkLayout(shapes, spec)
+    codec = SparseCodec(spec, layout)
+    numel, weights = layout.numel, [1.0, 2.0, 5.0]
+    gen = torch.Generator().manual_seed(0)
+    e = [torch.zeros(layout.padded) for _ in range(3)]
+    for _ in range(3):
+        deltas = [torch.randn(numel, generator=gen) for _ in range(3)]
+        mean = sim.mean(deltas, weights)
+        want = torch.zeros(layout.padded)
+        for i, d in enumerate(deltas):
+            staged = spec.beta * e[i] + layout.pack(d)
+            decoded = codec.decode(codec.encode(staged)[0])
+            want += weights[i] * decoded
+            e[i] = staged - decoded
+            # not trivially: something was sent, and it was quantized (the residual is not e' less its top k)
+            assert (decoded != 0).sum() > 0 and not torch.equal(decoded, torch.where(decoded != 0, staged, 0.0))
+        assert torch.allclose(mean, layout.unpack(want / sum(weights)), rtol=0, atol=1e-6)
+        for i in range(3):
+            assert torch.allclose(sim.feedback[i].e, e[i], rtol=0, atol=1e-6), i
+    assert sim.message_bytes == codec.bytes and sim.bytes_ratio == codec.bytes / (4 * numel)
+
+
+def test_sparse_flags_are_checked_before_anything_runs():
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--sparse"])  # the mesh engine has no sparse compression yet
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--engine", "sim", "--sparse", "--sparse-bits", "3"])
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--engine", "sim", "--sparse-sweep", "--sparse-densities", "0.01,1.5"])
+    with pytest.raises(SystemExit):
+        learning.parse_args(["--engine", "sim", "--sparse", "--tune", "--seeds", "101"])  # a tuning seed
+    args = learning.parse_args(["--engine", "sim", "--sparse-sweep"])
+    assert args.sparse and args.steps == 400 and (args.seq_len, args.micro_batch) == (64, 4)
+    names = [a.name for a in learning.sparse_sweep_arms(args) if a.inner_steps == 5]
+    assert len(names) == 1 + 5 * 3 and "sparse d0.5% b2 H5" in names and "sparse d10% b8 H5" in names
+
+
+@pytest.mark.slow
+def test_sparse_arm_at_full_density_tracks_dense_diloco():
+    """Every value sent at 8 bits, nothing decayed (density 1, beta 1): the sparse arm is dense DiLoCo up to the
+    quantizer's error, which error feedback carries forward; at the shipped density it is not."""
+    args = _sparse_args("--steps", "8", "--sparse-h", "2")
+    dense, sparse = learning.sparse_arms(args)
+    d = learning.run_sim(args, dense).eval_loss
+    full = learning.run_sim(args, learning.replace(sparse, sparse=learning.replace(sparse.sparse, density=1.0, bits=8,
+                                                                                  beta=1.0))).eval_loss
+    shipped = learning.run_sim(args, sparse).eval_loss
+    print(f"dense {d:.4f}, sparse at density 1 / 8 bits {full:.4f}, at the shipped settings {shipped:.4f}")
+    assert abs(full - d) < 0.01 * d < abs(shipped - d)
