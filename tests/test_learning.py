@@ -383,8 +383,10 @@ def test_sparse_arm_at_full_density_tracks_dense_diloco():
     args = _sparse_args("--steps", "8", "--sparse-h", "2")
     dense, sparse = learning.sparse_arms(args)
     d = learning.run_sim(args, dense).eval_loss
-    full = learning.run_sim(args, learning.replace(sparse, sparse=learning.replace(sparse.sparse, density=1.0, bits=8,
-                                                                                  beta=1.0))).eval_loss
+    # at the dense arm's outer settings (the sparse arm ships outer lr 2: SPARSE_OUTER_LR)
+    full_spec = learning.replace(sparse.sparse, density=1.0, bits=8, beta=1.0)
+    full = learning.run_sim(args, learning.replace(sparse, sparse=full_spec, outer_lr=dense.outer_lr,
+                                                   outer_momentum=dense.outer_momentum)).eval_loss
     shipped = learning.run_sim(args, sparse).eval_loss
     print(f"dense {d:.4f}, sparse at density 1 / 8 bits {full:.4f}, at the shipped settings {shipped:.4f}")
     assert abs(full - d) < 0.01 * d < abs(shipped - d)
