@@ -178,6 +178,27 @@ def test_resume_restores_the_accumulator_and_continues_the_uninterrupted_run(fra
     assert last["residual_norm"] > 0 and last["weights_norm"] > 0
 
 
+def test_the_outer_step_resets_the_accumulator_on_a_hand_off_or_a_diverged_round_and_not_when_left_out():
+    inner = TinyInner(0)
+    outer, _ = _outer(inner, 1, 1)
+    progress = Progress()
+    outer.start(progress)
+    _train(outer, inner, progress, range(1, H + 1))
+    ef = outer.codec.efs[0]
+    held = ef.e.clone()
+    assert held.abs().sum() > 0
+    inner.reset_optimizer_state = lambda: None  # what taking the run's weights asks of the inner loop
+    outer.step._discard = False  # left out by the sentinel: it takes the run's weights and keeps e'
+    outer.step._discarded()
+    assert torch.equal(ef.e, held)
+    outer.step._discard = True  # its round diverged
+    outer.step._discarded()
+    assert ef.e.abs().sum() == 0
+    ef.e.copy_(held)
+    outer.step._adopt(outer.bufs.snapshot.clone())  # a joiner, a node back after a death: the run's weights
+    assert ef.e.abs().sum() == 0
+
+
 def test_a_dense_run_writes_no_codec_state():
     outer = make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="int8")
     assert "codec" not in outer.state_dict()
