@@ -199,6 +199,14 @@ def test_the_outer_step_resets_the_accumulator_on_a_hand_off_or_a_diverged_round
     assert ef.e.abs().sum() == 0
 
 
+def test_overlap_with_sparse_is_refused_in_one_line_until_it_is_wired():
+    with pytest.raises(ValueError) as e:
+        make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="sparse", overlap=True)
+    assert str(e.value) == ('diloco.overlap with diloco.compression = "sparse": not wired yet (docs/sparse.md, '
+                            '"What is left"); use one of them')
+    make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="int8", overlap=True)
+
+
 def test_a_dense_run_writes_no_codec_state():
     outer = make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="int8")
     assert "codec" not in outer.state_dict()
