@@ -36,12 +36,13 @@ class HalfFeedback:
     def prepare(self, exchange, numel: int, size: int) -> None:
         pass
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None:
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
         self.calls.append(("stage", outer_step, attempt, pgrad is not None))
         if pgrad is None:
             self.staged = None
-            return
+            return True
         self.staged = pgrad.clone() if self.e is None else self.e + pgrad
+        return True
 
     def mean(self, send: torch.Tensor, weight: float, pg, *, out: torch.Tensor, wire) -> ReduceStats:
         """Every member's weight and message to every member (two all-gathers, group-rank order), then their

@@ -199,6 +199,23 @@ def test_the_outer_step_resets_the_accumulator_on_a_hand_off_or_a_diverged_round
     assert ef.e.abs().sum() == 0
 
 
+def test_a_non_finite_accumulator_is_reset_and_the_node_sends_nothing_of_its_own():
+    """Alone, a node whose accumulator overflowed has no mean to take: it stops on the last committed weights (with
+    two or more members it would send weight 0 and take the run's weights, as a diverged round does)."""
+    from engine.mesh.protocol import MeshError
+    inner = TinyInner(0)
+    inner.reset_optimizer_state = lambda: None
+    outer, _ = _outer(inner, 1, 1)
+    progress = Progress()
+    outer.start(progress)
+    _train(outer, inner, progress, range(1, H + 1))
+    ef = outer.codec.efs[0]
+    ef.e.fill_(float("inf"))
+    with pytest.raises(MeshError, match="no member had a finite pseudo-gradient"):
+        _train(outer, inner, progress, range(H + 1, 2 * H + 1))
+    assert ef.e.abs().sum() == 0 and not ef.staged
+
+
 def test_overlap_with_sparse_is_refused_in_one_line_until_it_is_wired():
     with pytest.raises(ValueError) as e:
         make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="sparse", overlap=True)

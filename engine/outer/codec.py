@@ -44,7 +44,8 @@ class Codec(Protocol):
     def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
         """Allocate and touch the wire buffers of a mean of numel values over `size` members, before the first."""
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None: ...
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
+        """False: the state is not finite (reset): this node sends nothing of its own and takes the run's weights."""
 
     def commit(self) -> None: ...
 
@@ -80,8 +81,8 @@ class Dense:
     def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
         exchange.prepare(numel, size, self.name)
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None:
-        pass
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
+        return True
 
     def commit(self) -> None:
         pass
@@ -138,15 +139,17 @@ class Sparse:
             buf = self._means[f] = torch.zeros(codec.layout.padded, dtype=torch.float32, device=codec.device)
         return buf
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None:
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
         f = self._frag = self.fragment_of(outer_step)
         ef, self._sent = self.efs[f], None
         if ef.staged and self._staged_at[f] != outer_step:
             ef.abort()  # the slice's last step committed without this node: e = e' whole, nothing subtracted
         if pgrad is None or ef.staged:  # nothing of its own; or a retry: e' of this step's first attempt
-            return
-        if ef.stage(pgrad):  # False: e' is not finite; e was reset and this node sends nothing (weight 0)
-            self._staged_at[f] = outer_step
+            return True
+        if not ef.stage(pgrad):  # e' is not finite: e was reset; this node sends nothing (weight 0)
+            return False
+        self._staged_at[f] = outer_step
+        return True
 
     def mean(self, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *, out: torch.Tensor,
              wire: Exchange) -> ReduceStats:

@@ -64,6 +64,10 @@ class LocalRanks:
             raise Stopped(text, what)
         raise {"excluded": Excluded, "reformed": Reformed}.get(kind, LeaderFailed)(text)
 
+    def every_ok(self, ok: bool) -> bool:
+        """True on every local rank when it is true on all of them."""
+        return not self.any(not ok)
+
     def any(self, flag: bool) -> bool:
         """True on every local rank when it is true on one."""
         return self.any_of([flag])[0]

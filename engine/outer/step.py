@@ -216,9 +216,12 @@ class OuterStep:
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
         # a contributor weighs the tokens its pseudo-gradient stands for; a joiner and a diverged node weigh nothing
         counts = self.node_id in contributors and not joiner and not self._discard
-        weight = float(max(1, self.cover.weight(progress, tokens))) if counts else 0.0
         bufs = self.cover.exchange_bufs(plan, joiner)
-        self.codec.stage(pgrad if counts else None, plan.outer_step, plan.attempt)
+        if not self.local.every_ok(self.codec.stage(pgrad if counts else None, plan.outer_step, plan.attempt)):
+            # the codec's state is not finite (sparse: the accumulator overflowed): reset; the node sends nothing
+            # of its own and takes the run's weights, as a diverged round does
+            self._discard, counts = True, False
+        weight = float(max(1, self.cover.weight(progress, tokens))) if counts else 0.0
         try:
             judged = self.landing.judged(pgrad, bufs.mean) if counts and pgrad is not None else None
             got = self.exchange.attempt(plan, pgrad, weight, bufs, judged=judged)
