@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.outer import Progress
+from engine.outer.allreduce import NothingToAverage, ReduceStats
 from engine.outer.codec import GatheredCodec
 from engine.outer.optimizer import build_outer_optimizer, flat_params
 from procs import spawned_ranks
@@ -35,24 +36,34 @@ class HalfFeedback:
     def prepare(self, exchange, numel: int, size: int) -> None:
         pass
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None:
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
         self.calls.append(("stage", outer_step, attempt, pgrad is not None))
         if pgrad is None:
             self.staged = None
-            return
+            return True
         self.staged = pgrad.clone() if self.e is None else self.e + pgrad
+        return True
 
-    def encode(self, send: torch.Tensor, weight: float) -> torch.Tensor:
-        if not weight or self.staged is None:
-            return torch.zeros_like(send)
-        return self.staged * 0.5
-
-    def mean_into(self, messages: list[torch.Tensor], weights: list[float], out: torch.Tensor) -> None:
+    def mean(self, send: torch.Tensor, weight: float, pg, *, out: torch.Tensor, wire) -> ReduceStats:
+        """Every member's weight and message to every member (two all-gathers, group-rank order), then their
+        weighted mean, added in rank order: the same bits on every rank."""
+        msg = self.staged * 0.5 if weight and self.staged is not None else torch.zeros_like(send)
+        size = 1 if pg is None else pg.size()
+        mine = torch.tensor([weight], dtype=torch.float64)
+        rows = torch.empty(size, 1, dtype=torch.float64)
+        pg.allgather([[rows[i] for i in range(size)]], [mine]).wait()
+        messages = [torch.empty_like(msg) for _ in range(size)]
+        pg.allgather([messages], [msg]).wait()
+        weights = rows[:, 0].tolist()
+        if not sum(weights) > 0:
+            raise NothingToAverage("every rank of the mean had weight 0")
         self.messages.append([m.clone() for m in messages])
         acc = torch.zeros_like(out)
         for m, w in zip(messages, weights):  # rank order: the same bits on every rank
             acc.add_(m, alpha=w)
         torch.div(acc, torch.tensor(sum(weights), dtype=out.dtype), out=out)
+        sent = (size - 1) * (msg.numel() * msg.element_size() + mine.element_size())
+        return ReduceStats(sent, 0.0, float(sum(weights)), weights)
 
     def commit(self) -> None:
         self.calls.append(("commit",))
@@ -62,6 +73,16 @@ class HalfFeedback:
     def abort(self) -> None:
         self.calls.append(("abort",))
         self.staged = None
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+        self.e = self.staged = None
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def _node(rank: int, port: int, queue) -> None:

@@ -1,7 +1,6 @@
 """diloco.compression = "sparse" and its keys (issue 43, item 1): each key's rule on both sides of its threshold,
 one line naming the key and the value; the keys in the settings every node of a run shares (with sparse only);
-the wire protocol that an engine without sparse is refused by, and the one-line refusal of the outer loop's
-factory until sparse is wired into it. Pure and fast: the config, the digests and the mesh on an in-memory store."""
+the wire protocol that an engine without sparse is refused by. Pure and fast: the config, the digests and the mesh on an in-memory store."""
 
 from __future__ import annotations
 
@@ -139,11 +138,9 @@ def test_an_engine_without_sparse_is_refused_as_of_another_wire_protocol():
         sim.node("new", digest=_value(old, 8)).start()
 
 
-def test_the_outer_loops_factory_refuses_sparse_in_one_line_until_it_is_wired():
-    from engine.outer.build import build_outer
+def test_the_outer_loops_factory_no_longer_refuses_sparse_and_without_diloco_builds_no_outer_loop():
+    """Sparse is wired into the outer loop's parts (tests/test_sparse_outer.py trains two engines with it)."""
+    from engine.outer.build import NoOuter, build_outer
     world = SimpleNamespace(rank=0, world_size=1, local_rank=0, hostname="h", pid=1)
-    with pytest.raises(ValueError) as e:
-        build_outer(_load(), world, None, None)
-    assert str(e.value) == 'diloco.compression = "sparse": not wired into the outer loop yet (docs/sparse.md)'
-    # without diloco there is no outer loop to refuse it
-    build_outer(load_config(None, ["--data.fake=true", "--diloco.compression=sparse"]), world, None, None)
+    assert isinstance(build_outer(load_config(None, ["--data.fake=true", "--diloco.compression=sparse"]), world,
+                                  None, None), NoOuter)

@@ -103,8 +103,6 @@ def build_outer(cfg: Config, world, inner, telemetry, local_group=None) -> Outer
     outer optimizer) build_parts picks from diloco.* (imported only when asked for: it needs torch)."""
     if not cfg.diloco.enabled:
         return NoOuter(telemetry)
-    if cfg.diloco.compression == "sparse":  # the codec and its collective are built, the loop's parts not yet
-        raise ValueError('diloco.compression = "sparse": not wired into the outer loop yet (docs/sparse.md)')
     from engine.outer.diloco import DilocoOuter
     note = short_run_note(cfg)
     if note and telemetry is not None:

@@ -2,9 +2,12 @@
 
     Dense("none" | "bf16" | "fp16" | "int8")   reduced: allreduce.weighted_mean's reduce-scatter and all-gather of
                                                 pieces (allreduce.py); no state
-    a gathered codec (GatheredCodec)            every member's message goes to every member (one all-gather,
-                                                exchange.gathered_mean) and every rank decodes all of them into the
-                                                weighted mean, in rank order (bit-identical on every rank)
+    a gathered codec (GatheredCodec)            every member's message goes to every member and every rank decodes
+                                                all of them into the weighted mean, in rank order (bit-identical on
+                                                every rank): its own mean(), the collective included
+    Sparse ("sparse")                           SparseLoCo (docs/sparse.md): the top-k of each chunk of an error-
+                                                feedback accumulator, all-gathered on pieces (gather.py); its state
+                                                is the accumulator, one per fragment of the cover
 
 A codec may hold state (error feedback: what it did not send stays for the next outer step). The outer step tells
 it, in its story (diloco.py):
@@ -13,18 +16,25 @@ it, in its story (diloco.py):
                                               nothing of its own, a joiner or a node not counted)
     codec.commit()                            the attempt committed and counted this node's pseudo-gradient
     codec.abort()                             it did not (aborted, left out by the sentinel, not counted, failed)
+    codec.reset()                             the node takes the run's weights (a hand-off, a diverged round): the
+                                              state it held belongs to weights the run no longer has
 
-so a codec's state moves with the outer step and never with an attempt that did not count. A new codec is a class
+so a codec's state moves with the outer step and never with an attempt that did not count. Its state_dict() is
+checkpointed with the outer state (under "codec", only when it is not empty). A new codec is a class
 with these methods, picked in build_codec (or given to the outer loop, as tests/test_outer_codec.py does).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import time
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
-from engine.outer.allreduce import COMPRESSIONS, Exchange
+from engine.outer import gather
+from engine.outer.allreduce import COMPRESSIONS, Exchange, ReduceStats
+from engine.outer.sparse import ChunkLayout, ErrorFeedback, Sent, SparseCodec, SparseSpec
 
 
 class Codec(Protocol):
@@ -34,21 +44,28 @@ class Codec(Protocol):
     def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
         """Allocate and touch the wire buffers of a mean of numel values over `size` members, before the first."""
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None: ...
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
+        """False: the state is not finite (reset): this node sends nothing of its own and takes the run's weights."""
 
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
 
+    def reset(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """The codec's state for the node's checkpoint ({}: none, and nothing is written)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
 
 @runtime_checkable
 class GatheredCodec(Codec, Protocol):
-    def encode(self, send: torch.Tensor, weight: float) -> torch.Tensor:
-        """This member's message for this attempt: a flat tensor of the same size and dtype on every member (send:
-        the staged pseudo-gradient, or zeros of weight 0)."""
-
-    def mean_into(self, messages: list[torch.Tensor], weights: list[float], out: torch.Tensor) -> None:
-        """The weighted mean of every member's message (group-rank order) into out, the same bits on every rank."""
+    def mean(self, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *, out: torch.Tensor,
+             wire: Exchange) -> ReduceStats:
+        """The weighted mean of every member's message into out, the same bits on every rank: this member's
+        message (of what was staged; weight 0: none of its own) to every member of pg and every member's decoded
+        in rank order. Raises allreduce.NothingToAverage when every weight is 0."""
 
 
 class Dense:
@@ -64,8 +81,8 @@ class Dense:
     def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
         exchange.prepare(numel, size, self.name)
 
-    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None:
-        pass
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
+        return True
 
     def commit(self) -> None:
         pass
@@ -73,7 +90,139 @@ class Dense:
     def abort(self) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
 
-def build_codec(compression: str) -> Codec:
-    """diloco.compression -> the part."""
-    return Dense(compression)
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Sparse:
+    """diloco.compression = "sparse": one error-feedback accumulator per slice the cover exchanges (the whole model,
+    or each fragment), its chunks laid over the parameters' pieces in that slice (a chunk never crosses one).
+
+    Per outer step (docs/sparse.md, "The accumulator is the node's state"): e' = beta * e + pgrad is staged once,
+    at the step's first attempt that counts this node; every attempt of that step encodes from e' (the same
+    message); commit() takes what was sent out of it (e = e' - sent); abort() only marks the attempt: a retry
+    encodes the same e' again, and a step that committed without this node leaves e = e' whole (the accumulator is
+    released when the slice's next step is staged, or at a checkpoint). A node left out so sends its e', decayed by
+    beta, at its next step, where it competes again for the chunks' k places."""
+
+    name = "sparse"
+    gathers = True
+
+    def __init__(self, spec: SparseSpec, numels: Sequence[int], spans: Sequence[tuple[int, int]],
+                 fragment_of: Callable[[int], int], device: torch.device | str = "cpu"):
+        self.spec, self.spans, self.fragment_of = spec, list(spans), fragment_of
+        self.efs = [ErrorFeedback(SparseCodec(spec, ChunkLayout(slice_numels(numels, lo, hi), spec), device))
+                    for lo, hi in self.spans]
+        self._staged_at: list[int | None] = [None] * len(self.spans)  # the outer step each accumulator staged
+        self._means: list[torch.Tensor | None] = [None] * len(self.spans)  # padded fp32 means, made on first use
+        self._frag = 0  # the slice of the step under way
+        self._sent: Sent | None = None  # what this attempt sent (None: nothing of its own)
+        self._prepared: set[int] = set()
+
+    def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
+        # called per slice in the cover's order (cover.exchanges()): the first slice of that size not yet prepared
+        f = next(i for i, (lo, hi) in enumerate(self.spans) if hi - lo == numel and i not in self._prepared)
+        self._prepared.add(f)
+        gather.prepare(exchange, self.efs[f].codec, size)
+        self._mean_buf(f)
+
+    def _mean_buf(self, f: int) -> torch.Tensor:
+        buf = self._means[f]
+        if buf is None:
+            codec = self.efs[f].codec
+            buf = self._means[f] = torch.zeros(codec.layout.padded, dtype=torch.float32, device=codec.device)
+        return buf
+
+    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool:
+        f = self._frag = self.fragment_of(outer_step)
+        ef, self._sent = self.efs[f], None
+        if ef.staged and self._staged_at[f] != outer_step:
+            ef.abort()  # the slice's last step committed without this node: e = e' whole, nothing subtracted
+        if pgrad is None or ef.staged:  # nothing of its own; or a retry: e' of this step's first attempt
+            return True
+        if not ef.stage(pgrad):  # e' is not finite: e was reset; this node sends nothing (weight 0)
+            return False
+        self._staged_at[f] = outer_step
+        return True
+
+    def mean(self, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *, out: torch.Tensor,
+             wire: Exchange) -> ReduceStats:
+        start = time.perf_counter()
+        ef = self.efs[self._frag]
+        message, sent = ef.encode() if weight > 0 and ef.staged else (None, None)
+        encoded = time.perf_counter() - start
+        padded = self._mean_buf(self._frag)
+        stats = gather.gather_mean(ef.codec, message, weight if message is not None else 0.0, pg, out=padded,
+                                   own=sent, exchange=wire)
+        self._sent = sent
+        t0 = time.perf_counter()
+        layout = ef.codec.layout
+        for v, o in zip(layout.views(padded), layout.split(out)):  # the pads dropped
+            o.copy_(v.reshape(-1))
+        stats.codec_s += encoded + time.perf_counter() - t0
+        stats.seconds = stats.wire_s + stats.codec_s
+        return stats
+
+    def commit(self) -> None:
+        ef = self.efs[self._frag]
+        if self._sent is not None and ef.staged:
+            ef.commit(self._sent)  # e = e' - sent (the dequantized values)
+        self._sent = None
+
+    def abort(self) -> None:
+        self._sent = None  # e' stays staged: a retry sends it again (stage releases it at the next step)
+
+    def reset(self) -> None:
+        for ef in self.efs:
+            ef.reset()
+        self._staged_at = [None] * len(self.spans)
+        self._sent = None
+
+    def norms(self, agreed: torch.Tensor) -> tuple[float, float]:
+        """(||e||^2 over every slice, ||agreed||^2 over the same values): this rank's share of the event's
+        residual_norm and weights_norm."""
+        return sum(ef.norm() ** 2 for ef in self.efs), float(torch.linalg.vector_norm(agreed)) ** 2
+
+    def state_dict(self) -> dict[str, Any]:
+        for ef in self.efs:
+            if ef.staged:
+                ef.abort()  # a step that ended without this node: e' is its accumulator
+        self._staged_at = [None] * len(self.spans)
+        return {"compression": self.name, "spans": [list(s) for s in self.spans],
+                "accumulators": [ef.state_dict() for ef in self.efs]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        spans = [tuple(s) for s in state.get("spans", [])]
+        if state.get("compression") != self.name or spans != self.spans:
+            raise ValueError(f"outer state: the checkpoint's codec state is of compression "
+                             f"{state.get('compression')!r} over slices {spans}; this node's is {self.name!r} over "
+                             f"{self.spans} (another model, worker count or diloco.fragments)")
+        for ef, sd in zip(self.efs, state["accumulators"]):
+            ef.load_state_dict(sd)
+        self._staged_at = [None] * len(self.spans)
+
+
+def slice_numels(numels: Sequence[int], lo: int, hi: int) -> list[int]:
+    """The sizes of the parameters' pieces within [lo, hi) of their flat concatenation."""
+    out, at = [], 0
+    for n in numels:
+        a, b = max(lo, at), min(hi, at + n)
+        if a < b:
+            out.append(b - a)
+        at += n
+    return out
+
+
+def build_codec(cfg: Any, numels: Sequence[int] = (), spans: Sequence[tuple[int, int]] = (),
+                fragment_of: Callable[[int], int] = lambda step: 0, device: torch.device | str = "cpu") -> Codec:
+    """diloco.* -> the part. Sparse needs the parameters' sizes (numels), the slices the cover exchanges (spans)
+    and which slice an outer step covers (fragment_of)."""
+    if cfg.compression == "sparse":
+        return Sparse(SparseSpec.of(cfg), numels, spans, fragment_of, device)
+    return Dense(cfg.compression)

@@ -22,6 +22,7 @@ up between nodes of equal layouts.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,7 +33,7 @@ from engine.mesh.protocol import Reformed
 from engine.outer import allreduce
 from engine.outer.buffers import OuterBuffers
 from engine.outer.codec import Codec, build_codec
-from engine.outer.cover import Cover, Fragments, WholeModel
+from engine.outer.cover import Cover, Fragments, WholeModel, spans
 from engine.outer.exchange import MeanExchange
 from engine.outer.flight import Flight
 from engine.outer.groups import MeshLinks
@@ -60,7 +61,13 @@ def build_parts(cfg: Any, world: Any, schedule: Schedule, bufs: OuterBuffers, in
                 codec: Codec | None = None) -> Parts:
     """The parts of the outer step for the config's diloco slice (opt, codec: given parts instead of the config's)."""
     opt = opt or build_outer_optimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
-    codec = codec or build_codec(cfg.compression)
+    if cfg.overlap and cfg.compression == "sparse":  # the stand-in and the accumulator would both hold a round
+        raise ValueError('diloco.overlap with diloco.compression = "sparse": not wired yet (docs/sparse.md, '
+                         '"What is left"); use one of them')
+    if codec is None:  # the slices the cover exchanges: the whole model, or each fragment (a sparse accumulator each)
+        parts = schedule.parts if schedule.parts > 1 and not cfg.overlap else 1
+        codec = build_codec(cfg, [math.prod(s) for s in bufs.shapes], spans(bufs.numel, parts),
+                            schedule.fragment_of if parts > 1 else lambda step: 0, bufs.device)
     background = "diloco.overlap" if cfg.overlap else "diloco.fragment_delay" if cfg.fragment_delay else None
     if background and world.world_size > 1:
         raise ValueError(f"{background}: needs nodes of one process; this node has {world.world_size} (its local "
@@ -252,8 +259,9 @@ class DilocoOuter:
 
     def state_dict(self) -> dict[str, Any]:
         assert not self.flight.busy, "diloco: flush() lands the outer step in flight before a checkpoint"
+        codec = self.codec.state_dict()  # written only for a codec with state (sparse's accumulators)
         return {"snapshot": self.bufs.snapshot.cpu(), "outer_optimizer": self.opt.state_dict(),
-                **self.rounds.state_dict(), **self.cover.state_dict()}
+                **self.rounds.state_dict(), **self.cover.state_dict(), **({"codec": codec} if codec else {})}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         check_outer_state(sd, self.bufs.numel, self.rounds.timed)
@@ -262,6 +270,8 @@ class DilocoOuter:
         self.opt.load_state_dict(sd["outer_optimizer"], device=self.bufs.device)
         self.rounds.load_state_dict(sd)
         self.cover.load_state_dict(sd)
+        if "codec" in sd:  # a checkpoint without it (another codec, or none yet): the accumulator starts at 0
+            self.codec.load_state_dict(sd["codec"])
         if self.cover.parts > 1:  # each fragment's outer step updates its slice of a whole state (opt.slice)
             self.opt.materialize(self.bufs.numel, self.bufs.device)
 

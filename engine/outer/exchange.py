@@ -1,6 +1,6 @@
 """The exchange, a part of the outer loop: one member's part of an attempt's collective. The sentinel's screen, then
 the weighted mean into bufs.mean, with the codec's bytes on the wire: reduced (allreduce.weighted_mean) or, for a
-codec that gathers (codec.py), all-gathered and decoded on every rank (gathered_mean).
+codec that gathers (codec.py), all-gathered and decoded on every rank (the codec's mean(): gather.py for sparse).
 
 Nothing of the node's state (parameters, momentum, snapshot, a codec's state) changes here: only the mean buffer
 and the wire buffers are written, so an attempt that aborts leaves everything as it was and the same
@@ -10,12 +10,10 @@ pseudo-gradient is sent again (the outer step's story retries it, at most diloco
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine.errors import first_line
 from engine.mesh.protocol import MeshError
@@ -55,8 +53,8 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
             w = 0.0
         send = pgrad if w and pgrad is not None else mean.zero_()
         if codec.gathers:
-            assert isinstance(codec, GatheredCodec), f"codec {codec.name!r} gathers but has no encode / mean_into"
-            return Exchanged(gathered_mean(codec, send, w, group, out=mean), left_out)
+            assert isinstance(codec, GatheredCodec), f"codec {codec.name!r} gathers but has no mean()"
+            return Exchanged(codec.mean(send, w, group, out=mean, wire=wire), left_out)
         _, stats = allreduce.weighted_mean(send, w, group, codec.name, out=mean, exchange=wire)
         return Exchanged(stats, left_out)
     try:
@@ -69,34 +67,6 @@ def exchange(plan: Any, pgrad: torch.Tensor | None, weight: float, *, node_id: s
         return Exchanged(None, reason=first_line(e, 300))
 
 
-def gathered_mean(codec: GatheredCodec, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *,
-                  out: torch.Tensor) -> allreduce.ReduceStats:
-    """Every member's weight and message to every member (two all-gathers, group-rank order), then the codec's
-    weighted mean of them into out, the same bits on every rank (every rank decodes the same bytes in the same
-    order). A message is the same size on every member (the codec's rule). Weight 0 everywhere: NothingToAverage."""
-    start = time.perf_counter()
-    msg = codec.encode(send, weight)
-    encoded = time.perf_counter()
-    size = 1 if pg is None else pg.size()
-    mine = torch.tensor([weight], dtype=torch.float64)
-    if pg is None or size == 1:
-        weights, messages = [weight], [msg]
-    else:
-        rows = torch.empty(size, 1, dtype=torch.float64)
-        pg.allgather([[rows[i] for i in range(size)]], [mine]).wait()
-        messages = [torch.empty_like(msg) for _ in range(size)]
-        pg.allgather([messages], [msg]).wait()
-        weights = rows[:, 0].tolist()
-    wired = time.perf_counter()
-    if not sum(weights) > 0:
-        raise allreduce.NothingToAverage("every rank of the mean had weight 0")
-    codec.mean_into(messages, weights, out)
-    done = time.perf_counter()
-    sent = (size - 1) * (msg.numel() * msg.element_size() + mine.element_size())
-    return allreduce.ReduceStats(sent, done - start, float(sum(weights)), weights, wire_s=wired - encoded,
-                                 codec_s=(encoded - start) + (done - wired))
-
-
 @dataclass
 class Agreed:
     """An attempt's exchange as the node's local ranks agree on it."""
@@ -106,6 +76,7 @@ class Agreed:
     ok: bool  # every local rank's collective succeeded
     nbytes: int  # bytes the node's local ranks sent
     sq: float  # the mean's squared norm, over the node's local ranks
+    fp32_bytes: int = 0  # what the node's local ranks would have sent for this mean with compression "none"
 
 
 class MeanExchange:
@@ -124,10 +95,13 @@ class MeanExchange:
         with self.watch.phase("norm"):
             sq = float(torch.linalg.vector_norm(bufs.mean)) ** 2 if out.stats is not None else 0.0
         ok, nbytes, sq = self.links.local.stats(out.stats is not None, out.stats.bytes_sent if out.stats else 0, sq)
+        # the same mean in fp32 (allreduce.py's ring), the yardstick of the codec's bytes (docs/telemetry.md)
+        fp32 = allreduce.bytes_sent(bufs.mean.numel(), plan.size, "none") if out.stats is not None else 0
+        fp32 = int(self.links.local.sums([float(fp32)])[0])
         if ok and not math.isfinite(sq):
             # every contributor's pseudo-gradient was finite, yet the mean is not: a value beyond the codec's range
             # (fp16: 65504); a commit would have put inf into every member's snapshot
             raise MeshError(f"outer step {plan.outer_step}: the mean of finite pseudo-gradients is not finite: a "
                             f"value beyond diloco.compression = {self.codec.name!r}'s range (fp16 ends at "
                             f"65504); use \"bf16\" or \"int8\" (scaled per chunk), then resume")
-        return Agreed(out.stats, out.reason, out.left_out, ok, nbytes, sq)
+        return Agreed(out.stats, out.reason, out.left_out, ok, nbytes, sq, fp32)

@@ -141,13 +141,12 @@ def gather_mean(codec: SparseCodec, message: torch.Tensor | None, weight: float,
             for c in range(1, g.pieces):
                 _landed(arrivals[j], c)
         t0 = time.perf_counter()
-        if j == rank:
-            acc.arrive(j, mine if weights[j] > 0 else None)
-        else:
+        msg: torch.Tensor | Sent | None = mine
+        if j != rank:
             msg = recv[j, _WEIGHT:]
             if weights[j] > 0 and msg.device != out.device:
                 msg = ex.to_device("gather_msg", msg)
-            acc.arrive(j, msg if weights[j] > 0 else None)
+        acc.arrive(j, msg if weights[j] > 0 else None)
         codec_s += time.perf_counter() - t0
     for c in range(len(sends)):  # all of it, also when there is no mean
         _landed(sends, c)

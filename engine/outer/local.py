@@ -64,6 +64,10 @@ class LocalRanks:
             raise Stopped(text, what)
         raise {"excluded": Excluded, "reformed": Reformed}.get(kind, LeaderFailed)(text)
 
+    def every_ok(self, ok: bool) -> bool:
+        """True on every local rank when it is true on all of them."""
+        return not self.any(not ok)
+
     def any(self, flag: bool) -> bool:
         """True on every local rank when it is true on one."""
         return self.any_of([flag])[0]
@@ -93,6 +97,14 @@ class LocalRanks:
         dist.all_gather(rows, mine, group=self.group)
         table = torch.stack(rows)
         return bool(table[:, 0].min() > 0), int(table[:, 1].sum()), float(table[:, 2].sum())
+
+    def sums(self, values: list[float]) -> list[float]:
+        """Each value summed over the node's local ranks (one collective), in float64."""
+        if self.group is None or not values:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return [float(v) for v in t.tolist()]
 
     def joined_fingerprint(self, mine: str) -> str:
         """One fingerprint of the node from each local rank's (of its shards)."""

@@ -216,9 +216,12 @@ class OuterStep:
         contributors = plan.contributors or [m for m in plan.members if m not in plan.joiners]
         # a contributor weighs the tokens its pseudo-gradient stands for; a joiner and a diverged node weigh nothing
         counts = self.node_id in contributors and not joiner and not self._discard
-        weight = float(max(1, self.cover.weight(progress, tokens))) if counts else 0.0
         bufs = self.cover.exchange_bufs(plan, joiner)
-        self.codec.stage(pgrad if counts else None, plan.outer_step, plan.attempt)
+        if not self.local.every_ok(self.codec.stage(pgrad if counts else None, plan.outer_step, plan.attempt)):
+            # the codec's state is not finite (sparse: the accumulator overflowed): reset; the node sends nothing
+            # of its own and takes the run's weights, as a diverged round does
+            self._discard, counts = True, False
+        weight = float(max(1, self.cover.weight(progress, tokens))) if counts else 0.0
         try:
             judged = self.landing.judged(pgrad, bufs.mean) if counts and pgrad is not None else None
             got = self.exchange.attempt(plan, pgrad, weight, bufs, judged=judged)
@@ -270,7 +273,7 @@ class OuterStep:
         checksum = self.local.joined_fingerprint(fingerprint(self.landing.agreed(in_flight)))  # before outer_s ends
         compute_s = self.flight.compute_s if in_flight else self.watch.compute_s()
         self.emit("outer_step", **event_fields(plan, progress, got, counted, self.watch, compute_s, checksum),
-                   **self.cover.fields())
+                   **self.cover.fields(), **self.codec_fields(in_flight))
         self.cover.committed(progress)
         if not in_flight:  # in flight, the next round began at the boundary (_launch)
             self.watch.round_starts()
@@ -278,6 +281,15 @@ class OuterStep:
         return True
 
     # ------------------------------------------------------------------ small steps of the story
+
+    def codec_fields(self, in_flight: bool) -> dict[str, Any]:
+        """A codec with an accumulator: its norm after the step and the agreed weights' over the same values, over
+        the node's local ranks (the node detail shows their ratio)."""
+        norms = getattr(self.codec, "norms", None)
+        if norms is None:
+            return {}
+        e_sq, w_sq = self.local.sums(list(norms(self.landing.agreed(in_flight))))
+        return {"residual_norm": e_sq ** 0.5, "weights_norm": w_sq ** 0.5}
 
     def pseudo_gradient(self) -> torch.Tensor:
         with self.watch.phase("pseudo_gradient"):
@@ -305,6 +317,8 @@ class OuterStep:
     def _discarded(self) -> None:
         """This node's round diverged or was left out: it takes the run's weights (every part of them)."""
         self.cover.rebase()
+        if self._discard:  # a diverged round's accumulator is not finite; one left out keeps e' (codec.py, Sparse)
+            self.codec.reset()
         self.landing.discarded(self.flight.on_it(), self._discard)
 
     def _adopt(self, params: torch.Tensor, handoff: list[torch.Tensor] | None = None) -> None:
@@ -313,6 +327,7 @@ class OuterStep:
         if handoff is not None:
             self.opt.adopt(handoff[1:-1], self.bufs.device)
         self.cover.rebase()  # every part starts from the agreed weights: none has progress of its own yet
+        self.codec.reset()  # a residual of weights the run no longer has (a joiner, a node back): e = 0
         self.landing.adopt(params, self.flight.on_it())
 
 
@@ -332,5 +347,5 @@ def event_fields(plan: Any, progress: Progress, got: Agreed, counted: list[tuple
     return {"outer_step": progress.outer_step, "step": progress.step, "generation": plan.generation,
             "members": list(plan.members), "pgrad_norm": got.sq ** 0.5, "bytes_sent": got.nbytes,
             **watch.seconds(wire, codec, compute_s), "checksum": checksum,
-            "contributors": [m for m, _ in counted], "weights": [w for _, w in counted],
+            "contributors": [m for m, _ in counted], "weights": [w for _, w in counted], "fp32_bytes": got.fp32_bytes,
             **({"left_out": got.left_out} if got.left_out else {})}
