@@ -81,8 +81,11 @@ def test_the_checker_sees_a_codec_that_does_not_fit_the_outer_steps_seam(have_my
         "    name = 'bad'\n"
         "    gathers = False\n"
         "    def prepare(self, exchange: Exchange, numel: int, size: int) -> None: ...\n"
-        "    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> None: ...\n"
+        "    def stage(self, pgrad: torch.Tensor | None, outer_step: int, attempt: int) -> bool: ...\n"
         "    def commit(self) -> None: ...\n"
+        "    def reset(self) -> None: ...\n"
+        "    def state_dict(self) -> dict[str, Any]: ...\n"
+        "    def load_state_dict(self, state: dict[str, Any]) -> None: ...\n"
         "def build(cfg: Any) -> DilocoOuter:\n"
         "    return DilocoOuter(cfg, cfg, cfg, cfg, cfg, config_digest='d', codec=Bad())\n")
     done = mypy("--config-file", str(ROOT / "pyproject.toml"), "--cache-dir", "/dev/null", str(bad))
