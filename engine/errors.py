@@ -30,3 +30,7 @@ def same_on_every_rank():
         raise
     except ValueError as e:
         raise SameOnEveryRank(str(e)) from None
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the file and the key."""

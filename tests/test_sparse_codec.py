@@ -14,8 +14,9 @@ import torch
 
 from procs import ROOT
 
+from engine.outer.bitpack import pack_bits, unpack_bits
 from engine.outer.sparse import (ChunkLayout, ErrorFeedback, NothingGathered, RankOrderedSum, SparseCodec, SparseSpec,
-                                 bytes_ratio, gathered_mean, message_bytes, pack_bits, unpack_bits)
+                                 bytes_ratio, gathered_mean, message_bytes)
 
 
 def _codec(shapes, **kw):

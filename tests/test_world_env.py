@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from engine.config import ConfigError, env_overrides
+from engine.config import ConfigError
+from engine.config_env import env_overrides
 from engine.train import make_telemetry
 from engine.world import read_world
 from procs import engine_env
