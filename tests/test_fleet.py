@@ -598,6 +598,18 @@ def test_bytes_against_fp32_and_the_sparse_residual():
     fleet.ingest("b", outer(2, 121.0, "b"))  # an engine that does not say: no factor made of half the reporters
     assert bytes_text(fleet.outer_rounds[2]) == "2.0K sent"
 
+    # the outer chart's legend: whole where it fits; at 80 columns (42 cells of border) the factor stays readable
+    from rich.text import Text
+
+    from console.widgets.outer_chart import first_fitting, legend_forms
+    rnd = fleet.outer_rounds[1]
+    series = {"compute": [1.0], "wire": [0.1], "codec": [0.1], "idle": [0.1]}
+    forms = legend_forms(series, bytes_text(rnd), bytes_text(rnd, short=True), "")
+    assert Text.from_markup(first_fitting(forms, 200)).plain == "█ compute █ wire █ codec █ idle  2.0K sent (1/98 of fp32)"
+    assert Text.from_markup(first_fitting(forms, 52)).plain == "█ compute █ wire █ codec █ idle  2.0K = 1/98 fp32"
+    assert Text.from_markup(first_fitting(forms, 42)).plain.startswith("2.0K = 1/98 fp32  █compute █wire")
+    assert first_fitting(legend_forms(series, "", "", "c: loss"), 200).endswith("idle  c: loss")
+
     node = fleet.nodes["a"]
     assert node.residual_ratio == pytest.approx(0.05)
 

@@ -159,14 +159,16 @@ def outer_line(rnd: Any) -> str:
             f"{rnd.members} members | {bytes_text(rnd)}{split}")
 
 
-def bytes_text(rnd: Any) -> str:
+def bytes_text(rnd: Any, short: bool = False) -> str:
     """An outer step's bytes on the wire (every reporter's), and their part of what the same exchanges would have
-    sent uncompressed when every reporter said: "1.2M sent (1/98 of fp32)". An older engine's step: the bytes."""
-    sent = f"{human_bytes(rnd.bytes_sent)} sent"
+    sent uncompressed when every reporter said: "1.2M sent (1/98 of fp32)", or `short`, where a narrow chart's
+    legend has no room for more, "1.2M = 1/98 fp32". An older engine's step: the bytes."""
+    sent = human_bytes(rnd.bytes_sent)
     fp32, told = getattr(rnd, "fp32_bytes", 0), getattr(rnd, "fp32_reporters", 0)
     if not fp32 or not rnd.bytes_sent or told < rnd.reporters:
-        return sent
-    return f"{sent} (1/{fp32 / rnd.bytes_sent:.3g} of fp32)"
+        return sent if short else f"{sent} sent"
+    factor = fp32 / rnd.bytes_sent
+    return f"{sent} = 1/{factor:.0f} fp32" if short else f"{sent} sent (1/{factor:.3g} of fp32)"
 
 
 def share_text(shares: dict[str, float]) -> str:

@@ -39,6 +39,26 @@ def bar_series(rounds: list[Any]) -> dict[str, list[float]]:
     return series
 
 
+def legend_forms(series: dict[str, list[float]], sent: str, sent_short: str, hint: str) -> list[str]:
+    """The bottom border's legend, bytes and hint, widest first. At 80 columns the words of the full form do not fit,
+    and the bytes against fp32, the figure an operator tunes the compression by, must not be what the border cuts:
+    the last form puts them first and lets the legend's tail go."""
+
+    def legend(sep: str) -> str:
+        return " ".join(f"[rgb{COLORS[part]}]█[/]{sep}{part}" for part in series)
+
+    def joined(*parts: str) -> str:
+        return "  ".join(part for part in parts if part)
+
+    return [joined(legend(" "), sent, hint), joined(legend(" "), sent_short, hint),
+            joined(legend(""), sent_short, hint), joined(sent_short, hint, legend(""))]
+
+
+def first_fitting(forms: list[str], room: int) -> str:
+    """The first form whose text fits `room` cells whole; the last (the border cuts it with an ellipsis) if none."""
+    return next((f for f in forms if Text.from_markup(f).cell_len <= room), forms[-1])
+
+
 class OuterChart(PlotextPlot):
     """Redrawn by `show(fleet)` only; it keeps what it plotted so tests can read the numbers."""
 
@@ -53,6 +73,7 @@ class OuterChart(PlotextPlot):
         self.caption = ""
         self.hint = ""  # a key the dashboard names after the legend (`c: loss` when one chart fits)
         self.sent = ""  # the newest outer step's bytes and their part of fp32's, at the legend's end
+        self.sent_short = ""  # the same in fewer cells, for a legend that has no room for the words
 
     def show(self, fleet: Any) -> None:
         rounds = list(fleet.outer_rounds.values())[-BARS:]
@@ -63,6 +84,7 @@ class OuterChart(PlotextPlot):
         if (steps, series, caption, sent) == (self.steps, self.series, self.caption, self.sent):
             return
         self.steps, self.series, self.caption, self.sent = steps, series, caption, sent
+        self.sent_short = cells.bytes_text(rounds[-1], short=True) if rounds else ""
         plt = self.plt
         plt.clear_data()
         # on the border, cut to fit with an ellipsis: as plotext's title, a caption wider than the plot was dropped
@@ -79,9 +101,13 @@ class OuterChart(PlotextPlot):
             self.hint = hint
             self._subtitle()
 
+    def on_resize(self) -> None:
+        self._subtitle()
+
     def _subtitle(self) -> None:
-        legend = " ".join(f"[rgb{COLORS[part]}]█[/] {part}" for part in self.series) if self.steps else ""
-        self.border_subtitle = "  ".join(part for part in (legend, self.sent if self.steps else "", self.hint) if part)
+        width = self.size.width  # the corners and a rule and a space each side; not laid out yet: no limit
+        forms = legend_forms(self.series, self.sent, self.sent_short, self.hint) if self.steps else [self.hint]
+        self.border_subtitle = first_fitting(forms, width - 6 if width else 1 << 16)
 
     def render(self) -> RenderResult:
         try:
