@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.config import DilocoConfig
+from engine.mesh.protocol import Stopped
 from engine.outer import Progress, gather
 from engine.outer.allreduce import Exchange
 from engine.outer.codec import Sparse, build_codec, slice_numels
@@ -216,12 +217,158 @@ def test_a_non_finite_accumulator_is_reset_and_the_node_sends_nothing_of_its_own
     assert ef.e.abs().sum() == 0 and not ef.staged
 
 
-def test_overlap_with_sparse_is_refused_in_one_line_until_it_is_wired():
-    with pytest.raises(ValueError) as e:
-        make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="sparse", overlap=True)
-    assert str(e.value) == ('diloco.overlap with diloco.compression = "sparse": not wired yet (docs/sparse.md, '
-                            '"What is left"); use one of them')
-    make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="int8", overlap=True)
+# ------------------------------------------------------------------------------------------ overlap, one node
+
+class _StopOnce(FakeMesh):
+    """FakeMesh whose vote on the listed (outer_step, attempt) meets a stop once: after the exchange, e' staged."""
+
+    def __init__(self, plans, decisions, stop_at=()):
+        super().__init__(plans, decisions)
+        self.stop_at = set(stop_at)
+
+    def commit(self, plan, succeeded: bool) -> bool:
+        if (plan.outer_step, plan.attempt) in self.stop_at:
+            self.stop_at.discard((plan.outer_step, plan.attempt))
+            raise Stopped("stopped", f"outer step {plan.outer_step} attempt {plan.attempt}")
+        return super().commit(plan, succeeded)
+
+
+def _flat(inner) -> torch.Tensor:
+    return torch.cat([p.reshape(-1).clone() for p in inner.outer_params()])
+
+
+@pytest.mark.parametrize("update", ["delayed", "eager"])
+def test_overlap_counts_every_step_once_in_the_agreed_weights_or_in_e(update):
+    """beta 1, outer lr 1, one node: each committed step moves the snapshot by what it sent and leaves the rest in e,
+    so snapshot - e = s0 - (every inner step's progress) whatever overlap carried where: nothing twice, nothing lost.
+    Outer step 2 aborts once (its retry encodes the same e'); outer step 3 meets a stop after its exchange (its round
+    stays in the weights and goes with the next boundary's, so e gives it back: unsent)."""
+    plans = [make_plan(1, k, a, ["a"], source="a") for k, a in ((1, 0), (2, 0), (2, 1), (3, 0), (3, 0), (4, 0), (5, 0))]
+    mesh = _StopOnce(plans, [True, False, True, True, True, True], stop_at=[(3, 0)])
+    inner = TinyInner(0)
+    outer = make_outer(inner, mesh, inner_steps=2, compression="sparse", sparse_chunk=16, density=0.0625,
+                       sparse_beta=1.0, overlap=True, overlap_update=update, overlap_delay=1)
+    progress = Progress()
+    outer.start(progress)
+    s0, trained, stops = outer.bufs.snapshot.clone(), torch.zeros(outer.bufs.numel), 0
+    for step in range(1, 13):  # 6 rounds: the stopped one goes with the next, 5 outer steps commit
+        before = _flat(inner)
+        inner.train_step(step)
+        trained += before - _flat(inner)
+        progress.step, progress.tokens = step, 64 * step
+        try:
+            outer.after_inner_step(progress)
+        except Stopped:
+            stops += 1
+    outer.flush()
+    ef = outer.codec.efs[0]
+    assert stops == 1 and progress.outer_step == 5 and not mesh.plans and not ef.staged
+    e = ef.layout.unpack(ef.e)
+    assert e.abs().sum() > 0
+    torch.testing.assert_close(outer.bufs.snapshot - e, s0 - trained, rtol=0, atol=2e-5)
+    torch.testing.assert_close(_flat(inner), outer.bufs.snapshot, rtol=0, atol=0)  # landed at the boundary
+
+
+def test_eager_stand_in_is_the_own_decoded_message_times_its_share_of_the_agreed_weights():
+    """The stand-in is what the gathered mean adds of this node's message: decode(m) x w / W, W the contributors'
+    total weight with the others' weights as the last mean agreed them (6 and 3) plus its own now (4): 4/13, not the
+    1/3 a node would take alone from the count of contributors."""
+    from engine.outer.sparse import RankOrderedSum
+    inner = TinyInner(0)
+    outer = make_outer(inner, FakeMesh([], []), inner_steps=2, compression="sparse", sparse_chunk=16,
+                       density=0.0625, sparse_beta=0.5, overlap=True, overlap_update="eager")
+    codec = outer.codec
+    g = torch.Generator().manual_seed(5)
+    codec.efs[0].e.copy_(codec.efs[0].layout.pack(torch.randn(outer.bufs.numel, generator=g)))
+    e0 = codec.efs[0].layout.unpack(codec.efs[0].e)
+    step = outer.step
+    step.last_contributors, step.last_weights = 3, {"a": 2.0, "b": 6.0, "c": 3.0}
+    share = step._share(Progress(step=4, outer_step=7, tokens=0), tokens=4)
+    assert share.contributors == 3
+    pgrad = torch.randn(outer.bufs.numel, generator=g)
+    got = share.message(pgrad, torch.empty(outer.bufs.numel))
+    ef = codec.efs[0]
+    assert ef.staged and codec._staged_at[0] == 8  # e' = beta e + pgrad staged for the coming outer step
+    torch.testing.assert_close(ef.layout.unpack(ef.e), 0.5 * e0 + pgrad, rtol=0, atol=0)
+    # what the gathered mean adds of this node's message (rank 0 of [4, 9]), before the others arrive
+    _, sent = ef.encode()
+    added = torch.zeros(ef.layout.padded)
+    RankOrderedSum(ef.codec, [4.0, 9.0], added).arrive(0, sent)
+    assert torch.equal(got, ef.layout.unpack(added))
+    assert not torch.allclose(got * 13 / 4, got * 3)  # the count's 1/3 is another stand-in
+    # the step's attempts send the message encoded at the boundary, and an unsent step gives e' back
+    codec.unsent(pgrad, 8)
+    torch.testing.assert_close(ef.layout.unpack(ef.e), e0, rtol=0, atol=1e-6)
+    assert not ef.staged
+
+
+def test_an_eager_boundary_puts_the_own_message_in_the_working_weights():
+    """One node: its share is 1, so the working weights after an eager boundary are snapshot - outer_lr x its decoded
+    message, which is exactly where the agreed weights land (the mean of one is its message), not snapshot - its
+    dense pseudo-gradient."""
+    plans = [make_plan(1, k, 0, ["a"], source="a") for k in (1, 2)]
+    inner = TinyInner(0)
+    outer = make_outer(inner, FakeMesh(plans, [True, True]), inner_steps=2, compression="sparse", sparse_chunk=16,
+                       density=0.0625, overlap=True, overlap_update="eager", overlap_delay=2, outer_lr=0.7)
+    progress = Progress()
+    outer.start(progress)
+    s0 = outer.bufs.snapshot.clone()
+    for step in (1, 2):
+        inner.train_step(step)
+        progress.step, progress.tokens = step, 64 * step
+        outer.after_inner_step(progress)
+    working = _flat(inner)
+    assert outer.flight.done(timeout=30)
+    outer.flush()
+    agreed = outer.bufs.snapshot.clone()
+    torch.testing.assert_close(working, agreed, rtol=0, atol=1e-6)
+    assert (working - s0).abs().max() > 1e-3 and (working != s0).sum() < outer.bufs.numel / 4  # sparse, not dense
+
+
+@pytest.mark.parametrize("update", ["delayed", "eager"])
+def test_an_overlapped_sparse_run_resumed_from_a_checkpoint_saved_in_flight_continues_the_uninterrupted_one(update):
+    """A checkpoint at step 4 lands the outer step launched at step 3 (as the session's save flushes it) and saves
+    e after its commit; the resumed run equals the uninterrupted one (which flushes at step 4 too) bit for bit."""
+    h, rounds, cut = 3, 3, 4
+
+    def run(inner, first, steps, saved=None, cut_off=False):
+        plans = [make_plan(1, k, 0, ["a"], source="a") for k in range(first, rounds + 1)]
+        events: list[dict] = []
+        outer = make_outer(inner, FakeMesh(plans, [True] * len(plans)), events=events, inner_steps=h,
+                           compression="sparse", sparse_chunk=16, density=0.0625, sparse_beta=0.9, overlap=True,
+                           overlap_update=update, overlap_delay=2)
+        progress = Progress()
+        if saved is not None:
+            progress.load_state_dict(saved["progress"])
+            outer.load_state_dict(saved["outer"])
+        outer.start(progress)
+        after = {}
+        for step in steps:
+            inner.train_step(step)
+            progress.step, progress.tokens = step, 64 * step
+            outer.after_inner_step(progress)
+            if step == cut:
+                outer.flush()  # the checkpoint's save lands the step in flight
+                if cut_off:
+                    return outer, progress, after
+            after[step] = _flat(inner)
+        outer.flush()
+        return outer, progress, after
+
+    full_inner = TinyInner(0)
+    *_, want = run(full_inner, 1, range(1, h * rounds + 1))
+    first_inner = TinyInner(0)
+    first, progress, _ = run(first_inner, 1, range(1, cut + 1), cut_off=True)
+    assert progress.outer_step == 1 and not first.flight.busy
+    saved = _checkpoint({"model": first_inner.model.state_dict(), "optim": first_inner.opt.state_dict(),
+                         "progress": progress.state_dict(), "outer": first.state_dict()})
+    assert saved["outer"]["codec"]["accumulators"][0]["e"].abs().sum() > 0
+    inner = TinyInner(99)
+    inner.model.load_state_dict(saved["model"])
+    inner.opt.load_state_dict(saved["optim"])
+    _, _, got = run(inner, 2, range(cut + 1, h * rounds + 1), saved=saved)
+    for step, params in got.items():
+        assert torch.equal(params, want[step]), f"step {step}: parameters differ from the uninterrupted run's"
 
 
 def test_a_dense_run_writes_no_codec_state():
@@ -293,3 +440,41 @@ def test_two_nodes_of_two_fsdp_workers_train_with_sparse_on_their_shards(procs, 
         a, b = nodes[0].outer()[k], nodes[1].outer()[k]
         assert a["bytes_sent"] == b["bytes_sent"] > 0 and a["bytes_sent"] * 50 < a["fp32_bytes"]
         assert a["residual_norm"] > 0
+
+
+@pytest.fixture(scope="module")
+def overlapped_sparse_nodes(tmp_path_factory):
+    """a (delayed) and b (eager), sparse, overlapped after diloco.overlap_after = 2 outer steps: 12 inner steps at
+    H = 3 (4 outer steps, a checkpoint at the last), then both resumed from it for 3 more (outer steps 5-7)."""
+    from procs import ProcessTracker, free_port
+    from test_diloco_e2e import finish, start_node, start_store
+    procs, run_dir = ProcessTracker(), tmp_path_factory.mktemp("overlap")
+    common = ["--diloco.min_nodes=2", "--diloco.compression=sparse", "--diloco.overlap=true",
+              "--diloco.overlap_after=2", "--diloco.overlap_delay=1", "--ckpt.interval=12"]
+    update = {"a": "--diloco.overlap_update=delayed", "b": "--diloco.overlap_update=eager"}
+    try:
+        runs = []
+        for phase, extra in (("first", ["--train.max_steps=12"]), ("resumed", ["--train.max_steps=21"])):
+            port = free_port()  # a fresh store for the resumed run: the first run's keys belong to it
+            start_store(procs, port)
+            resume = (lambda n: [f"--ckpt.resume={run_dir / 'first' / n / 'checkpoints' / 'step-00000012'}"]) \
+                if phase == "resumed" else (lambda n: [])
+            nodes = [start_node(procs, port, n, run_dir / phase, *common, *extra, update[n], *resume(n)) for n in "ab"]
+            runs.append((nodes, [finish(n, 300, nodes) for n in nodes]))
+        yield runs
+    finally:
+        procs.kill_all()
+
+
+def test_two_engines_overlap_sparse_after_the_first_outer_steps_and_agree_on_every_one(overlapped_sparse_nodes):
+    """Delayed on a, eager on b (how a node lands may differ): the first diloco.overlap_after = 2 outer steps land at
+    their boundary, the later ones overlap, the resumed run's too (past 2); every checksum agrees; a sparse wire."""
+    for (nodes, codes), steps in zip(overlapped_sparse_nodes, ([1, 2, 3, 4], [5, 6, 7])):
+        assert codes == [0, 0], "\n".join(n.report() for n in nodes)
+        a, b = (n.outer() for n in nodes)
+        assert sorted(a) == sorted(b) == steps, "\n".join(n.report() for n in nodes)
+        for k in steps:
+            assert a[k]["checksum"] == b[k]["checksum"], f"outer step {k}: the nodes' weights differ"
+            assert a[k]["contributors"] == b[k]["contributors"] == ["a", "b"]
+            assert a[k]["overlapped"] is b[k]["overlapped"] is (k > 2), (k, a[k], b[k])
+            assert 0 < a[k]["bytes_sent"] * 50 < a[k]["fp32_bytes"] and a[k]["residual_norm"] > 0
