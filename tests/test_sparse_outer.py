@@ -237,21 +237,31 @@ def _flat(inner) -> torch.Tensor:
     return torch.cat([p.reshape(-1).clone() for p in inner.outer_params()])
 
 
-@pytest.mark.parametrize("update", ["delayed", "eager"])
+@pytest.mark.parametrize("update", ["delayed", "eager", "fragments"])
 def test_overlap_counts_every_step_once_in_the_agreed_weights_or_in_e(update):
     """beta 1, outer lr 1, one node: each committed step moves the snapshot by what it sent and leaves the rest in e,
     so snapshot - e = s0 - (every inner step's progress) whatever overlap carried where: nothing twice, nothing lost.
     Outer step 2 aborts once (its retry encodes the same e'); outer step 3 meets a stop after its exchange (its round
-    stays in the weights and goes with the next boundary's, so e gives it back: unsent)."""
-    plans = [make_plan(1, k, a, ["a"], source="a") for k, a in ((1, 0), (2, 0), (2, 1), (3, 0), (3, 0), (4, 0), (5, 0))]
-    mesh = _StopOnce(plans, [True, False, True, True, True, True], stop_at=[(3, 0)])
+    stays in the weights and goes with the next boundary's, so e gives it back: unsent). "fragments": two fragments
+    in flight for a step each (fragment_delay), each with its own accumulator; the run's end syncs both."""
+    steps = 12
+    if update == "fragments":  # a fragment's outer step every inner step; the run's end sends both, whole
+        rounds = [(1, 0), (2, 0), (2, 1), (3, 0)] + [(k, 0) for k in range(3, steps)]
+        decisions = [True, False] + [True] * (len(rounds) - 3)
+        parts = dict(fragments=2, fragment_delay=1)
+    else:
+        rounds = [(1, 0), (2, 0), (2, 1), (3, 0), (3, 0), (4, 0), (5, 0)]
+        decisions = [True, False, True, True, True, True]
+        parts = dict(overlap=True, overlap_update=update, overlap_delay=1)
+    mesh = _StopOnce([make_plan(1, k, a, ["a"], source="a") for k, a in rounds], decisions, stop_at=[(3, 0)])
     inner = TinyInner(0)
     outer = make_outer(inner, mesh, inner_steps=2, compression="sparse", sparse_chunk=16, density=0.0625,
-                       sparse_beta=1.0, overlap=True, overlap_update=update, overlap_delay=1)
+                       sparse_beta=1.0, **parts)
+    outer.step.max_steps = steps
     progress = Progress()
     outer.start(progress)
     s0, trained, stops = outer.bufs.snapshot.clone(), torch.zeros(outer.bufs.numel), 0
-    for step in range(1, 13):  # 6 rounds: the stopped one goes with the next, 5 outer steps commit
+    for step in range(1, steps + 1):  # 6 rounds: the stopped one goes with the next, 5 outer steps commit
         before = _flat(inner)
         inner.train_step(step)
         trained += before - _flat(inner)
@@ -261,10 +271,9 @@ def test_overlap_counts_every_step_once_in_the_agreed_weights_or_in_e(update):
         except Stopped:
             stops += 1
     outer.flush()
-    ef = outer.codec.efs[0]
-    assert stops == 1 and progress.outer_step == 5 and not mesh.plans and not ef.staged
-    e = ef.layout.unpack(ef.e)
-    assert e.abs().sum() > 0
+    assert stops == 1 and progress.outer_step == rounds[-1][0] and not mesh.plans
+    e = torch.cat([ef.layout.unpack(ef.e) for ef in outer.codec.efs])  # the slices in order: the whole model
+    assert all(not ef.staged and ef.e.abs().sum() > 0 for ef in outer.codec.efs)
     torch.testing.assert_close(outer.bufs.snapshot - e, s0 - trained, rtol=0, atol=2e-5)
     torch.testing.assert_close(_flat(inner), outer.bufs.snapshot, rtol=0, atol=0)  # landed at the boundary
 
