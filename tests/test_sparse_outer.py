@@ -380,6 +380,64 @@ def test_an_overlapped_sparse_run_resumed_from_a_checkpoint_saved_in_flight_cont
         assert torch.equal(params, want[step]), f"step {step}: parameters differ from the uninterrupted run's"
 
 
+def _left_out_worker(rank: int, port: int, queue, update: str = "delayed") -> None:
+    """Two nodes over a real gloo group, overlapped sparse, H = 2, landing one step in, beta 1: b's round 2 is
+    poisoned (its pseudo-gradient 1000x a's per token), so the sentinel leaves b out of outer step 2."""
+    import datetime
+    import pickle
+    import traceback
+
+    import torch.distributed as dist
+    from test_diloco_math import _group
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=30))
+        inner = TinyInner(0)
+        inner.reset_optimizer_state = lambda: None
+        plans = [make_plan(1, k, 0, ["a", "b"], source="a") for k in (1, 2, 3)]
+        outer = make_outer(inner, FakeMesh(plans, [True] * 3), node="ab"[rank], min_nodes=2, inner_steps=2,
+                           compression="sparse", sparse_chunk=16, density=0.0625, sparse_beta=1.0, overlap=True,
+                           overlap_update=update, overlap_delay=1,
+                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, f"left/{update}/"),
+                           events=(events := []))
+        progress = Progress()
+        outer.start(progress)
+        ef, out = outer.codec.efs[0], {}
+        for step in range(1, 7):
+            inner.train_step(100 * rank + step)
+            if rank == 1 and step == 4:
+                with torch.no_grad():
+                    for p in inner.model.parameters():
+                        p.add_(1000.0)
+            progress.step, progress.tokens = step, 64 * step
+            outer.after_inner_step(progress)
+            if step == 4:
+                out["d2"] = ef.layout.pack(outer.bufs.pgrad.clone())  # round 2's pseudo-gradient, in flight
+            if step in (3, 5):  # outer steps 1 and 2 landed: their commits are done
+                out[f"e{step}"] = ef.e.clone()
+        outer.flush()
+        out["events"] = [{k: e[k] for k in ("outer_step", "checksum", "contributors", "left_out") if k in e}
+                         for e in events if e["type"] == "outer_step"]
+        queue.put((rank, pickle.dumps(out)))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def test_a_node_left_out_of_an_overlapped_sparse_step_keeps_its_round_whole_in_e():
+    """The sentinel leaves b out of outer step 2 in flight: b's e after it is e + d2 whole (nothing subtracted; its
+    weights take the agreed ones as the step lands, so the round lives on in e only), a's is e + d2 - sent; both
+    agree on every checksum."""
+    from procs import spawned_ranks
+    got = spawned_ranks(_left_out_worker, 2, timeout=120)
+    a, b = got[0], got[1]
+    assert a["events"] == b["events"] and [e["outer_step"] for e in a["events"]] == [1, 2, 3]
+    step2 = a["events"][1]
+    assert step2["left_out"] == ["b"] and step2["contributors"] == ["a"], a["events"]
+    assert torch.equal(b["e5"], b["e3"] + b["d2"])  # e' = beta e + d with beta 1: kept whole
+    sent = a["e3"] + a["d2"] - a["e5"]  # what a sent of its round: a few values, not all
+    assert 0 < int((sent != 0).sum()) < sent.numel() / 4
+
+
 def test_a_dense_run_writes_no_codec_state():
     outer = make_outer(TinyInner(0), FakeMesh([], []), inner_steps=2, compression="int8")
     assert "codec" not in outer.state_dict()
