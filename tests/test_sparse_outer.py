@@ -1,7 +1,10 @@
 """diloco.compression = "sparse" wired into the outer loop (issue 43, items 1, 3, 4): the Sparse codec's state moves
 with the outer step (engine/outer/codec.py), is checkpointed and restored, and two real engines over a real store
 train with it (gloo): the same checksums on both nodes, the bytes of the gathered messages on the wire, far fewer
-than fp32's, and a loss that goes down."""
+than fp32's, and a loss that goes down. With diloco.overlap (item 4; docs/sparse.md, "Overlap"): every inner step's
+progress is counted once, in the agreed weights or in e (a retry, a stop, fragments in flight), eager's stand-in is
+the node's own decoded message times its agreed share, a left-out node keeps its round in e, a checkpoint saved in
+flight resumes exactly, and the two engines overlap after diloco.overlap_after outer steps (issue 46)."""
 
 from __future__ import annotations
 
@@ -447,16 +450,26 @@ def test_a_dense_run_writes_no_codec_state():
 
 @pytest.fixture(scope="module")
 def two_sparse_nodes(tmp_path_factory):
-    """a and b: the debug model, 30 inner steps at H = 3 (10 outer steps), compression sparse, a real store."""
+    """a and b: the debug model, 30 inner steps at H = 3 (10 outer steps), compression sparse, a real store,
+    overlapped after diloco.overlap_after = 2 outer steps, a landing delayed and b eager (how a node lands may
+    differ); then both resumed from their last checkpoint (step 30) for 6 more steps (outer steps 11 and 12)."""
     from procs import ProcessTracker, free_port
     from test_diloco_e2e import finish, start_node, start_store
-    procs, port, run_dir = ProcessTracker(), free_port(), tmp_path_factory.mktemp("sparse")
+    procs, run_dir = ProcessTracker(), tmp_path_factory.mktemp("sparse")
+    common = ["--diloco.min_nodes=2", "--diloco.compression=sparse", "--diloco.overlap=true",
+              "--diloco.overlap_after=2", "--diloco.overlap_delay=1"]
+    update = {"a": "--diloco.overlap_update=delayed", "b": "--diloco.overlap_update=eager"}
     try:
-        start_store(procs, port)
-        args = ["--train.max_steps=30", "--diloco.min_nodes=2", "--diloco.compression=sparse"]
-        nodes = [start_node(procs, port, n, run_dir, *args) for n in "ab"]
-        codes = [finish(n, 300, nodes) for n in nodes]
-        yield nodes, codes
+        runs = []
+        for phase, steps in (("first", 30), ("resumed", 36)):
+            port = free_port()  # a fresh store for the resumed run: the first run's keys belong to it
+            start_store(procs, port)
+            resume = {n: [f"--ckpt.resume={run_dir / 'first' / n / 'checkpoints' / 'step-00000030'}"]
+                      if phase == "resumed" else [] for n in "ab"}
+            nodes = [start_node(procs, port, n, run_dir / phase, f"--train.max_steps={steps}", *common, update[n],
+                                *resume[n]) for n in "ab"]
+            runs.append((nodes, [finish(n, 300, nodes) for n in nodes]))
+        yield runs
     finally:
         procs.kill_all()
 
@@ -464,7 +477,7 @@ def two_sparse_nodes(tmp_path_factory):
 def test_two_engines_train_with_sparse_and_agree_on_every_outer_step(two_sparse_nodes):
     from engine.config import ModelConfig
     from engine.model import build_model
-    nodes, codes = two_sparse_nodes
+    nodes, codes = two_sparse_nodes[0]
     assert codes == [0, 0], "\n".join(n.report() for n in nodes)
     a, b = (n.outer() for n in nodes)
     assert sorted(a) == sorted(b) == list(range(1, 11))
@@ -509,34 +522,10 @@ def test_two_nodes_of_two_fsdp_workers_train_with_sparse_on_their_shards(procs, 
         assert a["residual_norm"] > 0
 
 
-@pytest.fixture(scope="module")
-def overlapped_sparse_nodes(tmp_path_factory):
-    """a (delayed) and b (eager), sparse, overlapped after diloco.overlap_after = 2 outer steps: 12 inner steps at
-    H = 3 (4 outer steps, a checkpoint at the last), then both resumed from it for 3 more (outer steps 5-7)."""
-    from procs import ProcessTracker, free_port
-    from test_diloco_e2e import finish, start_node, start_store
-    procs, run_dir = ProcessTracker(), tmp_path_factory.mktemp("overlap")
-    common = ["--diloco.min_nodes=2", "--diloco.compression=sparse", "--diloco.overlap=true",
-              "--diloco.overlap_after=2", "--diloco.overlap_delay=1", "--ckpt.interval=12"]
-    update = {"a": "--diloco.overlap_update=delayed", "b": "--diloco.overlap_update=eager"}
-    try:
-        runs = []
-        for phase, extra in (("first", ["--train.max_steps=12"]), ("resumed", ["--train.max_steps=21"])):
-            port = free_port()  # a fresh store for the resumed run: the first run's keys belong to it
-            start_store(procs, port)
-            resume = (lambda n: [f"--ckpt.resume={run_dir / 'first' / n / 'checkpoints' / 'step-00000012'}"]) \
-                if phase == "resumed" else (lambda n: [])
-            nodes = [start_node(procs, port, n, run_dir / phase, *common, *extra, update[n], *resume(n)) for n in "ab"]
-            runs.append((nodes, [finish(n, 300, nodes) for n in nodes]))
-        yield runs
-    finally:
-        procs.kill_all()
-
-
-def test_two_engines_overlap_sparse_after_the_first_outer_steps_and_agree_on_every_one(overlapped_sparse_nodes):
-    """Delayed on a, eager on b (how a node lands may differ): the first diloco.overlap_after = 2 outer steps land at
-    their boundary, the later ones overlap, the resumed run's too (past 2); every checksum agrees; a sparse wire."""
-    for (nodes, codes), steps in zip(overlapped_sparse_nodes, ([1, 2, 3, 4], [5, 6, 7])):
+def test_two_engines_overlap_sparse_after_the_first_outer_steps_and_agree_on_every_one(two_sparse_nodes):
+    """The first diloco.overlap_after = 2 outer steps land at their boundary, the later ones overlap, the resumed
+    run's too (past 2); every checksum agrees, on a sparse wire."""
+    for (nodes, codes), steps in zip(two_sparse_nodes, (list(range(1, 11)), [11, 12])):
         assert codes == [0, 0], "\n".join(n.report() for n in nodes)
         a, b = (n.outer() for n in nodes)
         assert sorted(a) == sorted(b) == steps, "\n".join(n.report() for n in nodes)
