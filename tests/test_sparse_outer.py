@@ -240,13 +240,14 @@ def _flat(inner) -> torch.Tensor:
     return torch.cat([p.reshape(-1).clone() for p in inner.outer_params()])
 
 
-@pytest.mark.parametrize("update", ["delayed", "eager", "fragments"])
+@pytest.mark.parametrize("update", ["delayed", "eager", "fragments", "synchronous"])
 def test_overlap_counts_every_step_once_in_the_agreed_weights_or_in_e(update):
     """beta 1, outer lr 1, one node: each committed step moves the snapshot by what it sent and leaves the rest in e,
     so snapshot - e = s0 - (every inner step's progress) whatever overlap carried where: nothing twice, nothing lost.
     Outer step 2 aborts once (its retry encodes the same e'); outer step 3 meets a stop after its exchange (its round
     stays in the weights and goes with the next boundary's, so e gives it back: unsent). "fragments": two fragments
-    in flight for a step each (fragment_delay), each with its own accumulator; the run's end syncs both."""
+    in flight for a step each (fragment_delay), each with its own accumulator; the run's end syncs both.
+    "synchronous": no overlap, the same stop (a resume would send the round again: the same rule)."""
     steps = 12
     if update == "fragments":  # a fragment's outer step every inner step; the run's end sends both, whole
         rounds = [(1, 0), (2, 0), (2, 1), (3, 0)] + [(k, 0) for k in range(3, steps)]
@@ -255,7 +256,7 @@ def test_overlap_counts_every_step_once_in_the_agreed_weights_or_in_e(update):
     else:
         rounds = [(1, 0), (2, 0), (2, 1), (3, 0), (3, 0), (4, 0), (5, 0)]
         decisions = [True, False, True, True, True, True]
-        parts = dict(overlap=True, overlap_update=update, overlap_delay=1)
+        parts = {} if update == "synchronous" else dict(overlap=True, overlap_update=update, overlap_delay=1)
     mesh = _StopOnce([make_plan(1, k, a, ["a"], source="a") for k, a in rounds], decisions, stop_at=[(3, 0)])
     inner = TinyInner(0)
     outer = make_outer(inner, mesh, inner_steps=2, compression="sparse", sparse_chunk=16, density=0.0625,
