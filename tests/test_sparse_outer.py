@@ -77,6 +77,8 @@ def test_a_node_left_out_keeps_e_prime_whole_and_sends_it_decayed_next_step():
     codec.stage(d1, 1, 0)
     _mean(codec)
     codec.abort()  # step 1 committed without this node (the sentinel left it out, a straggler)
+    codec.unsent(d2, 2)  # step 2 failed before its stage: nothing of it to take back, and step 1's e' stays
+    assert torch.equal(codec.efs[0].layout.unpack(codec.efs[0].e), d1)
     codec.stage(d2, 2, 0)  # the next step releases e = e' whole, then stages beta * e' + d2
     got = codec.efs[0].layout.unpack(codec.efs[0].e)
     torch.testing.assert_close(got, 0.5 * d1 + d2, rtol=0, atol=0)

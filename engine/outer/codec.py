@@ -200,7 +200,8 @@ class Sparse:
         if pgrad is None or not ef.staged or self._staged_at[f] != outer_step:
             return  # committed, or staged nothing of this step (e' of a step left out stays: it was not sent)
         beta = ef.spec.beta
-        for e, d in zip(ef._flat, ef.layout.split(pgrad)):
+        for e, d in zip(ef.layout.views(ef.e), ef.layout.split(pgrad)):
+            e = e.view(-1)  # this tensor's values in e (its pads stay 0)
             e.sub_(d)
             if beta > 0:
                 e.div_(beta)
@@ -247,6 +248,7 @@ class Sparse:
         for ef in self.efs:
             ef.reset()
         self._staged_at = [None] * len(self.spans)
+        self._refused_at = [None] * len(self.spans)
         self._sent, self._encoded = None, None
 
     def norms(self, agreed: torch.Tensor) -> tuple[float, float]:

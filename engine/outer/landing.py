@@ -14,6 +14,8 @@ The outer loop (diloco.py) tells its story the same way for every landing and as
     boundary(landed, share)          a round ends (after the step in flight, if any, was joined: landed = it committed);
                                      the pseudo-gradient where the landing takes it here (Taken), else None; share:
                                      this node's part of the coming mean (eager's stand-in)
+    in_flight(outer_step)            whether that outer step runs in flight (overlap after diloco.overlap_after steps,
+                                     fragment_delay) or lands at its boundary
     apply(in_flight, whole)          the committed update of the outer step's slice (whole: the agreed weights whole,
                                      the run's end with fragments)
     discarded(in_flight, diverged)   this node's round was not counted (diverged, left out): it takes the run's weights
