@@ -138,8 +138,9 @@ class Arm:
     overlap_update: str = "eager"  # diloco.overlap_update, with overlap: eager | delayed | projected
     overlap_delay: int = 1  # diloco.overlap_delay: inner steps into the next round at which the round lands (H: at
     # the next boundary; the in-process engine cannot model 0, "once it is done", so the arms take fixed steps)
-    overlap_after: int = 0  # with overlap, in-process only (measured, not an engine setting): the outer steps at
-    # inner steps up to this one are synchronous (the mean lands at its boundary), the later ones overlap
+    overlap_after: int = 0  # with overlap, in-process only: the outer steps at inner steps up to this one are
+    # synchronous (the mean lands at its boundary), the later ones overlap; the engine's diloco.overlap_after is the
+    # same rule counted in outer steps (N here is diloco.overlap_after = N // inner_steps there)
     fragments: int = 1  # diloco.fragments: the model synced in this many fragments in turn (1: all at once)
     fragment_alpha: float = 0.0  # diloco.fragment_alpha: the node's own share of a synced fragment
     fragment_delay: int = 0  # diloco.fragment_delay: inner steps a fragment's outer step overlaps
@@ -1285,8 +1286,9 @@ def parse_args(argv=None):
         ap.error(f"--overlap-h {args.overlap_h!r} / --overlap-lrs / --overlap-after / --fragments-h / --fragments-p / "
                  f"--poison-rounds {args.poison_rounds!r}: expected numbers (5,20 and FIRST-LAST)")
     if args.overlap_after and args.engine != "sim":
-        ap.error(f"--overlap-after {','.join(map(str, args.overlap_after))} needs --engine sim: the engine has no "
-                 f"such setting (a study of where overlap's cost accrues)")
+        ap.error(f"--overlap-after {','.join(map(str, args.overlap_after))} needs --engine sim: it counts inner "
+                 f"steps, a study of where overlap's cost accrues (the engine's diloco.overlap_after counts outer "
+                 f"steps)")
     if args.jobs > 1 and args.engine != "sim":
         ap.error(f"--jobs {args.jobs} needs --engine sim (a mesh arm already runs k engine processes and a store)")
     if args.optimizer == "muon" and any((args.sweep, args.sweep_h, args.overlap, args.fragments, args.poison)):

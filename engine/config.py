@@ -214,6 +214,10 @@ class DilocoConfig(_Section):
     # next round, waiting for it there if need be (reproducible); inner_steps: at the next boundary, a whole round
     # late. The fewer steps the working weights miss the others' round, the less overlap costs (docs/learning.md)
     overlap_delay: int = Field(default=0, ge=0)
+    # the first N outer steps land synchronously (each completes at its boundary), the later ones overlap: the
+    # early rounds, where the weights move most, cost overlap the most (docs/learning.md, "Synchronous early
+    # rounds"). Counted in outer steps; 0: every outer step overlaps. Needs overlap
+    overlap_after: int = Field(default=0, ge=0)
     # streaming DiLoCo (arXiv 2501.18512): the model in `fragments` contiguous pieces of about equal size, synced
     # in turn, one every inner_steps / fragments steps (fragment p at step (p + 1) * inner_steps / fragments, then
     # every inner_steps steps, as in DiLoCo): each outer step sends 1/fragments of the model. A synced
@@ -259,6 +263,14 @@ class DilocoConfig(_Section):
     def _time_rounds_need_seconds(self) -> "DilocoConfig":
         if self.round == "time" and not self.round_seconds > 0:
             raise ValueError("diloco.round = \"time\" needs diloco.round_seconds > 0 (the length of a round)")
+        return self
+
+    @model_validator(mode="after")
+    def _overlap_after_needs_overlap(self) -> "DilocoConfig":
+        if self.overlap_after and not self.overlap:
+            raise ValueError(f"diloco.overlap_after ({self.overlap_after}) needs diloco.overlap = true (the outer "
+                             f"steps after the first {self.overlap_after} overlap; without overlap every one is "
+                             f"synchronous already)")
         return self
 
     @model_validator(mode="after")

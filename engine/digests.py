@@ -19,9 +19,11 @@ DILOCO_SHARED = ("enabled", "inner_steps", "outer_optimizer", "outer_lr", "outer
 # count only with sparse, as the Muon keys with Muon: every other run's digest stays as it was before they existed
 DILOCO_SPARSE = SPARSE_KEYS
 # and those the nodes of a run must share while they run together (run_digest), or their outer steps disagree: the
-# fragment each outer step syncs and its size, when a round ends, and the sentinel's verdict, which every member
-# computes from the same rows. A resume may change them: the checkpoint's state is the same whatever they are.
-DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sentinel_min_cosine")
+# fragment each outer step syncs and its size, when a round ends, the sentinel's verdict, which every member
+# computes from the same rows, and which outer steps overlap (overlap_after: the run's recipe, every member
+# landing its early steps alike, as docs/learning.md measured it). A resume may change them: the checkpoint's state
+# is the same whatever they are.
+DILOCO_RUN_WIDE = ("fragments", "round", "round_seconds", "sentinel_ratio", "sentinel_min_cosine", "overlap_after")
 # the nodes read one seeded order of the data, the k-th sequence on node k % num_nodes (engine.data.shard_of): nodes
 # of different seeds read overlapping sequences. Not in the checkpoint's digest: every checkpoint would be refused.
 TRAIN_RUN_WIDE = ("seed",)

@@ -82,7 +82,10 @@ OPTIONAL_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
                    # console shows; with diloco.compression = "sparse", the norms of the node's error-feedback
                    # accumulator after the step and of the agreed weights it covers (a residual that keeps growing
                    # against the weights says the density is too low)
-                   "fp32_bytes": (int,), "residual_norm": _num, "weights_norm": _num},
+                   "fp32_bytes": (int,), "residual_norm": _num, "weights_norm": _num,
+                   # with diloco.overlap or fragment_delay: whether this outer step ran in flight (false: it landed
+                   # at its boundary, as the first diloco.overlap_after steps and a draining node's last do)
+                   "overlapped": (bool,)},
 }
 
 NODE_STATES = tuple(s.value for s in NodeState if s in EVENT_STATES)  # a node's `state` event (rank >= 0)

@@ -187,6 +187,23 @@ def test_the_mesh_digest_carries_what_running_nodes_must_share_and_a_resume_may_
         digest(load_config(write(tmp_path, "[data]\nfake = true\n")))
 
 
+def test_overlap_after_is_shared_by_running_nodes_and_needs_overlap(tmp_path):
+    """diloco.overlap_after: in the mesh's digest (nodes that overlap from another outer step are refused), not in
+    the checkpoint's (a resume may change it), and 0 leaves the digest as it was before the key existed; refused in
+    one line naming the key without overlap or below 0."""
+    path = write(tmp_path, "[data]\nfake = true\n[diloco]\nenabled = true\noverlap = true\n")
+    base, after = load_config(path), load_config(path, ["--diloco.overlap_after=3"])
+    assert after.diloco.overlap_after == 3 and base.diloco.overlap_after == 0
+    assert run_digest(after) != run_digest(base) and digest(after) == digest(base)
+    assert run_digest(load_config(path, ["--diloco.overlap_after=0"])) == run_digest(base) == digest(base)
+    with pytest.raises(ConfigError) as e:
+        load_config(path, ["--diloco.overlap=false", "--diloco.overlap_after=2"])
+    assert "diloco.overlap_after (2) needs diloco.overlap = true" in str(e.value) and "\n" not in str(e.value)
+    load_config(path, ["--diloco.overlap=false", "--diloco.overlap_after=0"])  # 0 is every step overlapping: none
+    with pytest.raises(ConfigError, match="diloco.overlap_after: Input should be greater than or equal to 0"):
+        load_config(path, ["--diloco.overlap_after=-1"])
+
+
 @pytest.mark.parametrize("override, strategy, message", [
     ("--inner.cpu_offload=true", "ddp", "inner.cpu_offload is FSDP2's offload"),
     ("--inner.offload_optimizer=true", "fsdp", "inner.offload_optimizer is DeepSpeed's"),

@@ -78,6 +78,9 @@ class HalfFeedback:
         self.calls.append(("reset",))
         self.e = self.staged = None
 
+    def unsent(self, pgrad, outer_step: int) -> None:
+        self.calls.append(("unsent", outer_step))
+
     def state_dict(self) -> dict:
         return {}
 

@@ -18,6 +18,9 @@ it, in its story (diloco.py):
     codec.abort()                             it did not (aborted, left out by the sentinel, not counted, failed)
     codec.reset()                             the node takes the run's weights (a hand-off, a diverged round): the
                                               state it held belongs to weights the run no longer has
+    codec.unsent(pgrad, outer_step)           the outer step ended without a commit (a stop, a failure) and its
+                                              pseudo-gradient stays in the weights, sent with the next: what was
+                                              staged of it is taken back (it must not be counted twice)
 
 so a codec's state moves with the outer step and never with an attempt that did not count. Its state_dict() is
 checkpointed with the outer state (under "codec", only when it is not empty). A new codec is a class
@@ -52,6 +55,8 @@ class Codec(Protocol):
     def abort(self) -> None: ...
 
     def reset(self) -> None: ...
+
+    def unsent(self, pgrad: torch.Tensor | None, outer_step: int) -> None: ...
 
     def state_dict(self) -> dict[str, Any]:
         """The codec's state for the node's checkpoint ({}: none, and nothing is written)."""
@@ -93,6 +98,9 @@ class Dense:
     def reset(self) -> None:
         pass
 
+    def unsent(self, pgrad: torch.Tensor | None, outer_step: int) -> None:
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -109,7 +117,12 @@ class Sparse:
     message); commit() takes what was sent out of it (e = e' - sent); abort() only marks the attempt: a retry
     encodes the same e' again, and a step that committed without this node leaves e = e' whole (the accumulator is
     released when the slice's next step is staged, or at a checkpoint). A node left out so sends its e', decayed by
-    beta, at its next step, where it competes again for the chunks' k places."""
+    beta, at its next step, where it competes again for the chunks' k places.
+
+    Overlap (docs/sparse.md, "Overlap"): eager's stand-in is own_share(), this node's own decoded message times its
+    share of the coming mean, staged and encoded at the boundary (the step's attempts send that same message); a
+    step that ends without a commit while its pseudo-gradient stays in the weights (a stop in flight, a failure) is
+    taken back out of e by unsent(), since the next pseudo-gradient holds it again."""
 
     name = "sparse"
     gathers = True
@@ -123,6 +136,9 @@ class Sparse:
         self._means: list[torch.Tensor | None] = [None] * len(self.spans)  # padded fp32 means, made on first use
         self._frag = 0  # the slice of the step under way
         self._sent: Sent | None = None  # what this attempt sent (None: nothing of its own)
+        self._refused_at: list[int | None] = [None] * len(self.spans)  # the step whose e' was not finite (reset)
+        # the message of the staged e' encoded at an overlapped boundary (own_share): (slice, step, message, sent)
+        self._encoded: tuple[int, int, torch.Tensor, Sent] | None = None
         self._prepared: set[int] = set()
 
     def prepare(self, exchange: Exchange, numel: int, size: int) -> None:
@@ -146,16 +162,66 @@ class Sparse:
             ef.abort()  # the slice's last step committed without this node: e = e' whole, nothing subtracted
         if pgrad is None or ef.staged:  # nothing of its own; or a retry: e' of this step's first attempt
             return True
+        if self._refused_at[f] == outer_step:  # found not finite at its boundary (own_share): still refused
+            return False
         if not ef.stage(pgrad):  # e' is not finite: e was reset; this node sends nothing (weight 0)
+            self._refused_at[f] = outer_step
             return False
         self._staged_at[f] = outer_step
         return True
+
+    @torch.no_grad()
+    def own_share(self, pgrad: torch.Tensor, outer_step: int, share: float, out: torch.Tensor) -> torch.Tensor | None:
+        """Eager overlap's stand-in for this node's part of the coming mean: its own message decoded, times `share`
+        (its weight over the contributors' total), into out (the slice's size), as the gathered mean will add it:
+        the same fp32 products. Stages e' = beta * e + pgrad for the step now, at the boundary, and keeps the
+        message for the step's attempts (the same bytes). None: e' is not finite (reset; the step sends nothing)."""
+        if not self.stage(pgrad, outer_step, 0):
+            return None
+        f, ef = self._frag, self.efs[self._frag]
+        message, sent = ef.encode()
+        self._encoded = (f, outer_step, message, sent)
+        padded = self._mean_buf(f)  # free at a boundary: no exchange runs
+        padded.zero_()
+        ef.codec.decode_add(sent, padded, share)
+        for v, o in zip(ef.codec.layout.views(padded), ef.codec.layout.split(out)):
+            o.copy_(v.reshape(-1))
+        return out
+
+    @torch.no_grad()
+    def unsent(self, pgrad: torch.Tensor | None, outer_step: int) -> None:
+        """Outer step `outer_step` ended without a commit (stopped, failed) and its pseudo-gradient stays in the weights:
+        the next step's holds it again, so e' is taken back to beta * e: e = (e' - pgrad) / beta (beta 0: e = 0,
+        which no later step reads). Exact up to the rounding of e' (an ulp of it, which the next stage's beta
+        multiplies back). Nothing staged for the step (a joiner's, a retry's before its stage): nothing to do."""
+        f = self.fragment_of(outer_step)
+        ef = self.efs[f]
+        self._encoded = None
+        if pgrad is None or not ef.staged or self._staged_at[f] != outer_step:
+            return  # committed, or staged nothing of this step (e' of a step left out stays: it was not sent)
+        beta = ef.spec.beta
+        for e, d in zip(ef.layout.views(ef.e), ef.layout.split(pgrad)):
+            e = e.view(-1)  # this tensor's values in e (its pads stay 0)
+            e.sub_(d)
+            if beta > 0:
+                e.div_(beta)
+            else:
+                e.zero_()
+        ef.abort()  # nothing staged: e holds e again
+        self._staged_at[f] = None
 
     def mean(self, send: torch.Tensor, weight: float, pg: dist.ProcessGroup | None, *, out: torch.Tensor,
              wire: Exchange) -> ReduceStats:
         start = time.perf_counter()
         ef = self.efs[self._frag]
-        message, sent = ef.encode() if weight > 0 and ef.staged else (None, None)
+        message: torch.Tensor | None = None
+        sent: Sent | None = None
+        if weight > 0 and ef.staged:
+            kept = self._encoded
+            if kept is not None and kept[:2] == (self._frag, self._staged_at[self._frag]):
+                message, sent = kept[2], kept[3]  # encoded at the boundary (own_share): the same bytes
+            else:
+                message, sent = ef.encode()
         encoded = time.perf_counter() - start
         padded = self._mean_buf(self._frag)
         stats = gather.gather_mean(ef.codec, message, weight if message is not None else 0.0, pg, out=padded,
@@ -173,7 +239,7 @@ class Sparse:
         ef = self.efs[self._frag]
         if self._sent is not None and ef.staged:
             ef.commit(self._sent)  # e = e' - sent (the dequantized values)
-        self._sent = None
+        self._sent, self._encoded = None, None
 
     def abort(self) -> None:
         self._sent = None  # e' stays staged: a retry sends it again (stage releases it at the next step)
@@ -182,7 +248,8 @@ class Sparse:
         for ef in self.efs:
             ef.reset()
         self._staged_at = [None] * len(self.spans)
-        self._sent = None
+        self._refused_at = [None] * len(self.spans)
+        self._sent, self._encoded = None, None
 
     def norms(self, agreed: torch.Tensor) -> tuple[float, float]:
         """(||e||^2 over every slice, ||agreed||^2 over the same values): this rank's share of the event's

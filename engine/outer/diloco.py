@@ -61,9 +61,6 @@ def build_parts(cfg: Any, world: Any, schedule: Schedule, bufs: OuterBuffers, in
                 codec: Codec | None = None) -> Parts:
     """The parts of the outer step for the config's diloco slice (opt, codec: given parts instead of the config's)."""
     opt = opt or build_outer_optimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
-    if cfg.overlap and cfg.compression == "sparse":  # the stand-in and the accumulator would both hold a round
-        raise ValueError('diloco.overlap with diloco.compression = "sparse": not wired yet (docs/sparse.md, '
-                         '"What is left"); use one of them')
     if codec is None:  # the slices the cover exchanges: the whole model, or each fragment (a sparse accumulator each)
         parts = schedule.parts if schedule.parts > 1 and not cfg.overlap else 1
         codec = build_codec(cfg, [math.prod(s) for s in bufs.shapes], spans(bufs.numel, parts),
@@ -74,7 +71,8 @@ def build_parts(cfg: Any, world: Any, schedule: Schedule, bufs: OuterBuffers, in
                          f"collectives would run beside the inner strategy's on the same group)")
     if cfg.overlap:
         return Parts(opt, codec, WholeModel(bufs), Overlapped(bufs, opt, inner, watch, update=cfg.overlap_update,
-                                                              delay=cfg.overlap_delay, emit=emit, node_id=node_id))
+                                                              delay=cfg.overlap_delay, emit=emit, node_id=node_id,
+                                                              after=cfg.overlap_after))
     if schedule.parts > 1:
         cover = Fragments(schedule, bufs)
         return Parts(opt, codec, cover, FragmentMix(bufs, opt, inner, watch, cover, alpha=cfg.fragment_alpha,

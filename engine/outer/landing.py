@@ -11,8 +11,11 @@
 
 The outer loop (diloco.py) tells its story the same way for every landing and asks it at these points:
 
-    boundary(landed, contributors)   a round ends (after the step in flight, if any, was joined: landed = it committed);
-                                     the pseudo-gradient where the landing takes it here (Taken), else None
+    boundary(landed, share)          a round ends (after the step in flight, if any, was joined: landed = it committed);
+                                     the pseudo-gradient where the landing takes it here (Taken), else None; share:
+                                     this node's part of the coming mean (eager's stand-in)
+    in_flight(outer_step)            whether that outer step runs in flight (overlap after diloco.overlap_after steps,
+                                     fragment_delay) or lands at its boundary
     apply(in_flight, whole)          the committed update of the outer step's slice (whole: the agreed weights whole,
                                      the run's end with fragments)
     discarded(in_flight, diverged)   this node's round was not counted (diverged, left out): it takes the run's weights
@@ -47,11 +50,23 @@ class Taken:
     diverged: bool = False  # found not finite there (and repaired): not counted
 
 
+@dataclass
+class Share:
+    """This node's part of the coming mean, for eager overlap's stand-in (outer step's _share): pgrad / contributors
+    (the last mean's), or, from a gathered codec that sends less than pgrad (sparse), message(pgrad, out): its own
+    decoded message times its weight over the contributors' total, into out (None: the codec found it not finite)."""
+    contributors: int
+    message: Callable[[torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None
+
+
 class Landing(Protocol):
     background: bool  # a boundary's outer step runs in flight while the next round trains
     land_in: int | None  # inner steps after the boundary at which it lands (None: as soon as it is done)
 
-    def boundary(self, landed: bool, contributors: int) -> Taken | None: ...
+    def boundary(self, landed: bool, share: Share) -> Taken | None: ...
+
+    def in_flight(self, outer_step: int) -> bool:
+        """Whether outer step `outer_step` runs in flight (a draining node's last one never does)."""
 
     def apply(self, in_flight: bool, whole: bool) -> None: ...
 
@@ -87,8 +102,11 @@ class Synchronous:
     def __init__(self, bufs: OuterBuffers, opt: OuterOptimizer, inner: Inner, watch: Stopwatch):
         self.bufs, self.opt, self.inner, self.watch = bufs, opt, inner, watch
 
-    def boundary(self, landed: bool, contributors: int) -> Taken | None:
+    def boundary(self, landed: bool, share: Share) -> Taken | None:
         return None
+
+    def in_flight(self, outer_step: int) -> bool:
+        return False
 
     def apply(self, in_flight: bool, whole: bool) -> None:
         """The committed update, in place: snapshot and momentum from the mean, then the parameters."""
@@ -131,7 +149,8 @@ class Overlapped:
 
         delayed    u_t = d_t: the node trains on from its own weights, no jump at the boundary
         eager      u_t = the outer optimizer's step for d_t / M (M: the contributors of the last mean): the node's own
-                   pseudo-gradient stands in for its share of the mean (arXiv 2502.12996, "eager updates")
+                   pseudo-gradient stands in for its share of the mean (arXiv 2502.12996, "eager updates"); with
+                   sparse, its own decoded message times its weight over the contributors' (Share.message)
         projected  u_t = a d_t, a = <d_{t-1}, s_{t-1}> / |d_{t-1}|^2 clamped to [0, 1] (1 until a round landed),
                    s_{t-1} the step the agreed weights took when the last round landed (projected_scale)
 
@@ -139,12 +158,14 @@ class Overlapped:
     a hand-off's) waits in bufs.mean; it lands on the training thread: the snapshot takes it, and the parameters
     become it plus the node's progress since the boundary, which is part of round t+1's pseudo-gradient like any
     of its steps. A node the sentinel left out gets fresh optimizer state as the round lands; a round found
-    diverged at its boundary restarts from the snapshot there. A draining node's last round is synchronous."""
+    diverged at its boundary restarts from the snapshot there. A draining node's last round is synchronous, and so
+    are the first `after` outer steps (diloco.overlap_after): the round's outer step completes at its boundary, its
+    pseudo-gradient taken against the snapshot as without overlap (the outer step takes it; boundary is not asked)."""
 
     background = True
 
     def __init__(self, bufs: OuterBuffers, opt: OuterOptimizer, inner: Inner, watch: Stopwatch, *, update: str,
-                 delay: int, emit: Callable[..., Any], node_id: Callable[[], str]):
+                 delay: int, emit: Callable[..., Any], node_id: Callable[[], str], after: int = 0):
         self.bufs, self.opt, self.inner, self.emit, self.node_id = bufs, opt, inner, emit, node_id
         self.sync = Synchronous(bufs, opt, inner, watch)  # a round not in flight (a drain's, a resume's) lands so
         self.watch = watch
@@ -156,12 +177,16 @@ class Overlapped:
         self._step: torch.Tensor | None = None  # u of the last boundary
         self._eager_buf: torch.Tensor | None = None  # u, eager (delayed: u is bufs.pgrad itself)
         self._reset_at_landing = False  # the sentinel left the round in flight out: fresh optimizer state as it lands
+        self.after = after  # outer steps up to and including this one land synchronously
 
-    def boundary(self, landed: bool, contributors: int) -> Taken | None:
+    def in_flight(self, outer_step: int) -> bool:
+        return outer_step > self.after
+
+    def boundary(self, landed: bool, share: Share) -> Taken | None:
         self._landed(landed)
         diverged = False
         with self.watch.phase("pseudo_gradient"):
-            self._rebase(landed, eager=self._eager, contributors=contributors)
+            self._rebase(landed, eager=self._eager, share=share)
             if not finite(self.bufs.pgrad):
                 # the round just ended diverged: its progress would carry NaN into the next one. Restart from the
                 # agreed weights with fresh optimizer state (here, on the training thread), and send nothing of it
@@ -179,7 +204,7 @@ class Overlapped:
     def land(self) -> None:
         """This round's progress so far stays in the parameters and is exchanged at its boundary."""
         self._landed(True)
-        self._rebase(True, eager=False, contributors=1)
+        self._rebase(True, eager=False, share=Share(1))
         self._anchored = False  # the round's anchor, rebased, is the new snapshot itself
 
     def _landed(self, landed: bool) -> None:
@@ -239,7 +264,7 @@ class Overlapped:
         return pgrad
 
     @torch.no_grad()
-    def _rebase(self, landed: bool, *, eager: bool, contributors: int) -> None:
+    def _rebase(self, landed: bool, *, eager: bool, share: Share) -> None:
         """pgrad = anchor - params; snapshot = the landed weights; params = snapshot - u (see the class)."""
         params, bufs = self.inner.outer_params(), self.bufs
         if landed and self._projected:  # bufs.pgrad still holds the landed round's d (it is rewritten below)
@@ -252,19 +277,21 @@ class Overlapped:
             bufs.pseudo_gradient(params)  # the anchor is the snapshot: one pass
         if landed:
             bufs.snapshot.copy_(bufs.mean)
-        self._step = self._stand_in(bufs.pgrad, contributors) if eager else bufs.pgrad
+        self._step = self._stand_in(bufs.pgrad, share) if eager else bufs.pgrad
         torch.sub(bufs.snapshot, self._step, out=bufs.mean)
         bufs.write(params, bufs.mean)
         self.inner.after_outer_update()
 
-    def _stand_in(self, pgrad: torch.Tensor, contributors: int) -> torch.Tensor:
-        """Eager: the outer optimizer's step for this node's share of the mean (its state untouched). Projected:
-        the node's pseudo-gradient times the scale fitted at the last landing."""
+    def _stand_in(self, pgrad: torch.Tensor, share: Share) -> torch.Tensor:
+        """Eager: the outer optimizer's step for this node's share of the mean (its state untouched): pgrad / M, or
+        a gathered codec's own decoded message times its share (Share). Projected: the node's pseudo-gradient times
+        the scale fitted at the last landing."""
         if self._eager_buf is None:  # 4 bytes per parameter more, only with eager or projected overlap
             self._eager_buf = torch.empty_like(pgrad)
         if self._projected:
             return torch.mul(pgrad, self._scale, out=self._eager_buf)
-        torch.mul(pgrad, 1.0 / contributors, out=self._eager_buf)
+        if share.message is None or share.message(pgrad, self._eager_buf) is None:
+            torch.mul(pgrad, 1.0 / share.contributors, out=self._eager_buf)
         return self.opt.preview(self._eager_buf, out=self._eager_buf)
 
 
@@ -317,10 +344,13 @@ class FragmentMix:
         self._dev: torch.Tensor | None = None  # the mix's deviation per element (alpha > 0; see the class)
         opt.materialize(bufs.numel, bufs.device)  # a whole state (zeros): each fragment's step updates its slice
 
-    def boundary(self, landed: bool, contributors: int) -> Taken | None:
+    def boundary(self, landed: bool, share: Share) -> Taken | None:
         if landed:
             self.land()
         return None
+
+    def in_flight(self, outer_step: int) -> bool:
+        return self.background
 
     @torch.no_grad()
     def apply(self, in_flight: bool, whole: bool) -> None:

@@ -20,6 +20,7 @@ takes every branch together.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -35,7 +36,7 @@ from engine.outer.exchange import Agreed, MeanExchange
 from engine.outer.flight import Flight
 from engine.outer.groups import MeshLinks
 from engine.outer.handoff import MissedState, StateHandoff
-from engine.outer.landing import Inner, Landing, Taken
+from engine.outer.landing import Inner, Landing, Share, Taken
 from engine.outer.local import LocalRanks
 from engine.outer.optimizer import OuterOptimizer
 from engine.outer.progress import Progress
@@ -56,7 +57,9 @@ class OuterStep:
         self.max_steps = 1 << 62  # train.max_steps (the run's end syncs every fragment)
         self.contributing = False  # in a round this node contributes to: a drain waits for its commit
         self.last_contributors = max(1, cfg.min_nodes)  # how many pseudo-gradients the last mean counted
+        self.last_weights: dict[str, float] = {}  # and their weights, as it agreed them (off the wire)
         self._discard = False  # this round's pseudo-gradient is not finite: not counted, the run's weights adopted
+        self._decided = False  # the round under way committed (round(): a codec's staged state stays)
         self._flight_tokens = 0  # the tokens of the round in flight (reopened if it is stopped before its commit)
         self._said_shards = False  # the warning of a node started without GLOBAL_RANK / GLOBAL_WORLD_SIZE
 
@@ -82,18 +85,21 @@ class OuterStep:
             return False
         self.watch.boundary()
         draining = self.local.any(self.drain.is_set())
-        taken = self.landing.boundary(self._land_flight(), self.last_contributors)
+        landed = self._land_flight()
+        tokens = self.rounds.close(progress) if due else 0
+        flying = self.landing.in_flight(progress.outer_step + 1)
+        # an early synchronous step (diloco.overlap_after) follows no flight: the round takes its own pseudo-gradient
+        taken = self.landing.boundary(landed, self._share(progress, tokens)) if flying or landed else None
         rest = self.cover.rest(due)  # the outer steps a drain or the run's end sends after this one
         if last and not draining:
             # the run's end: this step's part, then the others, each at the next outer steps without training in
             # between, all taking the agreed weights whole, so that every member ends on the agreed model
             if due:
-                self.round(progress, tokens=self.rounds.close(progress), whole=True)
+                self.round(progress, tokens=tokens, whole=True)
             self.send_the_rest(progress, rest, draining=False, whole=True)
             return False
         if due:
-            tokens = self.rounds.close(progress)
-            if self.landing.background and not draining:  # a draining node's last round is synchronous
+            if flying and not draining:  # a draining node's last round is synchronous
                 self._launch(progress, tokens, taken)
                 return False  # a drain asked for meanwhile is seen at the next boundary
             self.round(progress, draining=draining and not rest, tokens=tokens, taken=taken)
@@ -106,6 +112,20 @@ class OuterStep:
         """Land the outer step in flight now (its landing step, a checkpoint, the export)."""
         if self._land_flight():
             self.landing.land()
+
+    def _share(self, progress: Progress, tokens: int) -> Share:
+        """This node's part of the coming mean, for eager overlap's stand-in: 1 / the last mean's contributors; with
+        a gathered codec (sparse), its own decoded message times its weight now over the contributors' total weight,
+        the others' as the last mean agreed them (off the wire) plus its own (docs/sparse.md, "Overlap")."""
+        own = getattr(self.codec, "own_share", None)
+        if own is None:
+            return Share(self.last_contributors)
+        w = float(max(1, self.cover.weight(progress, tokens)))
+        others = [v for m, v in self.last_weights.items() if m != self.node_id]
+        # no mean agreed yet: the others weigh what this node does
+        total = math.fsum(others) + w if self.last_weights else w * self.last_contributors
+        index = progress.outer_step + 1
+        return Share(self.last_contributors, lambda pgrad, out: own(pgrad, index, w / total, out))
 
     # ------------------------------------------------------------------ the step in flight
 
@@ -157,12 +177,25 @@ class OuterStep:
         if plan is None:
             self.cover.select(index)
         pgrad = None
-        rejoined = False  # left out mid-run and admitted again: say "training" once it has the state
         self._discard = False
         if not joining:
             pgrad = taken.pgrad if taken is not None else self.pseudo_gradient()
             self._discard = (taken is not None and taken.diverged) or self._not_finite(pgrad, index)
         self.contributing = not joining and not self._discard
+        self._decided = False
+        try:
+            self._rounds(progress, plan, index, attempt, pgrad, joining, draining, tokens, whole, first_join)
+        except BaseException:
+            if not self._decided:
+                # it ends without a commit (a stop, a failure) and its pseudo-gradient stays in the weights, sent
+                # with the next (a resume's pending round, overlap's unsent): what the codec staged of it goes back
+                self.codec.unsent(pgrad, index)
+            raise
+
+    def _rounds(self, progress: Progress, plan: Any, index: int, attempt: int, pgrad: torch.Tensor | None,
+                joining: bool, draining: bool, tokens: int, whole: bool, first_join: bool) -> None:
+        """round()'s attempts, at most diloco.max_attempts."""
+        rejoined = False  # left out mid-run and admitted again: say "training" once it has the state
         tries = 0
         while tries < self.cfg.max_attempts:
             tries += 1
@@ -232,6 +265,7 @@ class OuterStep:
                 self._every_member_diverged(plan)
             raise
         stats, left_out = got.stats, got.left_out
+        self._decided = bool(decided)  # from here on the step stands, whatever is raised after
         if not decided:
             self.codec.abort()
             why = got.reason or ("another local rank failed" if not got.ok else "another member failed")
@@ -270,10 +304,12 @@ class OuterStep:
         # whose pseudo-gradient entered the mean, with the weights the reduce really used (off the wire)
         counted = [(m, w) for m, w in zip(plan.members, stats.weights if stats else []) if w > 0]
         self.last_contributors = max(1, len(counted))
+        self.last_weights = dict(counted)
         checksum = self.local.joined_fingerprint(fingerprint(self.landing.agreed(in_flight)))  # before outer_s ends
         compute_s = self.flight.compute_s if in_flight else self.watch.compute_s()
         self.emit("outer_step", **event_fields(plan, progress, got, counted, self.watch, compute_s, checksum),
-                   **self.cover.fields(), **self.codec_fields(in_flight))
+                   **self.cover.fields(), **self.codec_fields(in_flight),
+                   **({"overlapped": in_flight} if self.landing.background else {}))
         self.cover.committed(progress)
         if not in_flight:  # in flight, the next round began at the boundary (_launch)
             self.watch.round_starts()
