@@ -1,0 +1,107 @@
+"""diloco.compression = "sparse" in the elastic run (issue 43, items 3 and 4): the accumulator through the sentinel
+and the token weights of three members over real gloo groups, ZeRO's shards in two real engines with a checkpoint
+resumed, and the unsent residuals at the run's end (docs/sparse.md, "The accumulator in the elastic run").
+The join, drain, death and store faults with sparse: tests/test_chaos.py's short run."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine.outer import Progress
+from procs import spawned_ranks
+from test_diloco_math import FakeMesh, _group, make_outer, make_plan
+from test_sentinel import Inner
+
+SPARSE = {"compression": "sparse", "sparse_chunk": 16, "density": 0.25, "sparse_beta": 0.5}  # k = 4 of each 16
+
+
+def _flat(ts) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).clone() for t in ts])
+
+
+def _three_sparse_nodes(rank: int, port: int, queue, *, scale: float, tokens: int) -> None:
+    """a, b, c train from the same weights on their own batches, sparse, plain averaging (p = snapshot - mean);
+    c's pseudo-gradient is scaled by `scale` and its round weighs `tokens` (a's and b's: 100)."""
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+        node = "abc"[rank]
+        inner, events = Inner(0), []
+        plan = make_plan(1, 1, 0, ["a", "b", "c"], source="a")
+        outer = make_outer(inner, FakeMesh([plan], [True]), node=node, events=events, inner_steps=1,
+                           outer_optimizer="average", min_nodes=3, **SPARSE,
+                           group_factory=lambda p, n, r: _group(store, p.rank_of(n), p.size, "sparse/"))
+        progress = Progress()
+        outer.start(progress)
+        start = _flat(inner.outer_params())
+        inner.train_step(10 + rank)
+        inner.train_step(20 + rank)
+        trained = _flat(inner.outer_params())
+        if node == "c":
+            trained = start - scale * (start - trained)
+            with torch.no_grad():
+                for p, t in zip(inner.outer_params(), trained.split([p.numel() for p in inner.outer_params()])):
+                    p.copy_(t.reshape(p.shape))
+        progress.step, progress.tokens = 1, tokens if node == "c" else 100
+        outer.after_inner_step(progress)
+        ef = outer.codec.efs[0]
+        queue.put((rank, pickle.dumps({
+            "pgrad": start - trained, "start": start, "after": _flat(inner.outer_params()),
+            "e": ef.layout.unpack(ef.e).clone(), "staged": ef.staged, "resets": inner.resets,
+            "event": [e for e in events if e["type"] == "outer_step"][0],
+            "warned": [e["message"] for e in events if e["type"] == "warning"]})))
+    except Exception:  # the parent reports the child's traceback
+        queue.put((rank, traceback.format_exc()))
+
+
+def _poisoned(rank: int, port: int, queue) -> None:
+    _three_sparse_nodes(rank, port, queue, scale=100.0, tokens=100)
+
+
+def _fast(rank: int, port: int, queue) -> None:
+    _three_sparse_nodes(rank, port, queue, scale=20.0, tokens=2000)
+
+
+def test_the_sentinel_leaves_out_a_x100_node_on_its_dense_pseudo_gradient_and_it_keeps_e_prime():
+    """The sentinel judges each member's dense pseudo-gradient, before its top-k (sparse messages of different
+    supports would have a cosine near 0): c is left out; it takes the run's weights with fresh optimizer state, and
+    its accumulator keeps e' = its pseudo-gradient whole (nothing of it was sent). a and b keep what they did not
+    send: e = e' - sent, and the run's weights moved by the mean of what they sent."""
+    got = spawned_ranks(_poisoned, 3, timeout=90)
+    a, b, c = (got[r] for r in range(3))
+    sent = {n: got[r]["pgrad"] - got[r]["e"] for r, n in enumerate("ab")}
+    for n, r in (("a", a), ("b", b)):
+        # a member counted: its accumulator is what it did not send, and it sent k = 4 of each chunk of 16
+        assert 0 < int((sent[n] != 0).sum()) <= 4 * 3 and int((sent[n] != 0).sum()) < sent[n].numel()
+        assert not r["staged"]
+    for r in (a, b, c):
+        e = r["event"]
+        assert e["left_out"] == ["c"] and e["contributors"] == ["a", "b"] and e["weights"] == [100.0, 100.0], e
+        torch.testing.assert_close(r["after"], r["start"] - (sent["a"] + sent["b"]) / 2, rtol=0, atol=1e-6)
+        assert any("left out of the mean by the sentinel: c (" in w for w in r["warned"]), r["warned"]
+    assert a["event"]["checksum"] == b["event"]["checksum"] == c["event"]["checksum"]
+    assert [a["resets"], b["resets"], c["resets"]] == [0, 0, 1]
+    assert torch.equal(c["e"], c["pgrad"]), "the node left out lost (part of) its e'"
+
+
+def test_a_node_that_trained_more_tokens_weighs_its_sparse_message_by_them():
+    """Token weights: c trained 20x the tokens of a and b (a fast host on time rounds), a pseudo-gradient 20x
+    theirs. Not a scale gone wrong: every member weighs each decoded message by its sender's tokens, the weights as
+    they travelled with the messages, so the mean is not the plain one a member would take alone."""
+    got = spawned_ranks(_fast, 3, timeout=90)
+    sent = [got[r]["pgrad"] - got[r]["e"] for r in range(3)]
+    want = got[0]["start"] - (100 * sent[0] + 100 * sent[1] + 2000 * sent[2]) / 2200
+    for r in range(3):
+        e = got[r]["event"]
+        assert "left_out" not in e and e["weights"] == [100.0, 100.0, 2000.0], e
+        torch.testing.assert_close(got[r]["after"], want, rtol=0, atol=1e-5)
+        assert not got[r]["staged"] and got[r]["resets"] == 0
+    plain = got[0]["start"] - sum(sent) / 3
+    assert (got[0]["after"] - plain).abs().max() > 1e-3  # the weights moved the mean, visibly
+    assert len({got[r]["event"]["checksum"] for r in range(3)}) == 1
