@@ -105,3 +105,51 @@ def test_a_node_that_trained_more_tokens_weighs_its_sparse_message_by_them():
     plain = got[0]["start"] - sum(sent) / 3
     assert (got[0]["after"] - plain).abs().max() > 1e-3  # the weights moved the mean, visibly
     assert len({got[r]["event"]["checksum"] for r in range(3)}) == 1
+
+
+# ------------------------------------------------------------------------------------------ ZeRO's shards, resumed
+
+ZERO = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=zero2", "--train.batch_size=4",
+        "--optim.name=adamw", "--diloco.compression=sparse", "--ckpt.interval=3", "--ckpt.keep=5"]  # Muon: not ZeRO
+STEP6 = "checkpoints/step-00000006"
+
+
+def _two_zero_nodes(procs, run_dir, resume=None) -> list:
+    from procs import free_port
+    from test_diloco_e2e import finish, start_node, start_store
+    port = free_port()  # a store each: a run's membership keys belong to that run
+    start_store(procs, port)
+    nodes = [start_node(procs, port, n, run_dir, *ZERO, *([f"--ckpt.resume={resume / n / STEP6}"] if resume else []),
+                        workers=2) for n in "ab"]
+    for n in nodes:
+        assert finish(n, 300, nodes) == 0, n.report()
+    return nodes
+
+
+def test_two_nodes_of_two_zero2_workers_keep_their_shards_accumulators_and_a_resume_continues_the_run(procs,
+                                                                                                    tmp_path):
+    """Each ZeRO-2 rank keeps the accumulator of the fp32 partition it owns (the memory estimate counts one more
+    fp32 copy of it); the nodes agree on every checksum; both nodes resumed from their checkpoints of step 6
+    (outer step 2) commit outer step 3 with the uninterrupted run's checksum: the accumulators came back."""
+    from engine.config import load_config
+    from engine.memory import estimate
+    from test_diloco_e2e import CONFIG, FAST, assert_identical
+    nodes = _two_zero_nodes(procs, tmp_path / "full")
+    assert_identical(nodes)
+    assert sorted(nodes[0].outer()) == [1, 2, 3]
+    for k in (1, 2, 3):
+        a, b = nodes[0].outer()[k], nodes[1].outer()[k]
+        assert a["bytes_sent"] == b["bytes_sent"] > 0 and a["bytes_sent"] * 50 < a["fp32_bytes"]
+        assert a["residual_norm"] > 0
+    ranks = [torch.load(tmp_path / "full" / "a" / STEP6 / f"rank-{r}.pt", weights_only=False, map_location="cpu")["outer"] for r in (0, 1)]
+    es = [torch.cat([acc["e"].reshape(-1) for acc in o["codec"]["accumulators"]]) for o in ranks]
+    # each rank's accumulator covers its own partition, not the model: the snapshot's values, and not the other's
+    assert [e.numel() for e in es] == [o["snapshot"].numel() for o in ranks]
+    assert all(e.abs().sum() > 0 for e in es) and not torch.equal(es[0], es[1])
+    cfg = load_config(CONFIG, [*FAST, *ZERO])
+    counted = {p.name: p.bytes for p in estimate(cfg, workers=2, device="cpu").parts}["sparse accumulator"]
+    assert counted == 4 * es[0].numel(), (counted, es[0].numel())
+
+    resumed = _two_zero_nodes(procs, tmp_path / "resumed", resume=tmp_path / "full")
+    got = {k: {n.outer()[k]["checksum"] for n in resumed} for k in resumed[0].outer()}
+    assert got == {3: {nodes[0].outer()[3]["checksum"]}}, (got, nodes[0].outer())
