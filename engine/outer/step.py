@@ -240,6 +240,8 @@ class OuterStep:
             return False
         if counts and self.node_id not in left_out:
             self.codec.commit()
+        elif counts and pgrad is not None and (reject := getattr(self.codec, "reject", None)) is not None:
+            reject(pgrad)  # the sentinel left it out: the round it judged leaves the codec's state too (sparse)
         else:
             self.codec.abort()
         in_flight = self.flight.on_it()
