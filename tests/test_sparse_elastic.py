@@ -162,6 +162,7 @@ def _two_zero_nodes(procs, run_dir, resume=None) -> list:
     return nodes
 
 
+@pytest.mark.slow
 def test_two_nodes_of_two_zero2_workers_keep_their_shards_accumulators_and_a_resume_continues_the_run(procs,
                                                                                                     tmp_path):
     """Each ZeRO-2 rank keeps the accumulator of the fp32 partition it owns (the memory estimate counts one more
