@@ -319,7 +319,7 @@ class OuterStep:
     def _discarded(self) -> None:
         """This node's round diverged or was left out: it takes the run's weights (every part of them)."""
         self.cover.rebase()
-        if self._discard:  # a diverged round's accumulator is not finite; one left out keeps e' (codec.py, Sparse)
+        if self._discard:  # a diverged round's accumulator is not finite; one left out keeps its own (codec.py)
             self.codec.reset()
         self.landing.discarded(self.flight.on_it(), self._discard)
 
