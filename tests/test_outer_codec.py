@@ -74,6 +74,10 @@ class HalfFeedback:
         self.calls.append(("abort",))
         self.staged = None
 
+    def reject(self, pgrad) -> None:
+        self.calls.append(("reject",))
+        self.staged = None
+
     def reset(self) -> None:
         self.calls.append(("reset",))
         self.e = self.staged = None

@@ -15,7 +15,9 @@ it, in its story (diloco.py):
     codec.stage(pgrad, outer_step, attempt)   before each attempt's exchange: what this node sends (None: it sends
                                               nothing of its own, a joiner or a node not counted)
     codec.commit()                            the attempt committed and counted this node's pseudo-gradient
-    codec.abort()                             it did not (aborted, left out by the sentinel, not counted, failed)
+    codec.abort()                             it did not (aborted, not counted, failed)
+    codec.reject(pgrad)                       the sentinel left it out: the round it judged leaves the state too (a
+                                              codec without state: as abort)
     codec.reset()                             the node takes the run's weights (a hand-off, a diverged round): the
                                               state it held belongs to weights the run no longer has
     codec.unsent(pgrad, outer_step)           the outer step ended without a commit (a stop, a failure) and its
@@ -53,6 +55,8 @@ class Codec(Protocol):
     def commit(self) -> None: ...
 
     def abort(self) -> None: ...
+
+    def reject(self, pgrad: torch.Tensor) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -93,6 +97,9 @@ class Dense:
         pass
 
     def abort(self) -> None:
+        pass
+
+    def reject(self, pgrad: torch.Tensor) -> None:
         pass
 
     def reset(self) -> None:
@@ -243,6 +250,20 @@ class Sparse:
 
     def abort(self) -> None:
         self._sent = None  # e' stays staged: a retry sends it again (stage releases it at the next step)
+
+    def reject(self, pgrad: torch.Tensor) -> None:
+        """The sentinel left this node out of the committed step: the round it judged must not reach the run a
+        step later either. e = e' - pgrad (beta * e: the residual of the rounds that passed), nothing sent. Kept
+        whole, e' would carry the rejected round into the next message, decayed by beta only, past a sentinel that
+        judges that round's clean pseudo-gradient (a x100 round sent 45x a clean message one step later:
+        tests/test_sparse_elastic.py)."""
+        f, self._sent = self._frag, None
+        ef = self.efs[f]
+        if ef.staged and self._staged_at[f] is not None:
+            for v, d in zip(ef.layout.views(ef.e), ef.layout.split(pgrad)):
+                v.sub_(d.view_as(v))
+            ef.abort()  # released: e is the node's accumulator again
+            self._staged_at[f] = None
 
     def reset(self) -> None:
         for ef in self.efs:

@@ -467,7 +467,8 @@ class ErrorFeedback:
     node: e = e' - sent), abort() (it did not: e = e', nothing subtracted) or reset() (e = 0).
 
     A node left out keeps e' whole: what it would have sent is still in e and, decayed by beta, in its next
-    message, where it competes again for the chunk's k places."""
+    message, where it competes again for the chunk's k places (one the sentinel left out drops the round it judged
+    first: codec.py, Sparse.reject)."""
 
     gathers = True
 

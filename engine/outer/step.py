@@ -274,6 +274,8 @@ class OuterStep:
             return False
         if counts and self.node_id not in left_out:
             self.codec.commit()
+        elif counts and pgrad is not None:
+            self.codec.reject(pgrad)  # the sentinel left it out: the round it judged leaves the codec's state too
         else:
             self.codec.abort()
         in_flight = self.flight.on_it()
@@ -353,7 +355,7 @@ class OuterStep:
     def _discarded(self) -> None:
         """This node's round diverged or was left out: it takes the run's weights (every part of them)."""
         self.cover.rebase()
-        if self._discard:  # a diverged round's accumulator is not finite; one left out keeps e' (codec.py, Sparse)
+        if self._discard:  # a diverged round's accumulator is not finite; one left out keeps its own (codec.py)
             self.codec.reset()
         self.landing.discarded(self.flight.on_it(), self._discard)
 

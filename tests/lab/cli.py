@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
+
+from engine.config import DilocoConfig
 
 from lab import net
 from lab.lab import Lab, LabError, Options, cleanup_leftovers
 from lab.schedule import KINDS, Timing, make_schedule
 
 EXIT_PASS, EXIT_FAIL, EXIT_LAB = 0, 1, 2
+# diloco.compression's values, as the engine's config takes them (engine.config imports no torch)
+COMPRESSIONS = typing.get_args(DilocoConfig.model_fields["compression"].annotation)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inner-steps", type=int, default=d.inner_steps)
     p.add_argument("--round-seconds", type=float, default=d.round_seconds,
                    help="rounds by time of this many seconds (diloco.round = time); 0: rounds of --inner-steps steps")
+    p.add_argument("--compression", default=d.compression, choices=COMPRESSIONS,
+                   help="diloco.compression of the engines (sparse keeps an accumulator per node: the most state)")
     p.add_argument("--recovery", type=float, default=d.recovery_s, help="seconds each fault may take to heal")
     p.add_argument("--deadline", type=float, default=d.deadline_s, help="seconds for the whole lab")
     p.add_argument("--gap", default=",".join(f"{x:g}" for x in d.gap),
@@ -83,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos: --gap {args.gap!r}: expected LOW,HIGH seconds with 0 <= LOW <= HIGH", file=sys.stderr)
         return EXIT_LAB
     options = Options(seed=args.seed, faults=args.faults, hosts=args.hosts, heartbeat_timeout=args.heartbeat_timeout,
-                      inner_steps=args.inner_steps, round_seconds=args.round_seconds, recovery_s=args.recovery,
+                      inner_steps=args.inner_steps, round_seconds=args.round_seconds,
+                      compression=args.compression, recovery_s=args.recovery,
                       deadline_s=args.deadline,
                       stall_limit=args.stall_limit, keep=args.keep, lock_wait_s=args.lock_wait, gap=(low, high),
                       kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))

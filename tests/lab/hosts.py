@@ -79,7 +79,20 @@ def user_python_env() -> tuple[str, dict[str, str]]:
     system = shutil.which(version, path="/usr/bin:/usr/local/bin:/bin")
     if system is None or not _others_can_run(system):
         raise RuntimeError(f"no {version} that the user {USER} can run")
-    return system, {"PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    return system, {"PYTHONPATH": os.pathsep.join(site_dirs())}
+
+
+def site_dirs() -> list[str]:
+    """This venv's site-packages and the folders its .pth files add (a worktree's venv that sees another venv's
+    packages through a .pth line): PYTHONPATH reads no .pth file, so each must be named."""
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    dirs = [str(purelib)]
+    for pth in sorted(purelib.glob("*.pth")):
+        for line in pth.read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", "import ")) and Path(line).is_dir() and line not in dirs:
+                dirs.append(line)
+    return dirs
 
 
 def prepare_user(root: Path) -> Path:

@@ -49,6 +49,7 @@ class Options:
     heartbeat_timeout: float = 2.0
     inner_steps: int = 3
     round_seconds: float = 0.0  # > 0: rounds by time (diloco.round = "time"), each this long
+    compression: str = "none"  # diloco.compression of the engines ("sparse": the codec with the most state)
     recovery_s: float = 60.0  # per fault: from the heal until every node commits again
     startup_s: float = 300.0  # until every node committed its first outer step
     deadline_s: float = 1800.0  # the whole lab, set-up to teardown
@@ -75,7 +76,8 @@ class Options:
                 "diloco.min_nodes": self.hosts, "mesh.heartbeat_interval": 0.25,
                 "mesh.heartbeat_timeout": self.heartbeat_timeout, "mesh.store_timeout": 30.0,
                 "mesh.start_timeout": 120.0, "mesh.join_timeout": 120.0, "mesh.polling_interval": 0.05,
-                **({"diloco.round": "time", "diloco.round_seconds": self.round_seconds} if self.round_seconds else {})}
+                **({"diloco.round": "time", "diloco.round_seconds": self.round_seconds} if self.round_seconds else {}),
+                **({"diloco.compression": self.compression} if self.compression != "none" else {})}
 
 
 class LabError(RuntimeError):
@@ -221,7 +223,8 @@ class Lab:
         o = self.o
         return [f"chaos lab: seed {o.seed}, {o.faults} faults, {o.hosts} engine hosts, heartbeat_timeout "
                 f"{o.heartbeat_timeout}s, inner_steps {o.inner_steps}"
-                + (f", rounds by time of {o.round_seconds:g}s" if o.round_seconds else "") + f", ran {self.now():.0f}s"]
+                + (f", rounds by time of {o.round_seconds:g}s" if o.round_seconds else "")
+                + (f", compression {o.compression}" if o.compression != "none" else "") + f", ran {self.now():.0f}s"]
 
     # ---- set-up and teardown -------------------------------------------------------------------------------
     def setup(self) -> None:
