@@ -393,7 +393,7 @@ config = "configs/debug-diloco.toml"
 "inner.device" = "cpu"
 "train.max_steps" = 400
 "train.log_interval" = 1
-"mesh.heartbeat_timeout" = 20.0
+"mesh.heartbeat_timeout" = 6.0  # the default: node-a goes on once node-b is this long silent
 
 [console]
 poll_interval = 0.5

@@ -4,6 +4,8 @@ mesh.join_timeout (600 s by default) and failing with "is any member of the run 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine.mesh import Excluded, MeshError, Stopped
@@ -42,6 +44,44 @@ def test_a_node_waiting_to_join_a_run_every_member_completed_ends_at_once():
     warning = [e["message"] for e in sim.events if e["type"] == "warning" and e["node"] == "c"][-1]
     assert warning.startswith("the run completed at outer step 1 (a, b left it) while node c waited to join: it "
                               "ends with its own weights of outer step 0"), warning
+
+
+@pytest.mark.timeout(60)  # before the fix this wait never ended: each pass failed on a deleted key and started over
+def test_a_joiner_whose_own_heartbeat_pruned_the_completed_members_still_ends_at_once():
+    """The race of the real run below: a woken node's heartbeat takes the lease and, once the members that left are
+    silent for two heartbeat timeouts, prunes them (their keys deleted one prune later) before its loop asks to join;
+    it then waited on a deleted key (TCPStore: mesh.store_timeout, then a store error, and the wait started over,
+    again and again). A node outside the latest plan leaves that plan's members registered: their states say that
+    the run completed, and it ends at once."""
+    sim = Sim()
+    _left_out(sim)
+    for n in "ab":
+        sim.nodes[n].leave("completed")
+        sim.kill(n)
+    sim.advance(4 * CFG.heartbeat_timeout)  # c leads, its loop still busy elsewhere
+    assert sim.leader() == "c"
+    assert json.loads(sim.store.get("zb/ids"))["ids"] == ["a", "b", "c"]  # not pruned: members of the latest plan
+    t0 = sim.t
+    with pytest.raises(Stopped, match="ended while waiting for admission"):
+        sim.nodes["c"].wait_admission()
+    assert sim.t - t0 <= 1.0
+
+
+@pytest.mark.timeout(60)  # before the fix this wait never ended (as above)
+def test_a_joiner_that_finds_a_members_state_gone_waits_out_join_timeout_not_forever():
+    """A member of the latest plan pruned by another member (its state key deleted): the joiner cannot tell how it
+    left, so it waits on as for a drained member, and fails at mesh.join_timeout; it does not wait on the deleted key
+    (TCPStore: mesh.store_timeout, then a store error, and the wait started over)."""
+    sim = Sim()
+    _left_out(sim)
+    for n in "ab":
+        sim.nodes[n].leave("completed")
+        sim.kill(n)
+    sim.store.delete_key("zb/state/a")
+    t0 = sim.t
+    with pytest.raises(MeshError, match="not admitted within mesh.join_timeout"):
+        sim.nodes["c"].wait_admission()
+    assert CFG.join_timeout <= sim.t - t0 <= CFG.join_timeout + 1.0
 
 
 def test_a_node_waiting_to_join_waits_on_while_a_member_only_drained():

@@ -95,7 +95,7 @@ class Admission:
         will admit this node, which would otherwise wait out mesh.join_timeout and fail (a node left out of the
         last rounds). A member that drained or failed may be restarted: the node waits on for it."""
         others = [m for m in plan.members if m != self.node_id]  # it may be in the plan it stepped out of
-        states = self.planner.states(others) if others else {}
+        states = self.planner.states_now(others) if others else {}  # a pruned member: None, never waited for
         if states and all(st is not None and st.state == NodeState.LEFT and st.reason == "completed"
                           for st in states.values()):
             mine = f" of outer step {self.m.plan.outer_step}" if self.m.plan else ""

@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from engine.errors import first_line
 from engine.mesh.membership import STORE_ERRORS, Membership, Registry, RegistryBusy, text
-from engine.mesh.protocol import Keys, MeshError, StateRecord
+from engine.mesh.protocol import Keys, MeshError, Plan, StateRecord
 from engine.mesh.registration import Registration
 from engine.states import NodeState
 
@@ -361,6 +361,8 @@ class Heartbeat:
         with self.m.lock:
             victims = [n for n in reg.ids if n != self.node_id
                        and self.m.liveness.silent_for(n, now) > 2 * self.cfg.heartbeat_timeout]
+        if victims:
+            victims = self._not_awaited_by_a_joiner(s, victims)
         due = [n for n in reg.gone if n in self._gone_seen]
         if victims or due:
             groups = {}
@@ -386,6 +388,17 @@ class Heartbeat:
                 self._delete_node_keys(s, n, self._gone_groups.get(n))
         self._gone_seen = set(reg.gone)
         self._gone_groups = dict(reg.gone)
+
+    def _not_awaited_by_a_joiner(self, s: Any, victims: list[str]) -> list[str]:
+        """The victims this node may prune: a node outside the run's latest plan (woken after the run went on
+        without it, waiting to join) leaves that plan's members registered, keys and all, since their states are
+        how it learns that the run completed without it (Admission.ended_without_me); pruned, a reader of the
+        deleted key waited mesh.store_timeout. A member of the plan prunes them as before."""
+        raw = text(s.compare_set(self.keys.latest(), "", ""))  # absent reads "" (Planner.read)
+        latest = Plan.from_json(raw) if raw else None
+        if latest is None or self.node_id in latest.members:
+            return victims
+        return [n for n in victims if n not in latest.members]
 
     def _delete_node_keys(self, s: Any, node: str, group: list[int] | None) -> None:
         k = self.keys

@@ -64,6 +64,17 @@ class Planner:
         raws = self.m.store.multi_get([self.keys.state(n) for n in nodes])
         return {n: StateRecord.from_json(text(r)) for n, r in zip(nodes, raws)}
 
+    def states_now(self, nodes: list[str]) -> dict[str, StateRecord | None]:
+        """As states(), without waiting: None for a node whose state key is gone (the leader pruned it). TCPStore's
+        multi_get would wait mesh.store_timeout for that key and then fail, and a wait that fails on the store
+        starts over (Polling.resilient): a joiner that read a pruned member's state so waited forever."""
+        keys, store = [self.keys.state(n) for n in nodes], self.m.store
+        if hasattr(store, "multi_get_or_none"):  # a store with leases: one round trip
+            raws = store.multi_get_or_none(keys)
+        else:
+            raws = [store.get(key) if store.check([key]) else None for key in keys]
+        return {n: None if r is None else StateRecord.from_json(text(r)) for n, r in zip(nodes, raws)}
+
     def past_grace(self, latest: Plan | None, outer_step: int) -> bool:
         """Time rounds: the round that ended had a deadline (the last plan's) and its grace is over: plan with
         whoever arrived; a member that arrives later is left out (it re-joins, its round not counted). Not for a
