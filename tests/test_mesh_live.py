@@ -398,8 +398,8 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
     e2e = _engine()
     e2e.start_store(procs, port)
     slow_s, k = 6.0, 2
-    # long enough for c to come back: a and b alone run about four outer steps a second here
-    steps = ["--train.max_steps=240", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
+    # a ceiling (the run is stopped once c is back): a and b alone run about four outer steps a second here
+    steps = ["--train.max_steps=600", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
     a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, SLOW_LINK_IN_ALLREDUCE.format(n=k, slow_s=slow_s), steps)
     nodes = [a, b, c]
     e2e.wait_for(lambda: "SLOW" in c.err, 180, "c's link slow in the all-reduce of outer step 2", nodes)
@@ -410,13 +410,30 @@ def test_a_member_on_a_lossy_link_steps_out_and_the_others_go_on_then_it_rejoins
     assert stall < e2e.HB_TIMEOUT + 2.5, stall  # without the step-out: the whole 6 s fault
     assert all(n.outer()[k]["members"] == ["a", "b"] for n in (a, b))
     assert any("stepped out of outer step 2" in w["message"] for w in c.of("warning")), c.report()
-    assert all(e2e.finish(n, 180, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
-    # c came back: admitted as a joiner after its link healed, and a member again until the end
+    # c comes back: admitted as a joiner after its link healed, then a member of two more outer steps; the run is
+    # stopped there (SIGTERM: each node ends its step and stops), not trained on to max_steps
+    back = _member_again(e2e, a, "c", nodes)
+    stop_all(e2e, nodes)
     joined = [e for e in a.of("membership") if e["change"] == "joined" and e["subject"] == "c"]
     assert joined and joined[0]["ts"] > slow + slow_s - 1.0, joined
-    last = max(a.outer())
-    assert a.outer()[last]["members"] == ["a", "b", "c"]
+    assert a.outer()[back]["members"] == ["a", "b", "c"] and back > k
     e2e.assert_identical(nodes)
+
+
+def _member_again(e2e, a, name: str, nodes) -> int:
+    """Wait until `name` has been a member of two outer steps after its join: the second of them."""
+    def again() -> list[int]:
+        joined = [e["ts"] for e in a.of("membership") if e["change"] == "joined" and e["subject"] == name]
+        return sorted(s for s, e in a.outer().items() if joined and e["ts"] > joined[0] and name in e["members"])
+    e2e.wait_for(lambda: len(again()) >= 2, 180, f"{name} back and a member of two outer steps", nodes)
+    return again()[1]
+
+
+def stop_all(e2e, nodes) -> None:
+    """SIGTERM every node: each ends as a stop does (its step, a checkpoint, exit 0)."""
+    for n in nodes:
+        os.kill(n.proc.pid, signal.SIGTERM)
+    assert all(e2e.finish(n, 120, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
 
 
 # The same link turning lossy a little earlier: as the node arrives at the boundary of outer step 2. Its arrival
@@ -456,8 +473,8 @@ def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_at_the_boundar
     e2e = _engine()
     e2e.start_store(procs, port)
     slow_s, late_s, k = 5.0, 1.5, 2
-    # long enough for c to come back once its link is healthy (a and b alone run about four outer steps a second)
-    steps = ["--train.max_steps=240", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
+    # a ceiling (the run is stopped once c is back): a and b alone run about four outer steps a second here
+    steps = ["--train.max_steps=600", "--diloco.min_nodes=3", "--diloco.allreduce_timeout=60"]
     fault = SLOW_LINK_AT_ARRIVAL.format(n=k, slow_s=slow_s, late_s=late_s)
     a, b, c = _a_b_and_faulty_c(procs, port, tmp_path, fault, steps)
     nodes = [a, b, c]
@@ -474,7 +491,8 @@ def test_a_member_whose_arrival_crawled_on_a_lossy_link_steps_out_at_the_boundar
     stall = max(n.outer()[k]["ts"] for n in (a, b)) - slow
     print(f"a and b committed step {k} {stall:.2f}s after c's arrival began")
     assert stall < late_s + 2.5, stall  # as its siblings: a loaded 2-core machine's slack
-    assert all(e2e.finish(n, 180, nodes) == 0 for n in nodes), "\n".join(n.report() for n in nodes)
+    _member_again(e2e, a, "c", nodes)  # c back once its link is healthy; then the run is stopped
+    stop_all(e2e, nodes)
     e2e.assert_identical(nodes)
 
 
