@@ -560,6 +560,14 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
                "compute_s": median_of(steady, "compute_s"), "tokens_per_s_sync": tokens_per_s(sync, h),
                "samples": len(steady)}
         row["wire_rate"] = row["link_bound_s"] / row["wire_s"] if row["wire_s"] > 0 else None
+        # per step the least wire_s of any host: the host whose codec finished last waited for no peer's codec (a
+        # gathered codec's wire_s holds that wait: every host encodes before its message leaves)
+        least = {}
+        for e in outer_events(sync):
+            k = int(e["outer_step"])
+            if k >= 2:
+                least[k] = min(least.get(k, float("inf")), float(e["wire_s"]))
+        row["wire_s_least"] = statistics.median(least.values()) if least else None
         state = params_of(sync) * 4 * (2 if keeps_momentum(args) else 1)
         handoff_bytes = median_of(first, "bytes_sent") + state
         row["handoff"] = {"outer_s": median_of(first, "outer_s"), "wire_s": median_of(first, "wire_s"),
@@ -752,7 +760,9 @@ def sparse_checks(s: dict) -> list[tuple[str, bool]]:
         (f"none's outer step <= {GOAL_NONE_BOUND}x its link bound: {s['none_bound']:.2f}x ({none['outer_s']:.2f} s "
          f"for {none['link_bound_s']:.2f} s)", s["none_bound"] <= GOAL_NONE_BOUND),
         (f"sparse's wire <= {GOAL_SPARSE_WIRE}x its link bound: {s['sparse_wire_bound']:.2f}x "
-         f"({sparse['wire_s']:.3f} s for {sparse['link_bound_s']:.3f} s)", s["sparse_wire_bound"] <= GOAL_SPARSE_WIRE)]
+         f"({sparse['wire_s']:.3f} s for {sparse['link_bound_s']:.3f} s; the least of the hosts' "
+         f"{sparse['wire_s_least']:.3f} s, {sparse['wire_s_least'] / sparse['link_bound_s']:.2f}x)",
+         s["sparse_wire_bound"] <= GOAL_SPARSE_WIRE)]
     return checks
 
 
