@@ -738,13 +738,15 @@ def goals(s: dict) -> tuple[list[str], bool]:
     lines = ["goals (issue 21):"] + [f"  {'met    ' if ok else 'NOT MET'}  {text}" for text, ok in checks]
     sparse = sparse_checks(s)
     if sparse:
-        lines += ["goals (issue 43, sparse):"] + [f"  {'met    ' if ok else 'NOT MET'}  {text}" for text, ok in sparse]
-    return lines, all(ok for _, ok in checks + sparse)
+        lines += ["goals (issue 43, sparse):"] + [
+            f"  {'       ' if ok is None else 'met    ' if ok else 'NOT MET'}  {text}" for text, ok in sparse]
+    return lines, all(ok is not False for _, ok in checks + sparse)
 
 
-def sparse_checks(s: dict) -> list[tuple[str, bool]]:
+def sparse_checks(s: dict) -> list[tuple[str, bool | None]]:
     """Issue 43's goals on the slow link: R4 (at 200mbit or slower), none's outer step and sparse's wire against
-    their link bounds (the last two at every rate: they say the comparison is fair and the wire is not the cost)."""
+    their link bounds (the last two at every rate: they say the comparison is fair and the wire is not the cost).
+    None: a figure with no goal here (R4 faster than 200mbit)."""
     if "r4" not in s:
         return []
     rows, rate = s["rows"], rate_bps(s["rate"])
@@ -753,9 +755,9 @@ def sparse_checks(s: dict) -> list[tuple[str, bool]]:
     r4 = (f"sparse/none outer step {s['r4']:.3f} <= {goal} ({sparse['outer_s']:.3f} s against {none['outer_s']:.2f}"
           f" s; sparse's codec_s {sparse['codec_s']:.3f}, wire_s {sparse['wire_s']:.3f}, other_s "
           f"{sparse['other_s']:.3f})", s["r4"] <= goal)
-    checks = [r4] if rate <= GOAL_R4_RATE else [
-        (f"sparse/none outer step {s['r4']:.3f} (the goal, {goal}, is at 200mbit; none here is "
-         f"{none['outer_s']:.2f} s)", True)]
+    checks: list[tuple[str, bool | None]] = [r4] if rate <= GOAL_R4_RATE else [
+        (f"sparse/none outer step {s['r4']:.3f}: no goal at {s['rate']} (the goal, {goal}, is at 200mbit; "
+         f"{sparse['outer_s']:.3f} s against {none['outer_s']:.2f} s)", None)]
     checks += [
         (f"none's outer step <= {GOAL_NONE_BOUND}x its link bound: {s['none_bound']:.2f}x ({none['outer_s']:.2f} s "
          f"for {none['link_bound_s']:.2f} s)", s["none_bound"] <= GOAL_NONE_BOUND),
@@ -782,6 +784,8 @@ def measure(args, work: Path) -> tuple[dict, str]:
             print(f"[wan] {arm.name}: {results[arm.name].seconds:.0f} s", file=sys.stderr, flush=True)
         sizes = {}
         for codec in args.compressions:  # a ring all-reduce of B bytes sends 2 (n-1)/n B per host
+            if args.quick and codec in GATHERED:  # CI: not a ring's pattern, and seconds the test does not have
+                continue
             sent = median_of(outer_events(results[f"{codec}-sync"]), "bytes_sent")
             sizes[codec] = int(sent * args.hosts / (2 * (args.hosts - 1))) // 4 * 4
         bare = run_bare(args, hosts, sizes, work, STORE_PORT + 99)

@@ -75,6 +75,27 @@ def test_fragments_runs_replace_overlap_with_the_fragments_settings():
     assert "--diloco.overlap=true" in plain and not any("fragments" in o for o in plain)
 
 
+def _sparse_summary(rate: str, hosts: int, r4: float, none_bound: float, sparse_wire: float) -> dict:
+    none = {"outer_s": 2.0, "link_bound_s": 2.0 / none_bound, "wire_s": 1.9, "bytes_sent": 4e6}
+    sparse = {"outer_s": 2.0 * r4, "wire_s": 0.01 * sparse_wire, "link_bound_s": 0.01, "codec_s": 0.05,
+              "other_s": 0.05, "wire_s_least": 0.01, "bytes_sent": 3e4}
+    return {"rate": rate, "hosts": hosts, "rows": {"none": none, "sparse": sparse}, "r4": r4, "b2": 0.0075,
+            "none_bound": none_bound, "sparse_wire_bound": sparse_wire}
+
+
+def test_sparse_goals_on_both_sides_of_each_threshold():
+    """Issue 43's goals: R4 <= 0.1 with 2 hosts and <= 0.15 with more, at 200mbit or slower (faster: a figure, no
+    goal); none's outer step <= 1.1x its link bound; sparse's wire <= 1.5x its own."""
+    def verdicts(*a):
+        return [ok for _, ok in wan.sparse_checks(_sparse_summary(*a))]
+    assert verdicts("200mbit", 2, 0.099, 1.09, 1.49) == [True, True, True]
+    assert verdicts("200mbit", 2, 0.101, 1.11, 1.51) == [False, False, False]
+    assert verdicts("200mbit", 4, 0.149, 1.0, 1.0)[0] is True and verdicts("200mbit", 4, 0.151, 1.0, 1.0)[0] is False
+    assert verdicts("100mbit", 2, 0.101, 1.0, 1.0)[0] is False  # slower than 200mbit: the goal holds there too
+    assert verdicts("1gbit", 2, 0.6, 1.0, 1.0) == [None, True, True]  # no goal for R4 at 1gbit
+    assert wan.sparse_checks({"rate": "200mbit", "hosts": 2, "rows": {}}) == []  # no sparse arm, no sparse goals
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # up to 600 s waiting for a chaos lab that holds the lock, then ~1 min of lab
 def test_quick_lab_prints_every_figure_and_the_last_line(tmp_path):
