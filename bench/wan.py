@@ -580,8 +580,8 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
         row["tokens_per_s_overlap"] = tokens_per_s(overlapped, h) if overlapped else None
         row["bare"] = bare.get(codec)
         rows[codec] = row
-    # --quick and --sync-only have no run without DiLoCo (the sparse arm took its time): the same engines' tokens/s between two
-    # boundaries of the none arm stands in, the inner steps alone with nothing on the wire
+    # --quick and --sync-only have no run without DiLoCo (in --quick the sparse arm took its time): the same engines'
+    # tokens/s between two boundaries of the none arm stands in, the inner steps alone with nothing on the wire
     base = tokens_per_s(results["no-diloco"], h) if "no-diloco" in results else inner_tokens_per_s(
         results["none-sync"], h)
     r1 = rows["int8"]["outer_s"] / rows["none"]["outer_s"]
@@ -691,8 +691,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
         lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
                   "waits, group = fetching the generation's gloo group, sentinel = its screen (a norm, a sample, "
                   "one small all_gather), bounded_extra = the all-reduce's watchdog "
-                  "thread beyond wire and codec, rest = what nothing timed covers; cpu_s, not a part: the CPU seconds the "
-                  "process spent in the step, all threads):"]
+                  "thread beyond wire and codec, rest = what nothing timed covers; cpu_s, not a part: the CPU "
+                  "seconds the process spent in the step, all threads):"]
         for codec, table in s["phases"].items():
             lines.append(f"  {codec:6} " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
     return lines
