@@ -20,8 +20,9 @@ What runs there, one run after another (nothing else shares the 2 cores):
                   node trains on from its own weights meanwhile (--overlap-update delayed); or, with --fragments P,
                   streaming DiLoCo instead: diloco.fragments = P, each fragment's outer step in the background for
                   --fragment-delay inner steps (default H / P: it lands at the next fragment's boundary)
-    no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all (not in
-                  --quick: there the none arm's inner steps between two boundaries stand in)
+    no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all (not with
+                  --sync-only, which --quick implies: there the none arm's inner steps between two boundaries stand
+                  in, and nothing runs overlapped)
     bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
                   engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
                   of quiet ("idle": the gloo connections of an outer step have been idle for a round); the
@@ -155,8 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "overlapped run and none without DiLoCo (R3 is not measured; the none arm's inner steps stand in "
                    "for the run without DiLoCo): the codecs' outer steps in about half the time")
     p.add_argument("--quick", action="store_true", help="CI: debug model, seq 64 x 2, H 5, 1 round, none, int8 "
-                   "and sparse, int8 overlapped, one bare repetition; no run without DiLoCo (the none arm's inner "
-                   "steps stand in for it)")
+                   "and sparse, one bare repetition; --sync-only unless --overlap is given (R3 is then not measured)")
     p.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)  # internal: one rank of the bare run
     return p
 
@@ -165,8 +165,11 @@ def parse_args(argv: list[str] | None):
     args = build_parser().parse_args(argv)
     if args.quick:
         args.preset, args.seq_len, args.micro_batch, args.inner_steps, args.rounds = "debug", 64, 2, 5, 1
-        args.compressions, args.overlap, args.bare_reps, args.idle = "none,int8,sparse", args.overlap or "int8", 1, 0.3
+        args.compressions, args.bare_reps, args.idle = "none,int8,sparse", 1, 0.3
         args.run_timeout = min(args.run_timeout, 120.0)
+        # the sync arms only, unless --overlap says otherwise: the sparse arm took the seconds of the overlapped and
+        # the no-DiLoCo runs, whose engines' paths tests/test_diloco_e2e.py (overlap) and every engine test cover
+        args.sync_only = args.sync_only or args.overlap is None
     args.compressions = [c for c in args.compressions.split(",") if c]
     if args.sync_only:
         args.overlap = []
@@ -580,8 +583,8 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
         row["tokens_per_s_overlap"] = tokens_per_s(overlapped, h) if overlapped else None
         row["bare"] = bare.get(codec)
         rows[codec] = row
-    # --quick and --sync-only have no run without DiLoCo (in --quick the sparse arm took its time): the same engines'
-    # tokens/s between two boundaries of the none arm stands in, the inner steps alone with nothing on the wire
+    # --sync-only (and --quick) has no run without DiLoCo: the same engines' tokens/s between two boundaries of the
+    # none arm stands in, the inner steps alone with nothing on the wire
     base = tokens_per_s(results["no-diloco"], h) if "no-diloco" in results else inner_tokens_per_s(
         results["none-sync"], h)
     r1 = rows["int8"]["outer_s"] / rows["none"]["outer_s"]
@@ -665,8 +668,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                      f"{secs(bare.get('pattern_idle_s')):>7} {r['compute_s']:9.2f} "
                      f"{r['tokens_per_s_sync']:10.0f} {ovl}")
     lines += [f"no DiLoCo: {base:.0f} tokens/s ({args.hosts} hosts together"
-              + ("; the none arm's inner steps between two boundaries, no run of its own" if args.quick
-                 or args.sync_only else "") + "); sync/no-DiLoCo "
+              + ("; the none arm's inner steps between two boundaries, no run of its own" if args.sync_only
+                 else "") + "); sync/no-DiLoCo "
               + ", ".join(f"{c} {r['tokens_per_s_sync'] / base:.2f}" for c, r in rows.items())
               + "".join(f"; overlapped/no-DiLoCo {c} {r['tokens_per_s_overlap'] / base:.2f}" if i == 0 else
                         f", {c} {r['tokens_per_s_overlap'] / base:.2f}" for i, (c, r) in enumerate(
@@ -771,7 +774,7 @@ def sparse_checks(s: dict) -> list[tuple[str, bool | None]]:
 # ---- main -----------------------------------------------------------------------------------------------------
 def arms(args) -> list[Arm]:
     return ([Arm(c) for c in args.compressions] + [Arm(c, overlap=True) for c in args.overlap]
-            + ([] if args.quick or args.sync_only else [Arm("")]))
+            + ([] if args.sync_only else [Arm("")]))
 
 
 def measure(args, work: Path) -> tuple[dict, str]:
