@@ -3,6 +3,8 @@
     python bench/wan.py --rate 200mbit                    # 15m, 2 hosts, none/bf16/int8: ~6 min on 2 cores (root)
     python bench/wan.py --rate 1gbit --hosts 4 --inner-steps 10
     python bench/wan.py --rate 200mbit --slow-start-after-idle 0 --compressions none,int8 --overlap int8
+    python bench/wan.py --rate 200mbit --compressions none,int8,sparse --overlap int8   # SparseLoCo beside them
+    python bench/wan.py --rate 1gbit --hosts 4 --compressions none,int8,sparse --sync-only   # outer steps only
     python bench/wan.py --quick                           # CI: debug model, 2 hosts, a few seconds per run
 
 The lab (tests/lab/net.py, the chaos lab's namespaces, under its lock): 2 to 4 hosts, each a network namespace on
@@ -18,7 +20,9 @@ What runs there, one run after another (nothing else shares the 2 cores):
                   node trains on from its own weights meanwhile (--overlap-update delayed); or, with --fragments P,
                   streaming DiLoCo instead: diloco.fragments = P, each fragment's outer step in the background for
                   --fragment-delay inner steps (default H / P: it lands at the next fragment's boundary)
-    no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all
+    no DiLoCo     the same engines with --diloco.enabled=false: each host trains alone, no wire at all (not with
+                  --sync-only, which --quick implies: there the none arm's inner steps between two boundaries stand
+                  in, and nothing runs overlapped)
     bare          a gloo all-reduce (ring) of the same bytes per host over the same links, its group built as the
                   engine builds one (engine.mesh.make_group), timed back to back ("warm") and after --idle seconds
                   of quiet ("idle": the gloo connections of an outer step have been idle for a round); the
@@ -43,8 +47,14 @@ window pays one outer step).
 
 Last line (R2 and R3 are int8's):
     `slow link RATE Nx: int8/none outer step R1; outer step / link bound R2; overlapped / no-DiLoCo tokens/s R3`
-Goals (issue 21): R1 <= 0.3; every codec's wire >= 90% of its link; other_s <= 0.05 s; R3 >= 0.95; hand-off <=
-1.2x. Exit status 0 when every goal is met, 3 when one is not (the lines above say which), 2 when the lab failed.
+and, with sparse among the compressions (SparseLoCo at the engine's defaults, docs/sparse.md), after it:
+    `slow link RATE Nx: sparse/none outer step R4; sparse bytes / none bytes B2`
+Goals (issue 21, over the dense codecs): R1 <= 0.3; every codec's wire >= 90% of its link; other_s <= 0.05 s;
+R3 >= 0.95; hand-off <= 1.2x. Issue 43, with sparse: R4 <= 0.1 with 2 hosts and <= 0.15 with more, at 200mbit or
+slower (at a faster rate R4 is reported, no goal); none's outer step <= 1.1x its link bound (R4's denominator is
+honest); sparse's wire <= 1.5x its link bound. Sparse is not run overlapped unless --fragments (diloco.overlap
+with sparse is refused by the engine until it is wired). Exit status 0 when every goal is met, 3 when one is not
+(the lines above say which), 2 when the lab failed.
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ STORE_PORT = 29600
 RATE_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's bit units are decimal
 LATENCY = "50ms"
 GOAL_R1, GOAL_WIRE, GOAL_OTHER, GOAL_R3, GOAL_HANDOFF = 0.3, 0.9, 0.05, 0.95, 1.2
+# issue 43: sparse/none outer step at 200mbit or slower (2 hosts; more), none's outer step and sparse's wire against
+# their link bounds
+GOAL_R4, GOAL_R4_MORE, GOAL_R4_RATE, GOAL_NONE_BOUND, GOAL_SPARSE_WIRE = 0.1, 0.15, 200e6, 1.1, 1.5
+GATHERED = ("sparse",)  # all-gathered, not reduced: issue 43's goals, not issue 21's
 
 
 class LabFailed(RuntimeError):
@@ -115,8 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (= batch: no accumulation)")
     p.add_argument("--inner-steps", type=int, default=5, help="H")
     p.add_argument("--rounds", type=int, default=3, help="rounds in the tokens/s window (outer steps measured: +1)")
-    p.add_argument("--compressions", default="none,bf16,int8")
-    p.add_argument("--overlap", default=None, help="compressions also run overlapped (default: all of them)")
+    p.add_argument("--compressions", default="none,bf16,int8", help="none and int8, and any of bf16, fp16, sparse "
+                   "(sparse at the engine's defaults: diloco.sparse_chunk 4096, density 0.0156, 2 bits, beta 0.95)")
+    p.add_argument("--overlap", default=None, help="compressions also run overlapped (default: all of them but "
+                   "sparse, whose overlap is not wired yet; with --fragments, sparse too)")
     p.add_argument("--overlap-update", choices=("eager", "delayed"), default="delayed",
                    help="diloco.overlap_update of the overlapped runs")
     p.add_argument("--overlap-delay", type=int, default=0,
@@ -136,8 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-timeout", type=float, default=900.0, help="seconds one run may take")
     p.add_argument("--keep", action="store_true", help="keep the run dirs (events, logs) and print where")
     p.add_argument("--json", default=None, help="also write every figure here")
-    p.add_argument("--quick", action="store_true", help="CI: debug model, seq 64 x 2, H 5, 1 round, none and "
-                   "int8, int8 overlapped, one bare repetition")
+    p.add_argument("--sync-only", action="store_true", help="only the sync arms and the bare collectives: no "
+                   "overlapped run and none without DiLoCo (R3 is not measured; the none arm's inner steps stand in "
+                   "for the run without DiLoCo): the codecs' outer steps in about half the time")
+    p.add_argument("--quick", action="store_true", help="CI: debug model, seq 64 x 2, H 5, 1 round, none, int8 "
+                   "and sparse, one bare repetition; --sync-only unless --overlap is given (R3 is then not measured)")
     p.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)  # internal: one rank of the bare run
     return p
 
@@ -146,10 +165,18 @@ def parse_args(argv: list[str] | None):
     args = build_parser().parse_args(argv)
     if args.quick:
         args.preset, args.seq_len, args.micro_batch, args.inner_steps, args.rounds = "debug", 64, 2, 5, 1
-        args.compressions, args.overlap, args.bare_reps, args.idle = "none,int8", args.overlap or "int8", 1, 0.3
+        args.compressions, args.bare_reps, args.idle = "none,int8,sparse", 1, 0.3
         args.run_timeout = min(args.run_timeout, 120.0)
+        # the sync arms only, unless --overlap says otherwise: the sparse arm took the seconds of the overlapped and
+        # the no-DiLoCo runs, whose engines' paths tests/test_diloco_e2e.py (overlap) and every engine test cover
+        args.sync_only = args.sync_only or args.overlap is None
     args.compressions = [c for c in args.compressions.split(",") if c]
-    args.overlap = args.compressions if args.overlap is None else [c for c in args.overlap.split(",") if c]
+    if args.sync_only:
+        args.overlap = []
+    elif args.overlap is None:  # diloco.overlap with sparse is refused by the engine (not wired yet): sparse runs sync
+        args.overlap = [c for c in args.compressions if c != "sparse" or args.fragments > 1]
+    else:
+        args.overlap = [c for c in args.overlap.split(",") if c]
     args.rate_bps = rate_bps(args.rate)
     if not 2 <= args.hosts <= len(NAMES):
         raise ValueError(f"--hosts must be in 2..{len(NAMES)}, got {args.hosts}")
@@ -157,8 +184,11 @@ def parse_args(argv: list[str] | None):
         raise ValueError(f"--loss must be in 0..99, got {args.loss}")
     if "none" not in args.compressions or "int8" not in args.compressions:
         raise ValueError("--compressions must include none and int8 (the last line compares them)")
-    if "int8" not in args.overlap:
+    if "int8" not in args.overlap and not args.sync_only:
         raise ValueError("--overlap must include int8 (the last line's R3)")
+    if "sparse" in args.overlap and args.fragments == 1:
+        raise ValueError("--overlap sparse: diloco.overlap with compression sparse is not wired yet (the engine "
+                         "refuses it); leave sparse out of --overlap, or use --fragments")
     if args.fragments > 1 and args.inner_steps % args.fragments:
         raise ValueError(f"--fragments {args.fragments} must divide --inner-steps {args.inner_steps}")
     if args.fragment_delay is None:
@@ -312,10 +342,12 @@ def run_arm(args, arm: Arm, hosts: list[net.NetHost], work: Path, port: int) -> 
 
 # Where other_s goes: runs the engine with its mesh calls and the outer step's helpers timed from outside (every
 # wrapper is optional, so an engine whose internals moved still runs), and prints one "bench_phases" line per outer
-# step: the seconds of each wrapped call since the boundary, and the outer's own last_phases.
+# step: the seconds of each wrapped call since the boundary, the outer's own last_phases, and the CPU seconds the
+# process spent in the call to after_inner_step that held the outer step (cpu_s: every thread's, gloo's included;
+# what the step's work costs, whatever share of the cores a loaded machine gave it).
 PHASES = """import json, sys, time
 import engine.mesh.node as _node, engine.outer as _outer
-spent, outer = {}, []
+spent, outer, cpu0 = {}, [], [0.0]
 def _timed(name, fn):
     def run(*a, **k):
         t0 = time.perf_counter()
@@ -341,6 +373,12 @@ if _build is not None:
                 _obj = getattr(_obj, _part, None)
             if _obj is not None and hasattr(_obj, _attr):
                 setattr(_obj, _attr, _timed(_label, getattr(_obj, _attr)))
+        if hasattr(o, "after_inner_step"):
+            _step = o.after_inner_step
+            def _after(*a, **k):
+                cpu0[0] = time.process_time()
+                return _step(*a, **k)
+            o.after_inner_step = _after
         return o
     _outer.build_outer = _capture
 import engine.telemetry as _tel
@@ -350,7 +388,8 @@ def _emit_and_phases(self, type_, **fields):
     if type_ == "outer_step":
         own = dict(getattr(outer[0], "last_phases", {}) or {}) if outer else {}
         row = {"type": "bench_phases", "outer_step": fields.get("outer_step"), "node": self.node,
-               "outer_s": fields.get("outer_s"), "calls": dict(spent), "phases": own}
+               "outer_s": fields.get("outer_s"), "calls": dict(spent), "phases": own,
+               "cpu_s": time.process_time() - cpu0[0]}
         spent.clear()
         print(json.dumps(row), flush=True)
     return event
@@ -491,6 +530,17 @@ def tokens_per_s(result: ArmResult, h: int) -> float:
     return total
 
 
+def inner_tokens_per_s(result: ArmResult, h: int) -> float:
+    """The cluster's tokens/s of the inner steps alone: per host, from the step event after the outer step at 2H (of
+    step 2H + 1) to the next boundary's (3H, emitted before its outer step): H - 1 steps, no outer step between."""
+    total = 0.0
+    for events in result.events.values():
+        steps = {e["step"]: e for e in events if e.get("type") == "step"}
+        a, b = steps[2 * h + 1], steps[3 * h]
+        total += (b["tokens"] - a["tokens"]) / (b["ts"] - a["ts"])
+    return total
+
+
 def params_of(result: ArmResult) -> int:
     return next(int(e["params"]) for ev in result.events.values() for e in ev
                 if e.get("type") == "state" and e.get("state") == "training" and "params" in e)
@@ -513,6 +563,14 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
                "compute_s": median_of(steady, "compute_s"), "tokens_per_s_sync": tokens_per_s(sync, h),
                "samples": len(steady)}
         row["wire_rate"] = row["link_bound_s"] / row["wire_s"] if row["wire_s"] > 0 else None
+        # per step the least wire_s of any host: the host whose codec finished last waited for no peer's codec (a
+        # gathered codec's wire_s holds that wait: every host encodes before its message leaves)
+        least = {}
+        for e in outer_events(sync):
+            k = int(e["outer_step"])
+            if k >= 2:
+                least[k] = min(least.get(k, float("inf")), float(e["wire_s"]))
+        row["wire_s_least"] = statistics.median(least.values()) if least else None
         state = params_of(sync) * 4 * (2 if keeps_momentum(args) else 1)
         handoff_bytes = median_of(first, "bytes_sent") + state
         row["handoff"] = {"outer_s": median_of(first, "outer_s"), "wire_s": median_of(first, "wire_s"),
@@ -525,19 +583,28 @@ def summarize(args, results: dict[str, ArmResult], bare: dict[str, dict]) -> dic
         row["tokens_per_s_overlap"] = tokens_per_s(overlapped, h) if overlapped else None
         row["bare"] = bare.get(codec)
         rows[codec] = row
-    base = tokens_per_s(results["no-diloco"], h)
+    # --sync-only (and --quick) has no run without DiLoCo: the same engines' tokens/s between two boundaries of the
+    # none arm stands in, the inner steps alone with nothing on the wire
+    base = tokens_per_s(results["no-diloco"], h) if "no-diloco" in results else inner_tokens_per_s(
+        results["none-sync"], h)
     r1 = rows["int8"]["outer_s"] / rows["none"]["outer_s"]
     r2 = rows["int8"]["outer_s"] / rows["int8"]["link_bound_s"]
-    r3 = rows["int8"]["tokens_per_s_overlap"] / base
+    r3 = None if rows["int8"]["tokens_per_s_overlap"] is None else rows["int8"]["tokens_per_s_overlap"] / base
     # what R1 could be on these links and cores with a codec that cost nothing: gloo's own ring of int8's bytes plus
     # the part of int8's outer step that is neither wire nor codec (docs/performance.md, "The all-gather started
     # inside the reduce-scatter")
     bare8 = rows["int8"]["bare"] or {}
     floor = ((bare8["warm_s"] + rows["int8"]["other_s"]) / rows["none"]["outer_s"]
              if bare8.get("warm_s") is not None else None)
-    return {"rate": args.rate, "hosts": args.hosts, "rows": rows, "tokens_per_s_no_diloco": base,
-            "params": params_of(results["none-sync"]), "r1": r1, "r2": r2, "r3": r3, "r1_floor": floor,
-            "phases": phase_table(results, args.compressions) if args.phases else None}
+    out = {"rate": args.rate, "hosts": args.hosts, "rows": rows, "tokens_per_s_no_diloco": base,
+           "params": params_of(results["none-sync"]), "r1": r1, "r2": r2, "r3": r3, "r1_floor": floor,
+           "phases": phase_table(results, args.compressions) if args.phases else None}
+    if "sparse" in rows:  # issue 43: the sparse step against none's, and the bytes each host sends
+        sparse, none = rows["sparse"], rows["none"]
+        out.update(r4=sparse["outer_s"] / none["outer_s"], b2=sparse["bytes_sent"] / none["bytes_sent"],
+                   none_bound=none["outer_s"] / none["link_bound_s"],
+                   sparse_wire_bound=sparse["wire_s"] / sparse["link_bound_s"])
+    return out
 
 
 def keeps_momentum(args) -> bool:
@@ -554,6 +621,8 @@ def phase_table(results: dict[str, ArmResult], codecs: list[str]) -> dict[str, d
         rows = [r for r in results[f"{codec}-sync"].phases if (r.get("outer_step"), r.get("node")) in chosen]
         for r in rows:
             calls, own = r["calls"], r["phases"]
+            if "cpu_s" in r:  # not a part of outer_s: a column of its own (the CPU the outer step's call cost)
+                r.setdefault("extra", {})["cpu_s"] = r.pop("cpu_s")
             if "bounded" in calls:  # the collective in its watchdog thread: the sentinel's screen, wire and codec,
                 # plus the waiting around them
                 calls["bounded_extra"] = (calls.pop("bounded") - own.get("wire", 0.0) - own.get("codec", 0.0)
@@ -562,6 +631,9 @@ def phase_table(results: dict[str, ArmResult], codecs: list[str]) -> dict[str, d
         names = sorted({k for r in rows for k in (*r["calls"], *r["phases"])}, key=lambda k: (k == "rest", k))
         out[codec] = {k: statistics.median({**r["phases"], **r["calls"]}.get(k, 0.0) for r in rows)
                       for k in names} if rows else {}
+        cpu = [r["extra"]["cpu_s"] for r in rows if "cpu_s" in r.get("extra", {})]
+        if cpu:
+            out[codec]["cpu_s"] = statistics.median(cpu)
     return out
 
 
@@ -595,11 +667,17 @@ def report(args, s: dict, slow_start: str) -> list[str]:
                      f"{secs(bare.get('warm_s')):>9} {secs(bare.get('idle_s')):>9} "
                      f"{secs(bare.get('pattern_idle_s')):>7} {r['compute_s']:9.2f} "
                      f"{r['tokens_per_s_sync']:10.0f} {ovl}")
-    lines += [f"no DiLoCo: {base:.0f} tokens/s ({args.hosts} hosts together); sync/no-DiLoCo "
+    lines += [f"no DiLoCo: {base:.0f} tokens/s ({args.hosts} hosts together"
+              + ("; the none arm's inner steps between two boundaries, no run of its own" if args.sync_only
+                 else "") + "); sync/no-DiLoCo "
               + ", ".join(f"{c} {r['tokens_per_s_sync'] / base:.2f}" for c, r in rows.items())
-              + "; overlapped/no-DiLoCo "
-              + ", ".join(f"{c} {r['tokens_per_s_overlap'] / base:.2f}" for c, r in rows.items()
-                          if r["tokens_per_s_overlap"] is not None), ""]
+              + "".join(f"; overlapped/no-DiLoCo {c} {r['tokens_per_s_overlap'] / base:.2f}" if i == 0 else
+                        f", {c} {r['tokens_per_s_overlap'] / base:.2f}" for i, (c, r) in enumerate(
+                            (c, r) for c, r in rows.items() if r["tokens_per_s_overlap"] is not None)), ""]
+    if "sparse" in rows:
+        lines.insert(-1, f"sparse: {sparse_settings(args)}, all-gathered"
+                     + ("" if "sparse" in args.overlap else "; not run overlapped (diloco.overlap with sparse is "
+                        "not wired yet)"))
     lines.append("bare all_to_all and all_gather, the pattern before the pieces (each moves (n-1)/n of the bytes per "
                  "host: half the link bound alone): "
                  + ", ".join(f"{c} all_to_all {secs(r['bare'].get('a2a_idle_s'))}, all_gather "
@@ -616,10 +694,20 @@ def report(args, s: dict, slow_start: str) -> list[str]:
         lines += ["", "where an outer step goes (--phases; medians, s; mesh_* = the store round trips and their "
                   "waits, group = fetching the generation's gloo group, sentinel = its screen (a norm, a sample, "
                   "one small all_gather), bounded_extra = the all-reduce's watchdog "
-                  "thread beyond wire and codec, rest = what nothing timed covers):"]
+                  "thread beyond wire and codec, rest = what nothing timed covers; cpu_s, not a part: the CPU "
+                  "seconds the process spent in the step, all threads):"]
         for codec, table in s["phases"].items():
             lines.append(f"  {codec:6} " + ", ".join(f"{k} {v:.3f}" for k, v in table.items()))
     return lines
+
+
+def sparse_settings(args) -> str:
+    """The sparse arm's settings: the engine's defaults (engine/config.py), or what --set gave."""
+    from engine.config import SPARSE_KEYS, DilocoConfig
+
+    sets = dict(item.partition("=")[::2] for item in args.set)
+    return ", ".join(f"diloco.{k} {sets.get(f'diloco.{k}', DilocoConfig.model_fields[k].default)}"
+                     + ("" if f"diloco.{k}" in sets else " (default)") for k in SPARSE_KEYS)
 
 
 def pct(x: float | None) -> str:
@@ -631,7 +719,7 @@ def secs(x: float | None) -> str:
 
 
 def goals(s: dict) -> tuple[list[str], bool]:
-    rows = s["rows"]
+    rows = {c: r for c, r in s["rows"].items() if c not in GATHERED}  # issue 21's goals are the dense codecs'
     worst_wire = min(rows, key=lambda c: rows[c]["wire_rate"] or 0.0)
     worst_other = max(rows, key=lambda c: rows[c]["other_s"])
     worst_ho = max(rows, key=lambda c: rows[c]["handoff"]["ratio"])
@@ -645,17 +733,48 @@ def goals(s: dict) -> tuple[list[str], bool]:
          all((r["wire_rate"] or 0.0) >= GOAL_WIRE for r in rows.values())),
         (f"neither wire nor codec <= {GOAL_OTHER} s: worst {worst_other} {rows[worst_other]['other_s']:.3f} s",
          all(r["other_s"] <= GOAL_OTHER for r in rows.values())),
-        (f"overlapped / no-DiLoCo tokens/s (int8) {s['r3']:.2f} >= {GOAL_R3}", s["r3"] >= GOAL_R3),
+        *([] if s["r3"] is None else [
+            (f"overlapped / no-DiLoCo tokens/s (int8) {s['r3']:.2f} >= {GOAL_R3}", s["r3"] >= GOAL_R3)]),
         (f"hand-off <= {GOAL_HANDOFF}x its link bound: worst {worst_ho} {rows[worst_ho]['handoff']['ratio']:.2f}x",
          all(r["handoff"]["ratio"] <= GOAL_HANDOFF for r in rows.values())),
     ]
     lines = ["goals (issue 21):"] + [f"  {'met    ' if ok else 'NOT MET'}  {text}" for text, ok in checks]
-    return lines, all(ok for _, ok in checks)
+    sparse = sparse_checks(s)
+    if sparse:
+        lines += ["goals (issue 43, sparse):"] + [
+            f"  {'       ' if ok is None else 'met    ' if ok else 'NOT MET'}  {text}" for text, ok in sparse]
+    return lines, all(ok is not False for _, ok in checks + sparse)
+
+
+def sparse_checks(s: dict) -> list[tuple[str, bool | None]]:
+    """Issue 43's goals on the slow link: R4 (at 200mbit or slower), none's outer step and sparse's wire against
+    their link bounds (the last two at every rate: they say the comparison is fair and the wire is not the cost).
+    None: a figure with no goal here (R4 faster than 200mbit)."""
+    if "r4" not in s:
+        return []
+    rows, rate = s["rows"], rate_bps(s["rate"])
+    goal = GOAL_R4 if s["hosts"] == 2 else GOAL_R4_MORE
+    sparse, none = rows["sparse"], rows["none"]
+    r4 = (f"sparse/none outer step {s['r4']:.3f} <= {goal} ({sparse['outer_s']:.3f} s against {none['outer_s']:.2f}"
+          f" s; sparse's codec_s {sparse['codec_s']:.3f}, wire_s {sparse['wire_s']:.3f}, other_s "
+          f"{sparse['other_s']:.3f})", s["r4"] <= goal)
+    checks: list[tuple[str, bool | None]] = [r4] if rate <= GOAL_R4_RATE else [
+        (f"sparse/none outer step {s['r4']:.3f}: no goal at {s['rate']} (the goal, {goal}, is at 200mbit; "
+         f"{sparse['outer_s']:.3f} s against {none['outer_s']:.2f} s)", None)]
+    checks += [
+        (f"none's outer step <= {GOAL_NONE_BOUND}x its link bound: {s['none_bound']:.2f}x ({none['outer_s']:.2f} s "
+         f"for {none['link_bound_s']:.2f} s)", s["none_bound"] <= GOAL_NONE_BOUND),
+        (f"sparse's wire <= {GOAL_SPARSE_WIRE}x its link bound: {s['sparse_wire_bound']:.2f}x "
+         f"({sparse['wire_s']:.3f} s for {sparse['link_bound_s']:.3f} s; the least of the hosts' "
+         f"{sparse['wire_s_least']:.3f} s, {sparse['wire_s_least'] / sparse['link_bound_s']:.2f}x)",
+         s["sparse_wire_bound"] <= GOAL_SPARSE_WIRE)]
+    return checks
 
 
 # ---- main -----------------------------------------------------------------------------------------------------
 def arms(args) -> list[Arm]:
-    return ([Arm(c) for c in args.compressions] + [Arm(c, overlap=True) for c in args.overlap] + [Arm("")])
+    return ([Arm(c) for c in args.compressions] + [Arm(c, overlap=True) for c in args.overlap]
+            + ([] if args.sync_only else [Arm("")]))
 
 
 def measure(args, work: Path) -> tuple[dict, str]:
@@ -668,6 +787,8 @@ def measure(args, work: Path) -> tuple[dict, str]:
             print(f"[wan] {arm.name}: {results[arm.name].seconds:.0f} s", file=sys.stderr, flush=True)
         sizes = {}
         for codec in args.compressions:  # a ring all-reduce of B bytes sends 2 (n-1)/n B per host
+            if args.quick and codec in GATHERED:  # CI: not a ring's pattern, and seconds the test does not have
+                continue
             sent = median_of(outer_events(results[f"{codec}-sync"]), "bytes_sent")
             sizes[codec] = int(sent * args.hosts / (2 * (args.hosts - 1))) // 4 * 4
         bare = run_bare(args, hosts, sizes, work, STORE_PORT + 99)
@@ -712,7 +833,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     print(f"slow link {args.rate} {args.hosts}x: int8/none outer step {summary['r1']:.2f}; outer step / link bound "
-          f"{summary['r2']:.2f}; overlapped / no-DiLoCo tokens/s {summary['r3']:.2f}", flush=True)
+          f"{summary['r2']:.2f}; overlapped / no-DiLoCo tokens/s "
+          + ("-" if summary["r3"] is None else f"{summary['r3']:.2f}"), flush=True)
+    if "r4" in summary:
+        print(f"slow link {args.rate} {args.hosts}x: sparse/none outer step {summary['r4']:.3f}; sparse bytes / none "
+              f"bytes {summary['b2']:.4f}", flush=True)
     return 0 if met else 3
 
 
