@@ -60,6 +60,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=SparseSpec.chunk)
     p.add_argument("--density", type=float, default=SparseSpec.density)
     p.add_argument("--bits", type=int, default=SparseSpec.bits)
+    p.add_argument("--beta", type=float, default=SparseSpec.beta, help="the accumulator's decay (both codecs, with "
+                   "--against: a revision's own default may differ)")
     p.add_argument("--rounds", type=int, default=6, help="measured rounds, after one warm-up round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the lab's engines run one each)")
     p.add_argument("--against", metavar="REV", help="also measure engine/outer/sparse.py of this git revision, "
@@ -68,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.hosts < 1 or a.rounds < 1 or a.threads < 1:
         p.error("--hosts, --rounds and --threads must be at least 1")
     try:
-        SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
+        SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits, beta=a.beta)
     except ValueError as e:
         p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -109,7 +111,7 @@ class Arm:
     """One implementation's codec and hosts, and its times."""
 
     def __init__(self, mod: types.ModuleType, a: argparse.Namespace, device: torch.device):
-        spec = mod.SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
+        spec = mod.SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits, beta=a.beta)
         self.mod, self.layout = mod, mod.ChunkLayout(shapes(a.preset), spec)
         self.codec = mod.SparseCodec(spec, self.layout, device)
         self.hosts = [mod.ErrorFeedback(self.codec) for _ in range(a.hosts)]

@@ -417,14 +417,14 @@ def test_sparse_sweep_along_its_axes_and_at_other_betas(capsys):
     density, no point twice; --sparse-betas: the shipped point at each beta after them, all against dense DiLoCo.
     Either flag without --sparse-sweep, or a beta outside [0, 1], is one line naming the flag."""
     args = learning.parse_args(["--engine", "sim", "--sparse-sweep", "--sparse-axes", "--sparse-h", "20",
-                                "--sparse-betas", "0.9,0.99"])
+                                "--sparse-betas", "0.95,0.99"])
     arms = learning.sparse_sweep_arms(args)
     assert [a.name for a in arms] == [
         "dense H20", "sparse d1.56% b2 H20", "sparse d0.5% b2 H20", "sparse d1% b2 H20", "sparse d2% b2 H20",
         "sparse d5% b2 H20", "sparse d10% b2 H20", "sparse d1.56% b4 H20", "sparse d1.56% b8 H20",
-        "sparse d1.56% b2 beta0.9 H20", "sparse d1.56% b2 beta0.99 H20"]
+        "sparse d1.56% b2 beta0.95 H20", "sparse d1.56% b2 beta0.99 H20"]
     assert [(a.sparse.density, a.sparse.bits, a.sparse.beta) for a in (arms[1], arms[7], arms[10])] == [
-        (0.0156, 2, 0.95), (0.0156, 4, 0.95), (0.0156, 2, 0.99)]
+        (0.0156, 2, 0.9), (0.0156, 4, 0.9), (0.0156, 2, 0.99)]
     assert all(a.baseline == "dense H20" for a in arms[1:])
     for argv, flag in ((["--sparse", "--sparse-axes"], "--sparse-axes"),
                        (["--sparse", "--sparse-betas", "0.9"], "--sparse-betas"),
@@ -440,7 +440,7 @@ def test_sparse_sweep_plots_each_bits_line_the_other_betas_apart_and_dense_at_fp
     their own, dense DiLoCo at 4 bytes a value; the picture is written."""
     args = learning.parse_args(["--engine", "sim", "--sparse-sweep", "--sparse-axes", "--sparse-h", "20",
                                 "--sparse-densities", "0.005,0.02", "--sparse-bits-sweep", "4,8",
-                                "--sparse-betas", "0.9", "--out", str(tmp_path)])
+                                "--sparse-betas", "0.95", "--out", str(tmp_path)])
     arms = learning.sparse_sweep_arms(args)
     loss = {a.name: 2.0 + i / 100 for i, a in enumerate(arms)}
     per_seed = [[learning.Result(a, loss[a.name] + s, 1.0, 1, seed=s,
@@ -452,7 +452,7 @@ def test_sparse_sweep_plots_each_bits_line_the_other_betas_apart_and_dense_at_fp
     assert [label for _, _, label in lines[2]] == ["0.5%", "1.56%", "2%"]  # sorted by bytes
     assert [label for _, _, label in lines[4]] == ["1.56%"] and [label for _, _, label in lines[8]] == ["1.56%"]
     assert lines[2][1] == (pytest.approx(0.0156 * 2 * 4000), loss["sparse d1.56% b2 H20"] + 0.5, "1.56%")
-    assert betas == [(pytest.approx(0.0156 * 2 * 4000), loss["sparse d1.56% b2 beta0.9 H20"] + 0.5, "beta 0.9")]
+    assert betas == [(pytest.approx(0.0156 * 2 * 4000), loss["sparse d1.56% b2 beta0.95 H20"] + 0.5, "beta 0.95")]
     learning.sparse_plot(args, per_seed, 1000)
     assert (tmp_path / "learning-sparse-sweep.png").stat().st_size > 10_000
 

@@ -1,6 +1,6 @@
 """Sparse outer updates with error feedback (SparseLoCo, arXiv 2508.15706): the codec, its state and the gathered mean.
 
-    spec = SparseSpec(chunk=4096, density=0.0156, bits=2, beta=0.95)
+    spec = SparseSpec(chunk=4096, density=0.0156, bits=2, beta=0.9)
     layout = ChunkLayout([p.shape for p in params], spec)        # parameters, or this rank's FSDP/ZeRO shards
     codec = SparseCodec(spec, layout, device)
     ef = ErrorFeedback(codec)
@@ -110,13 +110,13 @@ _BLOCK_BYTES = 2 << 20  # the encode's blocks of chunks on a CPU (SparseCodec._t
 class SparseSpec:
     """The settings every node must share (they shape the wire): chunk, density, bits; and beta, the decay of the
     accumulator (a node's own state, but the run's rule). Defaults: the paper's 64 of every 4096 values at 2 bits,
-    beta 0.95 (tplr-ai's SparseLoCo sweeps). The rules are the config's (engine/config.py, sparse_problem): a bad
+    beta 0.9 (the learning study's tuning, docs/learning.md; tplr-ai's SparseLoCo sweeps use 0.95). The rules are the config's (engine/config.py, sparse_problem): a bad
     value is one line naming its key and the value."""
 
     chunk: int = 4096
     density: float = 0.0156
     bits: int = 2
-    beta: float = 0.95
+    beta: float = 0.9
 
     def __post_init__(self) -> None:
         for key, value in (("sparse_chunk", self.chunk), ("density", self.density), ("sparse_bits", self.bits),
