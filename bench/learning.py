@@ -58,9 +58,11 @@ Studies of their own (real engines only, each arm against its baseline arm of th
                outer lr --sparse-outer-lr times the mean, no outer momentum unless --sparse-outer-momentum), at
                --density, --sparse-bits, --sparse-beta, --sparse-chunk (default: the codec's). Its own scale unless
                flags say otherwise: 400 inner steps per worker, micro-batch 4 x 64. --sparse-sweep: every density x
-               bits of --sparse-densities x --sparse-bits-sweep, and learning-sparse.png (eval loss against the
-               bytes of one node's message per outer step). --tune: both arms on one grid of outer settings on
-               --tune-seeds (--tune-outer-lrs x --tune-momenta for dense, x --tune-betas for sparse). Last line:
+               bits of --sparse-densities x --sparse-bits-sweep (--sparse-axes: each density at --sparse-bits and
+               each bits at --density), each beta of --sparse-betas at --density and --sparse-bits, and
+               learning-sparse-sweep.png (eval loss against the bytes of one node's message per outer step).
+               --tune: both arms on one grid of outer settings on --tune-seeds (--tune-outer-lrs x --tune-momenta
+               for dense, x --tune-betas for sparse). Last line:
                    sparse/dense eval-loss ratio R (bytes ratio B)
                R: the worse over the H values of the mean over the seeds of sparse H / dense H within a seed (the
                sweep: of the best point with B <= 0.01); B: bytes of node 0's message / (4 x values it covers).
@@ -742,15 +744,33 @@ def sparse_arms(args) -> list[Arm]:
     return arms
 
 
+def sparse_sweep_points(args) -> list[tuple[float, int, float]]:
+    """--sparse-sweep's (density, bits, beta) points: every density x bits of --sparse-densities x
+    --sparse-bits-sweep at --sparse-beta, or with --sparse-axes only the grid's two axes (each density at
+    --sparse-bits, each bits at --density) and the point they cross at first (--density, --sparse-bits: the
+    reference the others are read against, and the first to run); then each beta of --sparse-betas at --density
+    and --sparse-bits. Without repeats, in that order (a study cut short has the first ones)."""
+    if args.sparse_axes:
+        grid = ([(args.density, args.sparse_bits)] + [(d, args.sparse_bits) for d in args.sparse_densities]
+                + [(args.density, b) for b in args.sparse_bits_sweep])
+    else:
+        grid = [(d, b) for d in args.sparse_densities for b in args.sparse_bits_sweep]
+    points = [(d, b, args.sparse_beta) for d, b in grid] + [(args.density, args.sparse_bits, beta)
+                                                            for beta in args.sparse_betas]
+    return list(dict.fromkeys(points))
+
+
 def sparse_sweep_arms(args) -> list[Arm]:
-    """--sparse-sweep: at each H of --sparse-h, dense DiLoCo and sparse at every density x bits of the sweep."""
+    """--sparse-sweep: at each H of --sparse-h, dense DiLoCo and sparse at each point of sparse_sweep_points."""
     arms = []
     for h in args.sparse_h:
         dense = Arm(f"dense H{h}", "diloco", k=args.k, optimizer=args.optimizer,
                     **{**shipped_outer(), **args.outer, "inner_steps": h})
         arms.append(dense)
-        arms += [sparse_arm(args, h, dense, f"sparse d{d * 100:g}% b{b} H{h}", density=d, bits=b)
-                 for d in args.sparse_densities for b in args.sparse_bits_sweep]
+        arms += [sparse_arm(args, h, dense, f"sparse d{d * 100:g}% b{b}"
+                            + (f" beta{beta:g}" if beta != args.sparse_beta else "") + f" H{h}",
+                            density=d, bits=b, beta=beta)
+                 for d, b, beta in sparse_sweep_points(args)]
     return arms
 
 
@@ -796,11 +816,12 @@ def sparse_conclude(args, per_seed: list[list[Result]]) -> None:
     print(text)
     first = {r.arm.name: r for r in per_seed[0]}
     sparse = [n for n, r in first.items() if r.arm.sparse is not None]
-    print(f"{'arm':<22} {'density':>7} {'bits':>4} {'beta':>5} {'outer':>10} {'msg bytes':>10} {'B':>7} "
+    w = max([22] + [len(n) for n in sparse])
+    print(f"{'arm':<{w}} {'density':>7} {'bits':>4} {'beta':>5} {'outer':>10} {'msg bytes':>10} {'B':>7} "
           f"{'1/B':>6} {'ratio':>7}")
     for n in sparse:
         r, s = first[n], first[n].arm.sparse
-        print(f"{n:<22} {s.density:>7.4f} {s.bits:>4} {s.beta:>5.3g} "
+        print(f"{n:<{w}} {s.density:>7.4f} {s.bits:>4} {s.beta:>5.3g} "
               f"{r.arm.outer_lr:>5.3g}/{r.arm.outer_momentum:<4.3g} {round(r.bytes_ratio * 4 * values):>10} "
               f"{r.bytes_ratio:>7.4f} {1 / r.bytes_ratio:>6.0f} {means[n]:>7.4f}")
     if args.sparse_sweep:
@@ -832,31 +853,47 @@ def model_values(args) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def sparse_plot(args, per_seed: list[list[Result]], values: int) -> None:
-    """Held-out eval loss (mean over the seeds) against the bytes of one node's message per outer step, one line
-    per bits value through the densities, and dense DiLoCo (fp32: 4 bytes a value) as a point; one panel per H."""
+def sparse_series(args, per_seed: list[list[Result]], values: int, h: int):
+    """What sparse_plot draws at H = h, as (bytes of one node's message, mean eval loss over the seeds, label):
+    dense DiLoCo's point (fp32, 4 bytes a value), a line per bits value through its densities at --sparse-beta
+    (labels: the densities), and the points at other betas (labels: the betas)."""
     import statistics
+    by_seed = [{r.arm.name: r for r in rs} for rs in per_seed]
+    first = by_seed[0]
+    loss = {n: statistics.fmean(by[n].eval_loss for by in by_seed) for n in first}
+    at_h = [r for r in first.values() if r.arm.inner_steps == h and r.arm.sparse is not None]
 
+    def point(r: Result, label: str) -> tuple[float, float, str]:
+        return r.bytes_ratio * 4 * values, loss[r.arm.name], label
+
+    dense = (4.0 * values, loss[f"dense H{h}"], "dense")
+    lines = {b: sorted(point(r, f"{r.arm.sparse.density * 100:g}%") for r in at_h
+                       if r.arm.sparse.bits == b and r.arm.sparse.beta == args.sparse_beta)
+             for b in sorted({r.arm.sparse.bits for r in at_h})}
+    betas = [point(r, f"beta {r.arm.sparse.beta:g}") for r in at_h if r.arm.sparse.beta != args.sparse_beta]
+    return dense, {b: pts for b, pts in lines.items() if pts}, betas
+
+
+def sparse_plot(args, per_seed: list[list[Result]], values: int) -> None:
+    """Held-out eval loss (mean over the seeds) against the bytes of one node's message per outer step
+    (sparse_series), one panel per H."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = [r.arm.name for r in per_seed[0]]
-    loss = {n: statistics.fmean(by[n].eval_loss for by in ({r.arm.name: r for r in rs} for rs in per_seed))
-            for n in names}
-    first = {r.arm.name: r for r in per_seed[0]}
     fig, axes = plt.subplots(1, len(args.sparse_h), figsize=(6.5 * len(args.sparse_h), 4.8), squeeze=False)
     for ax, h in zip(axes[0], args.sparse_h):
-        dense = first[f"dense H{h}"]
-        ax.scatter([4 * values], [loss[dense.arm.name]], marker="*", s=120, color="k",
-                   label="dense DiLoCo (fp32, compression none)")
-        ax.axhline(loss[dense.arm.name], color="k", lw=0.6, ls=":")
-        for b in args.sparse_bits_sweep:
-            pts = sorted((first[n].bytes_ratio * 4 * values, loss[n], first[n].arm.sparse.density)
-                         for n in names if first[n].arm.sparse is not None and first[n].arm.inner_steps == h
-                         and first[n].arm.sparse.bits == b)
+        dense, lines, betas = sparse_series(args, per_seed, values, h)
+        ax.scatter([dense[0]], [dense[1]], marker="*", s=120, color="k", label="dense DiLoCo (fp32, compression none)")
+        ax.axhline(dense[1], color="k", lw=0.6, ls=":")
+        for b, pts in lines.items():
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"sparse, {b} bits")
-            for x, y, d in pts:
-                ax.annotate(f"{d * 100:g}%", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            for x, y, label in pts:
+                ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if betas:
+            ax.scatter([p[0] for p in betas], [p[1] for p in betas], marker="x", color="grey",
+                       label=f"sparse at {args.density * 100:g}%, {args.sparse_bits} bits, other beta")
+            for x, y, label in betas:
+                ax.annotate(label, (x, y), fontsize=7, xytext=(-40, 3), textcoords="offset points")
         ax.axvline(0.01 * 4 * values, color="r", lw=0.6, ls="--", label="B = 0.01")
         ax.set_xscale("log")
         ax.set_xlabel("bytes of one node's message per outer step")
@@ -865,7 +902,7 @@ def sparse_plot(args, per_seed: list[list[Result]], values: int) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = args.out / "learning-sparse.png"
+    path = args.out / "learning-sparse-sweep.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
@@ -1053,7 +1090,8 @@ def paired(per_seed: list[list[Result]]) -> tuple[str, dict[str, float]]:
     import math
     import statistics
     names = [r.arm.name for r in per_seed[0] if r.arm.baseline]
-    head = f"{'arm':<22} {'against':<10} {'seeds':>5} {'ratio mean':>10} {'sd':>6} {'min':>6} {'max':>6}  per seed"
+    w = max([22] + [len(n) for n in names])
+    head = f"{'arm':<{w}} {'against':<10} {'seeds':>5} {'ratio mean':>10} {'sd':>6} {'min':>6} {'max':>6}  per seed"
     lines, means = [head, "-" * len(head)], {}
     for name in names:
         ratios = []
@@ -1064,7 +1102,7 @@ def paired(per_seed: list[list[Result]]) -> tuple[str, dict[str, float]]:
         means[name] = statistics.fmean(ratios) if finite else float("nan")
         sd = statistics.stdev(ratios) if finite and len(ratios) > 1 else 0.0
         lo, hi = (min(ratios), max(ratios)) if finite else (float("nan"),) * 2
-        lines.append(f"{name:<22} {by[name].arm.baseline:<10} "
+        lines.append(f"{name:<{w}} {by[name].arm.baseline:<10} "
                      f"{len(ratios):>5} {means[name]:>10.4f} {sd:>6.4f} {lo:>6.4f} {hi:>6.4f}  "
                      f"{' '.join(f'{x:.4f}' for x in ratios)}")
     return "\n".join(lines), means
@@ -1219,6 +1257,11 @@ def parse_args(argv=None):
                     help="--sparse-sweep: the densities")
     ap.add_argument("--sparse-bits-sweep", default=",".join(map(str, SPARSE_SWEEP_BITS)),
                     help="--sparse-sweep: the bits")
+    ap.add_argument("--sparse-axes", action="store_true",
+                    help="--sparse-sweep: only the grid's two axes (each density at --sparse-bits, each bits at "
+                         "--density), not every density x bits")
+    ap.add_argument("--sparse-betas", default="",
+                    help="--sparse-sweep: also sparse at these betas (at --density and --sparse-bits)")
     ap.add_argument("--tune-outer-lrs", default="0.7,1,1.4", help="--sparse --tune: the outer lrs of both arms")
     ap.add_argument("--tune-momenta", default="0,0.5", help="--sparse --tune: dense DiLoCo's outer momenta")
     ap.add_argument("--tune-betas", default="0.9,0.95", help="--sparse --tune: sparse DiLoCo's betas")
@@ -1295,6 +1338,8 @@ def parse_args(argv=None):
         ap.error("--optimizer muon is a study of its own: without --sweep, --sweep-h, --overlap, --fragments, --poison")
     if args.tune and args.optimizer != "muon" and not args.sparse:
         ap.error("--tune needs --optimizer muon or --sparse")
+    if (args.sparse_axes or args.sparse_betas) and not args.sparse_sweep:
+        ap.error(f"{'--sparse-axes' if args.sparse_axes else '--sparse-betas'} goes with --sparse-sweep")
     args.sparse = args.sparse or args.sparse_sweep
     if (args.tune_staged or args.tune_from) and not args.tune:
         ap.error(f"--tune-{'staged' if args.tune_staged else 'from'} needs --tune")
@@ -1347,7 +1392,8 @@ def parse_sparse(ap, args, argv) -> None:
     except ValueError as e:
         ap.error(f"--sparse-chunk/--density/--sparse-bits/--sparse-beta: {e}")
     lists = {"--sparse-h": ("sparse_h", int), "--sparse-densities": ("sparse_densities", float),
-             "--sparse-bits-sweep": ("sparse_bits_sweep", int), "--tune-outer-lrs": ("tune_outer_lrs", float),
+             "--sparse-bits-sweep": ("sparse_bits_sweep", int), "--sparse-betas": ("sparse_betas", float),
+             "--tune-outer-lrs": ("tune_outer_lrs", float),
              "--tune-momenta": ("tune_momenta", float), "--tune-betas": ("tune_betas", float)}
     for flag, (key, kind) in lists.items():
         raw = getattr(args, key)
@@ -1357,7 +1403,7 @@ def parse_sparse(ap, args, argv) -> None:
             setattr(args, key, [kind(x) for x in raw.split(",") if x.strip()])
         except ValueError:
             ap.error(f"{flag} {raw!r}: expected comma-separated {kind.__name__} values")
-        if not getattr(args, key):
+        if not getattr(args, key) and key != "sparse_betas":
             ap.error(f"{flag}: no value given")
     if any(h < 1 or h > args.steps for h in args.sparse_h):
         ap.error(f"--sparse-h {args.sparse_h}: each H must be 1 to --steps {args.steps}")
@@ -1367,6 +1413,11 @@ def parse_sparse(ap, args, argv) -> None:
                 SparseSpec(args.sparse_chunk, dens, bits, args.sparse_beta)
             except ValueError as e:
                 ap.error(f"--sparse-densities/--sparse-bits-sweep: {e}")
+    for beta in args.sparse_betas:
+        try:
+            SparseSpec(args.sparse_chunk, args.density, args.sparse_bits, beta)
+        except ValueError as e:
+            ap.error(f"--sparse-betas: {e}")
 
 
 def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
@@ -1399,13 +1450,41 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
 
 def _job_init(threads: int) -> None:
     """--jobs: a worker of its own session (so its own scheduler autogroup: a share of the CPU beside the study's
-    other workers, not a slice of one), gone with the study (PR_SET_DEATHSIG), at the study's torch threads."""
+    other workers, not a slice of one) at the study's autogroup nice (a study started deprioritised stays so: a new
+    autogroup starts at nice 0), gone with the study (PR_SET_DEATHSIG), at the study's torch threads."""
     import ctypes
 
     import torch
+    nice = _autogroup_nice()
     os.setsid()
+    if nice:
+        _set_autogroup_nice(nice)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     torch.set_num_threads(threads)
+
+
+def _autogroup_nice() -> int:
+    """This process's autogroup nice ("/autogroup-123 nice 10"); 0 where the kernel has no autogroups."""
+    try:
+        return int(Path("/proc/self/autogroup").read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _set_autogroup_nice(nice: int) -> None:
+    """Set this process's autogroup nice; the kernel refuses changes closer than 0.1 s apart machine-wide (EAGAIN),
+    so a few tries. Raising it needs no privilege; a kernel that refuses leaves the worker at nice 0 and says so."""
+    import time
+    for _ in range(20):
+        try:
+            Path("/proc/self/autogroup").write_text(f"{nice}\n")
+            return
+        except BlockingIOError:
+            time.sleep(0.11)
+        except OSError as e:
+            print(f"learning: --jobs worker: autogroup nice {nice} not set ({e})", file=sys.stderr, flush=True)
+            return
+    print(f"learning: --jobs worker: autogroup nice {nice} not set (busy)", file=sys.stderr, flush=True)
 
 
 def _job(run_args, arm: Arm) -> Result:

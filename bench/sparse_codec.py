@@ -21,8 +21,11 @@ Its last line: `sparse codec PRESET Nx: encode E s + decode D s = C s per outer 
 
 `--against REV` measures the codec of engine/outer/sparse.py as of git revision REV side by side, in the same
 process and the same rounds (old and new alternate on the same pseudo-gradients), and prints its figures first
-(`REV: encode E s + decode D s = C s`): on a shared machine only numbers measured side by side compare. Both must
-send the same bytes (checked every round).
+(`REV: encode E s + decode D s = C s`): on a shared machine only numbers measured side by side compare. Each round
+both encode from the same accumulators (REV's hosts take this tree's before it), and both must send the same
+magnitudes of e' in every chunk (checked every round): the same top k, where a tie at a chunk's k-th magnitude may
+pick another position of that magnitude (the module's docstring allows it; two selections may break a tie
+differently, and from there their accumulators would part).
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=SparseSpec.chunk)
     p.add_argument("--density", type=float, default=SparseSpec.density)
     p.add_argument("--bits", type=int, default=SparseSpec.bits)
+    p.add_argument("--beta", type=float, default=SparseSpec.beta, help="the accumulator's decay (both codecs, with "
+                   "--against: a revision's own default may differ)")
     p.add_argument("--rounds", type=int, default=6, help="measured rounds, after one warm-up round")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the lab's engines run one each)")
     p.add_argument("--against", metavar="REV", help="also measure engine/outer/sparse.py of this git revision, "
@@ -65,7 +70,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if a.hosts < 1 or a.rounds < 1 or a.threads < 1:
         p.error("--hosts, --rounds and --threads must be at least 1")
     try:
-        SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
+        SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits, beta=a.beta)
     except ValueError as e:
         p.error(str(e))
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -106,7 +111,7 @@ class Arm:
     """One implementation's codec and hosts, and its times."""
 
     def __init__(self, mod: types.ModuleType, a: argparse.Namespace, device: torch.device):
-        spec = mod.SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits)
+        spec = mod.SparseSpec(chunk=a.chunk, density=a.density, bits=a.bits, beta=a.beta)
         self.mod, self.layout = mod, mod.ChunkLayout(shapes(a.preset), spec)
         self.codec = mod.SparseCodec(spec, self.layout, device)
         self.hosts = [mod.ErrorFeedback(self.codec) for _ in range(a.hosts)]
@@ -124,6 +129,7 @@ class Arm:
         me = self.hosts[0]
         _, t_stage = _timed(device, lambda: me.stage(deltas[0]))
         (msg, sent), t_enc = _timed(device, me.encode)
+        self.picked = picked_magnitudes(self.layout, me.e, sent)  # untimed: what the check compares
         # this host's own message as its Sent (the same values, bit for bit, without unpacking its bytes)
         _, t_dec = _timed(device, lambda: self.mod.gathered_mean(self.codec, [sent, *others], weights, self.mean))
         _, t_commit = _timed(device, lambda: me.commit(sent))
@@ -132,6 +138,29 @@ class Arm:
                 self.times[k].append(wall)
                 self.cpu[k].append(cpu)
         return msg
+
+
+def picked_magnitudes(layout, e_prime: torch.Tensor, sent) -> torch.Tensor:
+    """|e'| at the positions a message sends, sorted within each chunk (a message sends chunk after chunk)."""
+    mag = e_prime.abs()[sent.pos]
+    chunk = sent.pos // layout.spec.chunk
+    by_value = torch.sort(mag).indices
+    order = by_value[torch.sort(chunk[by_value], stable=True).indices]
+    return mag[order]
+
+
+def same_values(a: argparse.Namespace, rnd: int, ours: tuple, theirs: tuple) -> None:
+    """This tree's message and the revision's, encoded from the same e': the same magnitudes picked in every chunk,
+    and the same decoded value at every position both send."""
+    (codec, msg, picked), (their_codec, their_msg, their_picked) = ours, theirs
+    if not torch.equal(picked, their_picked):
+        raise SystemExit(f"sparse_codec.py: error: round {rnd}: this tree's message sends other magnitudes than "
+                         f"{a.against}'s (not the same top k of each chunk)")
+    mine, other = codec.decode(msg), their_codec.decode(their_msg)
+    both = (mine != 0) & (other != 0)
+    if not torch.equal(mine[both], other[both]):
+        raise SystemExit(f"sparse_codec.py: error: round {rnd}: this tree's message says other values than "
+                         f"{a.against}'s")
 
 
 def run(a: argparse.Namespace) -> list[Arm]:
@@ -144,12 +173,13 @@ def run(a: argparse.Namespace) -> list[Arm]:
     g = torch.Generator(device=device).manual_seed(0)
     for rnd in range(a.rounds + 1):
         deltas = [torch.randn(arms[0].layout.numel, generator=g, device=device).mul_(1e-3) for _ in range(a.hosts)]
+        if len(arms) == 2:
+            for ours, theirs in zip(arms[0].hosts, arms[1].hosts):
+                theirs.e.copy_(ours.e)  # the revision encodes from this tree's accumulators (untimed)
         order = arms if rnd % 2 else arms[::-1]  # each goes first in every other round
-        sent = {id(arm): arm.round(device, deltas, weights, keep=rnd > 0) for arm in order}  # round 0 warms up
-        if len(arms) == 2 and not torch.equal(arms[0].codec.decode(sent[id(arms[0])]),
-                                              arms[1].codec.decode(sent[id(arms[1])])):
-            raise SystemExit(f"sparse_codec.py: error: round {rnd}: this tree's message says other values than "
-                             f"{a.against}'s")
+        msgs = {id(arm): arm.round(device, deltas, weights, keep=rnd > 0) for arm in order}  # round 0 warms up
+        if len(arms) == 2:
+            same_values(a, rnd, *((arm.codec, msgs[id(arm)], arm.picked) for arm in arms))
     return arms
 
 

@@ -168,7 +168,7 @@ def sparse_problem(key: str, value: Any) -> str | None:
             return f"{value!r} is not one of {', '.join(map(str, SPARSE_BITS))} (the bits of a sent value)"
     elif key == "sparse_beta":
         if not 0 <= value <= 1:
-            return f"{value!r} is not in [0, 1] (the accumulator's decay; the paper's 0.95)"
+            return f"{value!r} is not in [0, 1] (the accumulator's decay; the default 0.9, the paper's 0.95)"
     else:
         raise AssertionError(f"not a sparse setting: {key}")
     return None
@@ -190,7 +190,7 @@ class DilocoConfig(_Section):
     sparse_chunk: int = 4096  # values per chunk (a power of two, 16 to 65536); a chunk never crosses a tensor
     density: float = 0.0156  # the fraction of each chunk sent, in (0, 1]: the paper's 64 of 4096
     sparse_bits: int = 2  # bits of a sent value: 2, 4 or 8
-    sparse_beta: float = 0.95  # the accumulator's decay, in [0, 1]: e' = beta * e + pseudo-gradient
+    sparse_beta: float = 0.9  # the accumulator's decay, in [0, 1]: e' = beta * e + pseudo-gradient (docs/learning.md)
     min_nodes: int = Field(default=1, gt=0)  # nodes the first outer step waits for (bounded by mesh.start_timeout)
     allreduce_timeout: float = Field(default=30.0, gt=0)
     max_attempts: int = Field(default=5, gt=0)  # redo an outer step at most this often after failures

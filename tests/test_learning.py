@@ -10,6 +10,7 @@ loss as the in-process replica of the same run.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -182,6 +183,41 @@ def test_jobs_run_the_same_arms_in_processes_of_their_own(tmp_path, capsys):
     assert runs["2"] == runs["1"]
     assert [r[:2] for r in runs["1"][1]] == [("ddp-adamw", 1), ("diloco-muon H2", 1), ("ddp-adamw", 2),
                                              ("diloco-muon H2", 2)]
+
+
+_AUTOGROUP_STUDY = """
+import multiprocessing, os, sys
+from concurrent.futures import ProcessPoolExecutor
+sys.path.insert(0, sys.argv[1])
+import learning
+
+
+def worker():
+    return open("/proc/self/autogroup").read().split()[-1], os.getsid(0) == os.getpid()
+
+
+if __name__ == "__main__":
+    os.setsid()  # an autogroup of its own, so that the test's own (and its shell's) stays as it is
+    learning._set_autogroup_nice(int(sys.argv[2]))
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=learning._job_init,
+                             initargs=(1,)) as pool:
+        print(*pool.submit(worker).result())
+"""
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_a_jobs_worker_keeps_the_studys_autogroup_nice(tmp_path, nice):
+    """--jobs: each worker leads a session of its own, so an autogroup of its own, which the kernel starts at nice 0;
+    it takes the study's (a study started deprioritised, `echo 10 > /proc/$$/autogroup`, stays so)."""
+    import subprocess
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("this kernel has no scheduler autogroups")
+    script = tmp_path / "study.py"
+    script.write_text(_AUTOGROUP_STUDY)
+    r = subprocess.run([sys.executable, str(script), str(ROOT / "bench"), str(nice)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [str(nice), "True"]
 
 
 def test_muon_tuning_staged_takes_each_optimizers_lr_from_its_ddp_arm_and_reuses_earlier_points(tmp_path,
@@ -374,6 +410,51 @@ def test_sparse_flags_are_checked_before_anything_runs():
     assert args.sparse and args.steps == 400 and (args.seq_len, args.micro_batch) == (64, 4)
     names = [a.name for a in learning.sparse_sweep_arms(args) if a.inner_steps == 5]
     assert len(names) == 1 + 5 * 3 and "sparse d0.5% b2 H5" in names and "sparse d10% b8 H5" in names
+
+
+def test_sparse_sweep_along_its_axes_and_at_other_betas(capsys):
+    """--sparse-axes: the shipped point first, then each density at the shipped bits and each bits at the shipped
+    density, no point twice; --sparse-betas: the shipped point at each beta after them, all against dense DiLoCo.
+    Either flag without --sparse-sweep, or a beta outside [0, 1], is one line naming the flag."""
+    args = learning.parse_args(["--engine", "sim", "--sparse-sweep", "--sparse-axes", "--sparse-h", "20",
+                                "--sparse-betas", "0.95,0.99"])
+    arms = learning.sparse_sweep_arms(args)
+    assert [a.name for a in arms] == [
+        "dense H20", "sparse d1.56% b2 H20", "sparse d0.5% b2 H20", "sparse d1% b2 H20", "sparse d2% b2 H20",
+        "sparse d5% b2 H20", "sparse d10% b2 H20", "sparse d1.56% b4 H20", "sparse d1.56% b8 H20",
+        "sparse d1.56% b2 beta0.95 H20", "sparse d1.56% b2 beta0.99 H20"]
+    assert [(a.sparse.density, a.sparse.bits, a.sparse.beta) for a in (arms[1], arms[7], arms[10])] == [
+        (0.0156, 2, 0.9), (0.0156, 4, 0.9), (0.0156, 2, 0.99)]
+    assert all(a.baseline == "dense H20" for a in arms[1:])
+    for argv, flag in ((["--sparse", "--sparse-axes"], "--sparse-axes"),
+                       (["--sparse", "--sparse-betas", "0.9"], "--sparse-betas"),
+                       (["--sparse-sweep", "--sparse-betas", "0.9,1.5"], "--sparse-betas")):
+        with pytest.raises(SystemExit):
+            learning.parse_args(["--engine", "sim", *argv])
+        assert flag in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_sparse_sweep_plots_each_bits_line_the_other_betas_apart_and_dense_at_fp32(tmp_path):
+    """The sweep's plot along its axes: the 2-bit line through the densities (the shipped one among them; 2 bits
+    need not be in --sparse-bits-sweep), the 4 and 8 bits at the shipped density, the other betas as points of
+    their own, dense DiLoCo at 4 bytes a value; the picture is written."""
+    args = learning.parse_args(["--engine", "sim", "--sparse-sweep", "--sparse-axes", "--sparse-h", "20",
+                                "--sparse-densities", "0.005,0.02", "--sparse-bits-sweep", "4,8",
+                                "--sparse-betas", "0.95", "--out", str(tmp_path)])
+    arms = learning.sparse_sweep_arms(args)
+    loss = {a.name: 2.0 + i / 100 for i, a in enumerate(arms)}
+    per_seed = [[learning.Result(a, loss[a.name] + s, 1.0, 1, seed=s,
+                                 bytes_ratio=a.sparse.density * a.sparse.bits if a.sparse else 0.0) for a in arms]
+                for s in (0, 1)]
+    dense, lines, betas = learning.sparse_series(args, per_seed, 1000, 20)
+    assert dense == (4000.0, loss["dense H20"] + 0.5, "dense")
+    assert sorted(lines) == [2, 4, 8]
+    assert [label for _, _, label in lines[2]] == ["0.5%", "1.56%", "2%"]  # sorted by bytes
+    assert [label for _, _, label in lines[4]] == ["1.56%"] and [label for _, _, label in lines[8]] == ["1.56%"]
+    assert lines[2][1] == (pytest.approx(0.0156 * 2 * 4000), loss["sparse d1.56% b2 H20"] + 0.5, "1.56%")
+    assert betas == [(pytest.approx(0.0156 * 2 * 4000), loss["sparse d1.56% b2 beta0.95 H20"] + 0.5, "beta 0.95")]
+    learning.sparse_plot(args, per_seed, 1000)
+    assert (tmp_path / "learning-sparse-sweep.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

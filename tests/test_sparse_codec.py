@@ -14,6 +14,7 @@ import torch
 
 from procs import ROOT
 
+from engine.outer import sparse
 from engine.outer.bitpack import pack_bits, unpack_bits
 from engine.outer.sparse import (ChunkLayout, ErrorFeedback, NothingGathered, RankOrderedSum, SparseCodec, SparseSpec,
                                  bytes_ratio, gathered_mean, message_bytes)
@@ -328,6 +329,34 @@ def test_weighted_mean_of_sparse_messages():
     assert torch.allclose(out2.double(), want2, rtol=1e-6, atol=1e-7)
     with pytest.raises(NothingGathered):
         gathered_mean(codec, [None, None], [0.0, 0.0], out2)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_the_first_message_counted_zeroes_the_mean_block_by_block_to_the_same_bytes(short, monkeypatch):
+    """The first message counted zeroes the mean in the pass that adds it, a block of chunks at a time on a CPU
+    (blocks of 3 chunks here, the last one short): the same bytes as zeroing the whole buffer and adding, whatever
+    the buffer held, whichever rank is counted first, a node's own message as its Sent too; with every weight 0 the
+    buffer is zeroed and there is no mean."""
+    monkeypatch.setattr(sparse, "_BLOCK_BYTES", 3 * 4 * 64)
+    # 10 chunks of 64; short: a tensor's last chunk holds 3 values, fewer than k = 6 (the positions' path)
+    codec = _codec([(5, 64), (67 if short else 128,), (3, 64)], chunk=64, density=0.1)
+    assert codec.layout.chunks == 10 and codec._short == short
+    encoded = [codec.encode(_buf(codec, 50 + r)) for r in range(3)]
+    msgs = [m for m, _ in encoded]
+    for weights, own in (([2.0, 0.0, 3.0], 0), ([0.0, 2.0, 3.0], 1), ([0.0, 0.0, 4.0], 2)):
+        total = sum(weights)
+        want = torch.zeros(codec.layout.padded)
+        for m, w in zip(msgs, weights):
+            if w > 0:
+                codec.decode_add(m, want, w / total)
+        out = torch.full((codec.layout.padded,), float("nan"))
+        mine = [encoded[r][1] if r == own else m for r, m in enumerate(msgs)]
+        assert gathered_mean(codec, mine, weights, out) == total
+        assert torch.equal(_bits(out), _bits(want)), f"weights {weights}"
+    out = torch.full((codec.layout.padded,), float("nan"))
+    with pytest.raises(NothingGathered):
+        gathered_mean(codec, [None, None, None], [0.0, 0.0, 0.0], out)
+    assert not out.any()
 
 
 def test_own_message_in_the_mean_equals_what_was_sent():

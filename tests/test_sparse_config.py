@@ -56,7 +56,7 @@ def test_a_sparse_key_in_a_file_names_the_file_and_the_value(tmp_path):
         load_config(path)
     path.write_text('[data]\nfake = true\n[diloco]\ncompression = "sparse"\ndensity = 0.02\nsparse_chunk = 1024\n')
     d = load_config(path).diloco
-    assert SparseSpec.of(d) == SparseSpec(chunk=1024, density=0.02, bits=2, beta=0.95)
+    assert SparseSpec.of(d) == SparseSpec(chunk=1024, density=0.02, bits=2, beta=0.9)
 
 
 def test_types_are_strict_as_for_every_key():
@@ -96,7 +96,7 @@ def test_the_sparse_keys_are_shared_with_sparse_and_absent_otherwise():
     # with another compression they are not in the digest: every other run's digest and checkpoints stay as they were
     dense = load_config(None, ["--data.fake=true", "--diloco.enabled=true", "--diloco.compression=int8"])
     assert not any(k in shared_settings(dense)["diloco"] for k in DILOCO_SPARSE)
-    for key, other in (("sparse_chunk", "1024"), ("density", "0.02"), ("sparse_bits", "4"), ("sparse_beta", "0.9")):
+    for key, other in (("sparse_chunk", "1024"), ("density", "0.02"), ("sparse_bits", "4"), ("sparse_beta", "0.95")):
         moved = _load(f"--diloco.{key}={other}")
         assert run_digest(moved) != run_digest(sparse) and digest(moved) != digest(sparse), key
 
