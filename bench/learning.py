@@ -1463,10 +1463,13 @@ def _job_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+AUTOGROUP = Path("/proc/self/autogroup")  # the scheduler autogroup of the process that reads it
+
+
 def _autogroup_nice() -> int:
     """This process's autogroup nice ("/autogroup-123 nice 10"); 0 where the kernel has no autogroups."""
     try:
-        return int(Path("/proc/self/autogroup").read_text().split()[-1])
+        return int(AUTOGROUP.read_text().split()[-1])
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -1477,7 +1480,7 @@ def _set_autogroup_nice(nice: int) -> None:
     import time
     for _ in range(20):
         try:
-            Path("/proc/self/autogroup").write_text(f"{nice}\n")
+            AUTOGROUP.write_text(f"{nice}\n")
             return
         except BlockingIOError:
             time.sleep(0.11)
