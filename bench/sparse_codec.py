@@ -101,6 +101,9 @@ def revision(rev: str) -> types.ModuleType:
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"sparse_codec.py: error: --against {rev}: no engine/outer/sparse.py there "
                          f"({(getattr(e, 'stderr', '') or str(e)).strip()})") from None
+    # the settings' rules moved from engine/config.py to engine/sparse_rules.py: an older revision imports them from
+    # where they are now (the rest of its imports are this tree's, as before)
+    source = source.replace("from engine.config import SPARSE_BITS", "from engine.sparse_rules import SPARSE_BITS")
     module = types.ModuleType(f"sparse_at_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
     exec(compile(source, f"{rev}:engine/outer/sparse.py", "exec"), module.__dict__)

@@ -703,7 +703,8 @@ def report(args, s: dict, slow_start: str) -> list[str]:
 
 def sparse_settings(args) -> str:
     """The sparse arm's settings: the engine's defaults (engine/config.py), or what --set gave."""
-    from engine.config import SPARSE_KEYS, DilocoConfig
+    from engine.config import DilocoConfig
+    from engine.sparse_rules import SPARSE_KEYS
 
     sets = dict(item.partition("=")[::2] for item in args.set)
     return ", ".join(f"diloco.{k} {sets.get(f'diloco.{k}', DilocoConfig.model_fields[k].default)}"

@@ -8,7 +8,8 @@ import hashlib
 import json
 from typing import Any
 
-from engine.config import SPARSE_KEYS, Config, DilocoConfig, TrainConfig
+from engine.config import Config, DilocoConfig, TrainConfig
+from engine.sparse_rules import SPARSE_KEYS
 
 
 # the diloco settings a checkpoint's run is resumed with (digest); min_nodes, timeouts and how each node lands

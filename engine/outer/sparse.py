@@ -98,7 +98,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.config import SPARSE_BITS as BITS, SPARSE_MAX_CHUNK as MAX_CHUNK, SPARSE_MIN_CHUNK as MIN_CHUNK, \
+from engine.sparse_rules import SPARSE_BITS as BITS, SPARSE_MAX_CHUNK as MAX_CHUNK, SPARSE_MIN_CHUNK as MIN_CHUNK, \
     sparse_problem
 from engine.outer.bitpack import pack_bits, packed_bytes, unpack_bits
 
@@ -110,7 +110,7 @@ _BLOCK_BYTES = 2 << 20  # the encode's blocks of chunks on a CPU (SparseCodec._t
 class SparseSpec:
     """The settings every node must share (they shape the wire): chunk, density, bits; and beta, the decay of the
     accumulator (a node's own state, but the run's rule). Defaults: the paper's 64 of every 4096 values at 2 bits,
-    beta 0.9 (the learning study's tuning, docs/learning.md; tplr-ai's SparseLoCo sweeps use 0.95). The rules are the config's (engine/config.py, sparse_problem): a bad
+    beta 0.9 (the learning study's tuning, docs/learning.md; tplr-ai's SparseLoCo sweeps use 0.95). The rules are the config's (engine/sparse_rules.py, sparse_problem): a bad
     value is one line naming its key and the value."""
 
     chunk: int = 4096
