@@ -391,22 +391,27 @@ def test_drain_contributes_last_round_then_exits_zero(leader_drain):
 
 # ------------------------------------------------------------------------------------------ run 3: FSDP
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path, optimizer):
-    """Muon: each node's ranks orthogonalize whole matrices (gathered from their shards) between outer steps."""
+def two_fsdp_nodes(procs, tmp_path, *extra: str, timeout: float = 240) -> list[Node]:
+    """Nodes a and b of two FSDP workers each, 9 steps at H = 3, run to their end: identical checksums at outer
+    steps 1-3. b starts from other weights (another init seed, as after resuming from an older checkpoint): the
+    first outer step of the run's life aligns everyone on the source's state, so checksums agree from step 1 on."""
     port = free_port()
     start_store(procs, port)
-    steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4",
-             f"--optim.name={optimizer}"]
-    # b starts from other weights (another init seed, as after resuming from an older checkpoint): the first outer
-    # step of the run's life aligns everyone on the source's state, so checksums agree from step 1 on
+    steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4", *extra]
     nodes = [start_node(procs, port, "a", tmp_path, *steps, workers=2),
              start_node(procs, port, "b", tmp_path, *steps, "--train.init_seed=7", workers=2)]
     for n in nodes:
-        assert finish(n, 240, nodes) == 0, n.report()
+        assert finish(n, timeout, nodes) == 0, n.report()
     assert_identical(nodes)
     assert any("adopted the source's" in e["message"] for n in nodes for e in n.of("warning"))
     assert sorted(nodes[0].outer()) == [1, 2, 3]
+    return nodes
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_nodes_of_two_fsdp_workers_identical_checksums(procs, tmp_path, optimizer):
+    """Muon: each node's ranks orthogonalize whole matrices (gathered from their shards) between outer steps."""
+    nodes = two_fsdp_nodes(procs, tmp_path, f"--optim.name={optimizer}")
     # bytes of both local ranks (each sends its own shard): int8 sends ~2 bytes per parameter in all
     assert nodes[0].outer()[1]["bytes_sent"] == nodes[1].outer()[1]["bytes_sent"] > 0
 

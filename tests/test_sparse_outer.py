@@ -509,19 +509,8 @@ def test_two_engines_train_with_sparse_and_agree_on_every_outer_step(two_sparse_
 def test_two_nodes_of_two_fsdp_workers_train_with_sparse_on_their_shards(procs, tmp_path):
     """Each rank keeps the accumulator of the shard it owns (its layout over its own outer buffers); b starts from
     other weights and adopts a's at the run's first outer step (its accumulator reset); the checksums agree."""
-    from procs import free_port
-    from test_diloco_e2e import assert_identical, finish, start_node, start_store
-    port = free_port()
-    start_store(procs, port)
-    steps = ["--train.max_steps=9", "--diloco.min_nodes=2", "--inner.strategy=fsdp", "--train.batch_size=4",
-             "--diloco.compression=sparse"]
-    nodes = [start_node(procs, port, "a", tmp_path, *steps, workers=2),
-             start_node(procs, port, "b", tmp_path, *steps, "--train.init_seed=7", workers=2)]
-    for n in nodes:
-        assert finish(n, 300, nodes) == 0, n.report()
-    assert_identical(nodes)
-    assert any("adopted the source's" in e["message"] for n in nodes for e in n.of("warning"))
-    assert sorted(nodes[0].outer()) == [1, 2, 3]
+    from test_diloco_e2e import two_fsdp_nodes
+    nodes = two_fsdp_nodes(procs, tmp_path, "--diloco.compression=sparse", timeout=300)
     for k in (1, 2, 3):
         a, b = nodes[0].outer()[k], nodes[1].outer()[k]
         assert a["bytes_sent"] == b["bytes_sent"] > 0 and a["bytes_sent"] * 50 < a["fp32_bytes"]
