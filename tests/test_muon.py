@@ -151,7 +151,7 @@ def test_the_digest_carries_the_inner_optimizer():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """8 steps of Muon three ways (one process, DDP x2, FSDP2 x2), checkpoints at 4 and 8, exported weights; then
-    one process and FSDP2 x2 resumed from their step-4 checkpoints."""
+    each of them resumed from its step-4 checkpoint."""
     from procs import ProcessTracker
     tracker, root = ProcessTracker(), tmp_path_factory.mktemp("muon")
     common = [*MUON, "--train.max_steps=8", "--ckpt.interval=4", "--ckpt.keep=3"]
@@ -160,7 +160,7 @@ def runs(tmp_path_factory):
         for name, extra, nproc in (("single", [], 1), ("ddp", [], 2), ("fsdp", ["--inner.strategy=fsdp"], 2)):
             out[name] = run_engine(tracker, root / name, *common, *extra, f"--ckpt.export_dir={root / name}-export",
                                    nproc=nproc)
-        for name, extra, nproc in (("single", [], 1), ("fsdp", ["--inner.strategy=fsdp"], 2)):
+        for name, extra, nproc in (("single", [], 1), ("ddp", [], 2), ("fsdp", ["--inner.strategy=fsdp"], 2)):
             step4 = root / name / "checkpoints" / "step-00000004"
             out[f"{name}-resumed"] = run_engine(tracker, root / f"{name}-resumed", *common, *extra,
                                                 f"--ckpt.resume={step4}", nproc=nproc)
@@ -255,7 +255,7 @@ def shard_worker(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", ["single", "fsdp"])
+@pytest.mark.parametrize("name", ["single", "ddp", "fsdp"])
 def test_a_resumed_muon_run_continues_the_uninterrupted_one(runs, name):
     """The Muon momentum buffers (FSDP2: sharded DTensors) are in the checkpoint: without them step 5 differs."""
     full, resumed = runs[name], runs[f"{name}-resumed"]
