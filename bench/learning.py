@@ -329,21 +329,29 @@ def tune_arms(args, arms: list[Arm], save) -> list[Arm]:
 
     --tune-staged: the DDP arms over --tune-lrs first; then each DiLoCo arm over --tune-outer at the lr the DDP arm of
     its optimizer chose (its lr is not tuned on its own: 12 points instead of 20 at 2 lrs and 2 outer pairs).
-    --tune-from: a point an earlier run's -tune.json holds for every tuning seed is taken from it, not run again."""
+    --tune-from: a (point, seed) an earlier run's -tune.json holds is taken from it, not run again (so a second
+    tuning seed runs only its own)."""
     import statistics
     tune_args = argparse.Namespace(**{**vars(args), "seeds": args.tune_seeds})
     earlier = {(r.arm.name, r.seed): r for r in (load_results(args.tune_from) if args.tune_from else [])}
     kept: list[Result] = []
 
     def run(points: list[Arm]) -> dict[str, float]:
-        reused = [a for a in points if all((a.name, s) in earlier for s in args.tune_seeds)]
-        todo = [a for a in points if a not in reused]
-        kept.extend(earlier[(a.name, s)] for a in reused for s in args.tune_seeds)
+        reused = [(a, s) for s in args.tune_seeds for a in points if (a.name, s) in earlier]
+        kept.extend(earlier[(a.name, s)] for a, s in reused)
         print(f"tuning on seeds {', '.join(map(str, args.tune_seeds))}: {len(points)} points"
-              + (f" ({len(reused)} taken from {args.tune_from})" if args.tune_from else ""), flush=True)
-        if todo:
+              + (f" ({len(reused)} of their {len(points) * len(args.tune_seeds)} runs taken from {args.tune_from})"
+                 if args.tune_from else ""), flush=True)
+        # the seeds that lack the same points run together (every seed, when nothing is taken); the others in turn
+        todo: dict[tuple[str, ...], list[int]] = {}
+        for s in args.tune_seeds:
+            missing = tuple(a.name for a in points if (a.name, s) not in earlier)
+            if missing:
+                todo.setdefault(missing, []).append(s)
+        for names, seeds in todo.items():
             before = list(kept)
-            per_seed = run_study_arms(tune_args, todo, lambda results: save(before + results))
+            per_seed = run_study_arms(argparse.Namespace(**{**vars(tune_args), "seeds": seeds}),
+                                      [a for a in points if a.name in names], lambda results: save(before + results))
             kept.extend(r for rs in per_seed for r in rs)
         save(kept)
         return {a.name: statistics.fmean(r.eval_loss for r in kept if r.arm.name == a.name) for a in points}
@@ -1288,7 +1296,7 @@ def parse_args(argv=None):
     ap.add_argument("--tune-seeds", default="101,102", help="--tune: the tuning seeds (apart from --seeds)")
     ap.add_argument("--tune-staged", action="store_true",
                     help="--tune: the lr on each optimizer's DDP arm, then the DiLoCo arms' outer pairs at that lr")
-    ap.add_argument("--tune-from", type=Path, help="--tune: take the grid points an earlier run's -tune.json holds")
+    ap.add_argument("--tune-from", type=Path, help="--tune: take the (point, seed) runs an earlier run's -tune.json holds")
     # 3e-2: at 20 steps Muon's best of 3e-3 and 1e-2 was the top one (docs/learning.md, "Muon")
     ap.add_argument("--tune-lrs", default="1e-3,3e-3,1e-2,3e-2", help="--tune: optim.lr values")
     ap.add_argument("--tune-outer", default="1.0/0,0.7/0.9,0.7/0.5",

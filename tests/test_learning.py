@@ -231,7 +231,7 @@ def test_without_autogroups_a_jobs_worker_reads_nice_0_and_sets_nothing(tmp_path
 def test_muon_tuning_staged_takes_each_optimizers_lr_from_its_ddp_arm_and_reuses_earlier_points(tmp_path,
                                                                                                  monkeypatch):
     """`--tune --tune-staged`: the DDP arms over the lrs, then each DiLoCo arm over the outer pairs at the lr its
-    optimizer's DDP arm chose; `--tune-from`: a point an earlier run saved for every tuning seed is not run again."""
+    optimizer's DDP arm chose; `--tune-from`: a (point, seed) an earlier run saved is not run again."""
     import json
     from dataclasses import asdict
     loss = {"ddp-adamw lr0.003": 2.8, "ddp-adamw lr0.01": 3.0, "ddp-muon lr0.003": 2.6, "ddp-muon lr0.01": 2.5}
@@ -257,6 +257,16 @@ def test_muon_tuning_staged_takes_each_optimizers_lr_from_its_ddp_arm_and_reuses
                    "diloco-adamw H5 lr0.003 outer1/0", "diloco-adamw H5 lr0.003 outer0.5/0.5",
                    "diloco-muon H5 lr0.01 outer1/0", "diloco-muon H5 lr0.01 outer0.5/0.5"]
     assert len(saved[-1]) == 8 and (saved[-1][0].arm.name, saved[-1][0].eval_loss) == ("ddp-adamw lr0.003", 2.8)
+    # a second tuning seed: it runs every point, seed 101 only those it lacks; the means take both seeds' runs
+    ran.clear()
+    args.tune_seeds, seeds_ran = [101, 102], []
+    monkeypatch.setattr(learning, "run_study_arms",
+                        lambda a, arms, save: seeds_ran.append(list(a.seeds)) or fake_run(a, arms, save))
+    chosen = learning.tune_arms(args, learning.muon_arms(args), saved.append)
+    assert seeds_ran == [[101], [102], [101, 102]]  # the DDP stage (101 lacks 3 points, 102 all 4), then DiLoCo's
+    assert ran[:3] == ["ddp-adamw lr0.01", "ddp-muon lr0.003", "ddp-muon lr0.01"]
+    assert ran[3:7] == ["ddp-adamw lr0.003", "ddp-adamw lr0.01", "ddp-muon lr0.003", "ddp-muon lr0.01"]
+    assert len(saved[-1]) == 16 and [a.lr for a in chosen] == [3e-3, 1e-2, 3e-3, 1e-2]
     for bad in (["--tune-staged"], ["--tune", "--tune-from", str(tmp_path / "missing.json")]):
         with pytest.raises(SystemExit):
             learning.parse_args(["--engine", "sim", "--optimizer", "muon", *bad])
