@@ -1296,7 +1296,8 @@ def parse_args(argv=None):
     ap.add_argument("--tune-seeds", default="101,102", help="--tune: the tuning seeds (apart from --seeds)")
     ap.add_argument("--tune-staged", action="store_true",
                     help="--tune: the lr on each optimizer's DDP arm, then the DiLoCo arms' outer pairs at that lr")
-    ap.add_argument("--tune-from", type=Path, help="--tune: take the (point, seed) runs an earlier run's -tune.json holds")
+    ap.add_argument("--tune-from", type=Path,
+                    help="--tune: take the (point, seed) runs an earlier run's -tune.json holds")
     # 3e-2: at 20 steps Muon's best of 3e-3 and 1e-2 was the top one (docs/learning.md, "Muon")
     ap.add_argument("--tune-lrs", default="1e-3,3e-3,1e-2,3e-2", help="--tune: optim.lr values")
     ap.add_argument("--tune-outer", default="1.0/0,0.7/0.9,0.7/0.5",
