@@ -1296,6 +1296,10 @@ def parse_args(argv=None):
     ap.add_argument("--tune-seeds", default="101,102", help="--tune: the tuning seeds (apart from --seeds)")
     ap.add_argument("--tune-staged", action="store_true",
                     help="--tune: the lr on each optimizer's DDP arm, then the DiLoCo arms' outer pairs at that lr")
+    ap.add_argument("--reuse", type=Path, action="append", default=[], metavar="JSON",
+                    help="take each (arm, seed) an earlier study's JSON holds at this study's settings instead of "
+                         "running it again (a study cut short goes on; a new arm runs beside saved baselines); "
+                         "repeatable")
     ap.add_argument("--tune-from", type=Path,
                     help="--tune: take the (point, seed) runs an earlier run's -tune.json holds")
     # 3e-2: at 20 steps Muon's best of 3e-3 and 1e-2 was the top one (docs/learning.md, "Muon")
@@ -1352,6 +1356,9 @@ def parse_args(argv=None):
     args.sparse = args.sparse or args.sparse_sweep
     if (args.tune_staged or args.tune_from) and not args.tune:
         ap.error(f"--tune-{'staged' if args.tune_staged else 'from'} needs --tune")
+    for path in args.reuse:
+        if not path.is_file():
+            ap.error(f"--reuse {path}: no such file (an earlier study's JSON)")
     if args.tune_from and not args.tune_from.is_file():
         ap.error(f"--tune-from {args.tune_from}: no such file (an earlier --tune run's -tune.json)")
     try:
@@ -1429,8 +1436,9 @@ def parse_sparse(ap, args, argv) -> None:
             ap.error(f"--sparse-betas: {e}")
 
 
-def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
-    """Every arm once per seed; save(results so far) after each arm, so a long study keeps what it measured."""
+def run_arms(args, arms: list[Arm], save, done=None) -> list[list[Result]]:
+    """Every arm once per seed (those in done, by (name, seed), taken from it); save(results so far) after each
+    arm, so a long study keeps what it measured."""
     per_seed: list[list[Result]] = []
     with tempfile.TemporaryDirectory(prefix="zb-learning-") as tmp:
         for seed in args.seeds:
@@ -1438,8 +1446,10 @@ def run_arms(args, arms: list[Arm], save) -> list[list[Result]]:
             rs: list[Result] = []
             per_seed.append(rs)
             for arm in arms:
+                taken = (done or {}).get((arm.name, seed))
                 try:
-                    r = run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
+                    r = taken if taken is not None and taken.arm == arm else \
+                        run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
                 except ArmFailed as e:
                     if arm.poison is None:
                         raise SystemExit(f"learning: {e}") from None
@@ -1503,17 +1513,22 @@ def _job(run_args, arm: Arm) -> Result:
     return run_sim(run_args, arm)
 
 
-def run_arms_jobs(args, arms: list[Arm], save) -> list[list[Result]]:
+def run_arms_jobs(args, arms: list[Arm], save, done=None) -> list[list[Result]]:
     """run_arms for --engine sim with --jobs N: every (seed, arm) in a pool of N processes, at most N at once;
     what each arm computes does not depend on the process (its own seed, data order and init), so the results are
     run_arms's, in its order; each arm is printed and saved as it ends, each seed's table once all its arms have."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    per_seed: list[list[Result | None]] = [[None] * len(arms) for _ in args.seeds]
+    def taken(seed: int, arm: Arm) -> Result | None:
+        r = (done or {}).get((arm.name, seed))
+        return r if r is not None and r.arm == arm else None
+
+    per_seed: list[list[Result | None]] = [[taken(seed, arm) for arm in arms] for seed in args.seeds]
+    save([r for rs in per_seed for r in rs if r is not None])
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_job_init,
                              initargs=(args.threads,)) as pool:
         futures = {pool.submit(_job, argparse.Namespace(**{**vars(args), "seed": seed}), arm): (i, j)
-                   for i, seed in enumerate(args.seeds) for j, arm in enumerate(arms)}
+                   for i, seed in enumerate(args.seeds) for j, arm in enumerate(arms) if per_seed[i][j] is None}
         for future in as_completed(futures):
             i, j = futures[future]
             r = per_seed[i][j] = future.result()
@@ -1527,8 +1542,33 @@ def run_arms_jobs(args, arms: list[Arm], save) -> list[list[Result]]:
     return per_seed
 
 
+# the study settings an arm's result depends on besides its Arm (--reuse compares them; threads: the order of a
+# CPU matmul's sums)
+RESULT_KEYS = ("engine", "data", "preset", "seq_len", "micro_batch", "steps", "lr", "warmup", "eval_interval",
+               "eval_batches", "device", "threads")
+
+
+def reusable(args) -> dict[tuple[str, int], Result]:
+    """--reuse: the (arm name, seed) results earlier studies saved, refused in one line where a study setting an
+    arm's result depends on differs (the file, the key, both values)."""
+    out: dict[tuple[str, int], Result] = {}
+    for path in args.reuse:
+        saved = json.loads(path.read_text())["args"]
+        for key in RESULT_KEYS:
+            if saved.get(key) != str(getattr(args, key)):
+                raise SystemExit(f"learning: --reuse {path}: its {key} is {saved.get(key)}, this study's "
+                                 f"{getattr(args, key)}: its results are not this study's")
+        out.update({(r.arm.name, r.seed): r for r in load_results(path) if not r.failed})
+    return out
+
+
 def run_study_arms(args, arms: list[Arm], save) -> list[list[Result]]:
-    return run_arms_jobs(args, arms, save) if args.jobs > 1 else run_arms(args, arms, save)
+    """Every arm once per seed (--jobs: in a pool), an (arm, seed) that --reuse holds with the same Arm taken from
+    it."""
+    done = {key: r for key, r in reusable(args).items() if r.arm in arms}
+    if done:
+        print(f"taking {len(done)} (arm, seed) results from {', '.join(map(str, args.reuse))}", flush=True)
+    return run_arms_jobs(args, arms, save, done) if args.jobs > 1 else run_arms(args, arms, save, done)
 
 
 def worst(means: dict[str, float], names: list[str]) -> float:

@@ -9,6 +9,7 @@ loss as the in-process replica of the same run.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -183,6 +184,42 @@ def test_jobs_run_the_same_arms_in_processes_of_their_own(tmp_path, capsys):
     assert runs["2"] == runs["1"]
     assert [r[:2] for r in runs["1"][1]] == [("ddp-adamw", 1), ("diloco-muon H2", 1), ("ddp-adamw", 2),
                                              ("diloco-muon H2", 2)]
+
+
+def test_reuse_takes_the_saved_runs_of_the_same_settings_and_runs_only_the_rest(tmp_path, capsys, monkeypatch):
+    """`--reuse JSON`: an (arm, seed) an earlier study saved with the same Arm and study settings is taken, not run
+    again, with --jobs and without; another setting (--steps) is refused in one line naming the file and the key."""
+    import json
+    tiny = ["--engine", "sim", "--overlap", "--overlap-h", "2", "--steps", "4", "--seq-len", "32", "--micro-batch", "2",
+            "--eval-batches", "2", "--eval-interval", "0", "--k", "2"]
+    first = tmp_path / "first"
+    assert learning.main([*tiny, "--arms", "overlap H2", "--seeds", "1,2", "--out", str(first)]) == 0
+    saved = first / "learning-docstrings-overlap-seeds.json"
+    before = {(r["arm"]["name"], r["seed"]): r["eval_loss"] for r in json.loads(saved.read_text())["results"]}
+    assert set(before) == {("sync H2", 1), ("overlap H2", 1), ("sync H2", 2), ("overlap H2", 2)}
+    ran = []
+    real = learning.run_sim
+    monkeypatch.setattr(learning, "run_sim", lambda a, arm: ran.append((arm.name, a.seed)) or real(a, arm))
+    again = tmp_path / "again"
+    assert learning.main([*tiny, "--arms", "overlap H2,eager H2", "--seeds", "1,2,3", "--reuse", str(saved),
+                          "--out", str(again)]) == 0
+    assert ran == [("eager H2", 1), ("eager H2", 2), ("sync H2", 3), ("overlap H2", 3), ("eager H2", 3)]
+    after = {(r["arm"]["name"], r["seed"]): r["eval_loss"]
+             for r in json.loads((again / "learning-docstrings-overlap-seeds.json").read_text())["results"]}
+    assert {k: after[k] for k in before} == before and len(after) == 9
+    assert "taking 4 (arm, seed) results from" in capsys.readouterr().out
+    # --jobs: the pool runs only what is missing (none here: every run of seeds 1-3 is saved now)
+    both = again / "learning-docstrings-overlap-seeds.json"
+    jobs = tmp_path / "jobs"
+    assert learning.main([*tiny, "--arms", "overlap H2,eager H2", "--seeds", "1,2,3", "--reuse", str(both),
+                          "--jobs", "2", "--out", str(jobs)]) == 0
+    walls = {(r["arm"]["name"], r["seed"]): (r["eval_loss"], r["wall_s"])  # a run again would have its own wall_s
+             for r in json.loads(both.read_text())["results"]}
+    assert {(r["arm"]["name"], r["seed"]): (r["eval_loss"], r["wall_s"])
+            for r in json.loads((jobs / "learning-docstrings-overlap-seeds.json").read_text())["results"]} == walls
+    with pytest.raises(SystemExit, match=rf"^learning: --reuse {re.escape(str(saved))}: its steps is 4, this "
+                                         r"study's 6: its results are not this study's$"):
+        learning.main([*tiny, "--steps", "6", "--seeds", "1", "--reuse", str(saved), "--out", str(tmp_path / "x")])
 
 
 _AUTOGROUP_STUDY = """
