@@ -905,7 +905,7 @@ def sparse_plot(args, per_seed: list[list[Result]], values: int) -> None:
         ax.axvline(0.01 * 4 * values, color="r", lw=0.6, ls="--", label="B = 0.01")
         ax.set_xscale("log")
         ax.set_xlabel("bytes of one node's message per outer step")
-        ax.set_ylabel(f"held-out eval loss (mean of {len(per_seed)} seeds)")
+        ax.set_ylabel("held-out eval loss" + (f" (mean of {len(per_seed)} seeds)" if len(per_seed) > 1 else ""))
         ax.set_title(f"H = {h}, k = {args.k}, {args.steps} inner steps/worker")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
