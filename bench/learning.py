@@ -1598,14 +1598,15 @@ def conclude(args, per_seed: list[list[Result]]) -> None:
     if args.engine == "mesh":
         print(sentinel_report(results))
     if args.overlap:
-        nan = float("nan")
         print("each seed's ratio to the synchronous run of that seed, and their spread:")
         print(overlap_spread(per_seed, args.overlap_h))
-        for h in args.overlap_h:
-            print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: overlap/sync "
-                  f"{means.get(f'overlap H{h}', nan):.4f}, eager/sync {means.get(f'eager H{h}', nan):.4f}, "
-                  f"projected/sync {means.get(f'projected H{h}', nan):.4f}; "
-                  f"landing a round late: {means.get(f'round-late H{h}', nan):.4f}")
+        for h in args.overlap_h:  # the arms this study ran: the updates, then the levers (lr, after N)
+            named = {f"overlap H{h}": "overlap/sync", f"eager H{h}": "eager/sync", f"projected H{h}": "projected/sync",
+                     f"round-late H{h}": "landing a round late"}
+            levers = [n for n in means if n.startswith((f"overlap H{h} ", f"eager H{h} "))]
+            print(f"H = {h}, landing {min(args.overlap_delay, h)} step(s) in: "
+                  + ", ".join([f"{label} {means[n]:.4f}" for n, label in named.items() if n in means]
+                              + [f"{n}/sync {means[n]:.4f}" for n in levers]))
         ovl = worst(means, [f"overlap H{h}" for h in args.overlap_h])
         eager = worst(means, [f"eager H{h}" for h in args.overlap_h])
         late = worst(means, [f"round-late H{h}" for h in args.overlap_h])

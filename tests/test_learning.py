@@ -356,6 +356,19 @@ def test_overlap_study_arms_of_issue_46_an_outer_lr_of_their_own_and_synchronous
     assert len({loss["sync H2"], loss["overlap H2"], loss["overlap H2 after4"]}) == 3  # 6 overlapped: neither
 
 
+def test_overlap_closing_lines_name_the_arms_the_study_ran_levers_included(capsys):
+    """A lever run on its own (`--arms "overlap H2 after4"`) prints its mean ratio per H, not nan for the updates it
+    did not run."""
+    args = learning.parse_args(["--engine", "sim", "--overlap", "--overlap-h", "2", "--overlap-after", "4",
+                                "--arms", "overlap H2 after4", "--seeds", "1,2"])
+    sync, lever = (learning.Arm(n, "diloco", baseline=b)
+                   for n, b in (("sync H2", ""), ("overlap H2 after4", "sync H2")))
+    learning.conclude(args, [[learning.Result(sync, 2.0, 1.0, 1, seed=1), learning.Result(lever, 2.02, 1.0, 1, seed=1)],
+                             [learning.Result(sync, 3.0, 1.0, 1, seed=2), learning.Result(lever, 3.0, 1.0, 1, seed=2)]])
+    out = capsys.readouterr().out.splitlines()
+    assert "H = 2, landing 1 step(s) in: overlap H2 after4/sync 1.0050" in out
+
+
 def test_overlap_study_prints_each_seeds_ratios_and_their_spread(tmp_path, capsys):
     """`--overlap --seeds`: each seed's overlap/sync and eager/sync, then each ratio's mean, standard error, min and
     max, on a tiny real run (the in-process engine), checked against the losses the study wrote to its JSON."""
