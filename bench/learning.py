@@ -314,8 +314,13 @@ def tune_grid(args, arm: Arm, lrs: list[float] | None = None) -> list[Arm]:
 
 def load_results(path: Path) -> list[Result]:
     """The results a study saved to its JSON (save() in main)."""
+    return results_of(json.loads(path.read_text()))
+
+
+def results_of(saved: dict) -> list[Result]:
+    """The Results of a study's parsed JSON."""
     out = []
-    for r in json.loads(path.read_text())["results"]:
+    for r in saved["results"]:
         a = r["arm"]
         arm = Arm(**{**a, "poison": Poison(**a["poison"]) if a.get("poison") else None})
         out.append(Result(**{**r, "arm": arm, "curve": [tuple(c) for c in r["curve"]],
@@ -1448,7 +1453,7 @@ def run_arms(args, arms: list[Arm], save, done=None) -> list[list[Result]]:
             for arm in arms:
                 taken = (done or {}).get((arm.name, seed))
                 try:
-                    r = taken if taken is not None and taken.arm == arm else \
+                    r = taken if taken is not None else \
                         run_mesh(run_args, arm, Path(tmp)) if args.engine == "mesh" else run_sim(run_args, arm)
                 except ArmFailed as e:
                     if arm.poison is None:
@@ -1519,11 +1524,7 @@ def run_arms_jobs(args, arms: list[Arm], save, done=None) -> list[list[Result]]:
     run_arms's, in its order; each arm is printed and saved as it ends, each seed's table once all its arms have."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
-    def taken(seed: int, arm: Arm) -> Result | None:
-        r = (done or {}).get((arm.name, seed))
-        return r if r is not None and r.arm == arm else None
-
-    per_seed: list[list[Result | None]] = [[taken(seed, arm) for arm in arms] for seed in args.seeds]
+    per_seed: list[list[Result | None]] = [[(done or {}).get((arm.name, seed)) for arm in arms] for seed in args.seeds]
     save([r for rs in per_seed for r in rs if r is not None])
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_job_init,
                              initargs=(args.threads,)) as pool:
@@ -1553,19 +1554,20 @@ def reusable(args) -> dict[tuple[str, int], Result]:
     arm's result depends on differs (the file, the key, both values)."""
     out: dict[tuple[str, int], Result] = {}
     for path in args.reuse:
-        saved = json.loads(path.read_text())["args"]
+        saved = json.loads(path.read_text())
         for key in RESULT_KEYS:
-            if saved.get(key) != str(getattr(args, key)):
-                raise SystemExit(f"learning: --reuse {path}: its {key} is {saved.get(key)}, this study's "
+            if saved["args"].get(key) != str(getattr(args, key)):
+                raise SystemExit(f"learning: --reuse {path}: its {key} is {saved['args'].get(key)}, this study's "
                                  f"{getattr(args, key)}: its results are not this study's")
-        out.update({(r.arm.name, r.seed): r for r in load_results(path) if not r.failed})
+        out.update({(r.arm.name, r.seed): r for r in results_of(saved) if not r.failed})
     return out
 
 
 def run_study_arms(args, arms: list[Arm], save) -> list[list[Result]]:
     """Every arm once per seed (--jobs: in a pool), an (arm, seed) that --reuse holds with the same Arm taken from
     it."""
-    done = {key: r for key, r in reusable(args).items() if r.arm in arms}
+    by_name = {a.name: a for a in arms}
+    done = {key: r for key, r in reusable(args).items() if by_name.get(key[0]) == r.arm}
     if done:
         print(f"taking {len(done)} (arm, seed) results from {', '.join(map(str, args.reuse))}", flush=True)
     return run_arms_jobs(args, arms, save, done) if args.jobs > 1 else run_arms(args, arms, save, done)
