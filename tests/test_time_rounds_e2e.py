@@ -81,7 +81,7 @@ def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs,
     for n in nodes:
         assert e2e.finish(n, 240, nodes) == 0, n.report()
     back = min(k for k, e in fast.outer().items() if k > frozen)
-    assert slow.outer()[back]["members"] == ["a", "b"], fast.report()  # it re-joined and is a member again
+    assert slow.outer().get(back, {}).get("members") == ["a", "b"], fast.report()  # it re-joined and is a member again
     # it counts its own steps: one after another through the freeze and the re-join (taking a's counters, it
     # jumped to a's count, back or forward: whether b was ahead of a there depends on the machine's load)
     steps = [e["step"] for e in fast.of("step")]
@@ -90,7 +90,10 @@ def test_a_node_that_rejoins_keeps_its_own_step_count_and_its_checkpoints(procs,
     latest = (tmp_path / "b" / "checkpoints" / "latest").read_text().strip()
     assert (tmp_path / "b" / "checkpoints" / latest).is_dir() and latest == f"step-{saved[-1]:08d}"
     e2e.assert_identical(nodes)
-    assert set(fast.outer()) < set(slow.outer()) and max(fast.outer()) == max(slow.outer()) == 12
+    # b missed the rounds a ran alone while b was frozen, and both ran to the last one (before the freeze a may
+    # have missed a round of its own, step 2 on a loaded machine: only the rounds after the freeze are compared)
+    missed = {k for k in slow.outer() if k > frozen} - set(fast.outer())
+    assert missed and min(missed) < back and max(fast.outer()) == max(slow.outer()) == 12, (missed, back)
 
 
 def test_time_rounds_with_overlap_end_on_the_agreed_model(procs, port, tmp_path):
